@@ -1,0 +1,44 @@
+"""Model architectures: one module per family, each turning a config.json into a
+``ModelSpec`` and checkpoint weights into a NumPy ``Model``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+from ..checkpoint import Checkpoint
+from ..errors import PitoolsError
+from . import llama, mistral, opt
+from .base import DecoderModel
+from .spec import FFNKind, ModelSpec, NormKind
+
+# config.json "model_type" -> the module that reads it.
+ARCHITECTURES: dict[str, ModuleType] = {
+    "llama": llama,
+    "mistral": mistral,
+    "bamboo": mistral,
+    "opt": opt,
+}
+
+
+def _module_for(config: dict) -> ModuleType:
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise PitoolsError(f"model_type {model_type!r} is not supported (supported: {supported})")
+    return ARCHITECTURES[model_type]
+
+
+def spec_from_config(config: dict) -> ModelSpec:
+    """The typed spec of a Hugging Face ``config.json`` (already parsed)."""
+    return _module_for(config).spec_from_config(config)
+
+
+def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
+    """The reference NumPy model of a checkpoint folder, weights converted to ``dtype``."""
+    module = _module_for(checkpoint.config)
+    return module.Model.from_checkpoint(module.spec_from_config(checkpoint.config), checkpoint, dtype)
+
+
+__all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "spec_from_config"]

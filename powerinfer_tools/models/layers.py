@@ -1,0 +1,184 @@
+"""NumPy building blocks shared by the architectures: norms, rotary embeddings,
+attention over a KV cache and the FFN kinds.
+
+Weights follow the Hugging Face layout ``[out_features, in_features]``, so a
+linear layer is ``x @ W.T``. Activations are ``[tokens, features]``: the engine
+runs one sequence at a time, prompt tokens as one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from .spec import FFNKind
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    variance = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(variance + eps) * weight
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = np.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    variance = np.mean(centred * centred, axis=-1, keepdims=True)
+    return centred / np.sqrt(variance + eps) * weight + bias
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_factor: float, dtype) -> tuple:
+    """cos/sin tables ``[tokens, head_dim]`` in the rotate-half layout Hugging Face LLaMA uses."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(positions.astype(np.float64) / scaling_factor, inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate ``x [tokens, heads, head_dim]``: pairs are (i, i + head_dim/2), as in HF LLaMA."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class KVCache:
+    """Keys and values of every layer for one sequence, grown by doubling."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 64):
+        shape = (n_layers, capacity, n_kv_heads, head_dim)
+        self.keys = np.zeros(shape, dtype=dtype)
+        self.values = np.zeros(shape, dtype=dtype)
+        self.length = 0  # tokens stored, committed by advance()
+
+    def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append this step's ``k, v [tokens, kv_heads, head_dim]``; return all keys and values so far."""
+        end = self.length + k.shape[0]
+        if end > self.keys.shape[1]:
+            self._grow(end)
+        self.keys[layer, self.length : end] = k
+        self.values[layer, self.length : end] = v
+        return self.keys[layer, :end], self.values[layer, :end]
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.keys.shape[1])
+        pad = ((0, 0), (0, capacity - self.keys.shape[1]), (0, 0), (0, 0))
+        self.keys = np.pad(self.keys, pad)
+        self.values = np.pad(self.values, pad)
+
+
+def attention(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, sliding_window: Optional[int] = None
+) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    ``q [T, heads, hd]`` holds queries at absolute positions ``start .. start+T-1``;
+    ``keys/values [S, kv_heads, hd]`` hold positions ``0 .. S-1`` (S = start + T).
+    Returns ``[T, heads * hd]``.
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    n_kv = keys.shape[1]
+    group = n_heads // n_kv
+    # [kv_heads, group, T, hd] against [kv_heads, S, hd]: each KV head serves `group` query heads.
+    qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)
+    scores = np.einsum("kgtd,skd->kgts", qg, keys) / np.sqrt(head_dim).astype(q.dtype)
+    query_pos = start + np.arange(n_tokens)[:, None]
+    key_pos = np.arange(keys.shape[0])[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    scores = np.where(visible, scores, -np.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    out = np.einsum("kgts,skd->tkgd", weights, values)
+    return out.reshape(n_tokens, n_heads * head_dim)
+
+
+@dataclass
+class FFNWeights:
+    """One layer's FFN. ``gate`` is None for OPT's ungated ReLU FFN (``up`` is fc1, ``down`` fc2)."""
+
+    up: np.ndarray  # [d_ff, d_model]
+    down: np.ndarray  # [d_model, d_ff]
+    gate: Optional[np.ndarray] = None  # [d_ff, d_model]
+    gate_bias: Optional[np.ndarray] = None
+    up_bias: Optional[np.ndarray] = None
+    down_bias: Optional[np.ndarray] = None
+
+
+@dataclass
+class FFNTrace:
+    """What a profiling hook sees of one layer's FFN for a block of tokens."""
+
+    layer: int
+    ffn_input: np.ndarray  # [T, d_model], after the norm: what a predictor sees
+    gate_pre: Optional[np.ndarray]  # [T, d_ff] gate projection before activation (None for OPT)
+    up_pre: np.ndarray  # [T, d_ff] up projection (fc1 + bias for OPT) before activation
+    activated: np.ndarray  # [T, d_ff] the values multiplied into the down projection
+
+    @property
+    def fired(self) -> np.ndarray:
+        """Boolean ``[T, d_ff]``: which neurons fire (non-zero activated value)."""
+        return self.activated != 0
+
+
+FFNHook = Callable[[FFNTrace], None]
+# Given a layer and its FFN input [T, d_model], the neurons to compute ([T, d_ff] bool), or None for all.
+NeuronSelector = Callable[[int, np.ndarray], Optional[np.ndarray]]
+
+
+def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
+    if kind is FFNKind.RELU:
+        return relu(up_pre)
+    if kind is FFNKind.REGLU:
+        return relu(gate_pre) * up_pre
+    if kind is FFNKind.DRELU:
+        return relu(gate_pre) * relu(up_pre)
+    if kind is FFNKind.SWIGLU:
+        return silu(gate_pre) * up_pre
+    raise ValueError(f"unknown FFN kind {kind}")
+
+
+def feed_forward(
+    kind: FFNKind,
+    w: FFNWeights,
+    x: np.ndarray,
+    layer: int,
+    hook: Optional[FFNHook] = None,
+    selector: Optional[NeuronSelector] = None,
+) -> np.ndarray:
+    """One FFN over ``x [T, d_model]``.
+
+    With a ``selector``, neurons it leaves out are treated as not firing (their
+    activated value is zeroed), which is what a sparse runtime computes when it
+    skips them. This reference path still multiplies every row; the runtime is
+    what reads only the selected rows.
+    """
+    gate_pre = linear(x, w.gate, w.gate_bias) if w.gate is not None else None
+    up_pre = linear(x, w.up, w.up_bias)
+    activated = activate(kind, gate_pre, up_pre)
+    if selector is not None:
+        mask = selector(layer, x)
+        if mask is not None:
+            activated = np.where(mask, activated, 0)
+    if hook is not None:
+        hook(FFNTrace(layer, x, gate_pre, up_pre, activated))
+    return linear(activated, w.down, w.down_bias)

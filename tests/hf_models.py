@@ -1,0 +1,86 @@
+"""Small randomly initialised Hugging Face models, saved to disk, for oracle tests.
+
+transformers is the independent reference: our loader reads what
+``save_pretrained`` wrote and our engine must reproduce its logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+torch.set_num_threads(1)
+
+
+def _drelu_forward(mlp):
+    """transformers has no dReLU MLP; patch LlamaMLP/MistralMLP.forward to compute it."""
+
+    def forward(x):
+        return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
+
+    return forward
+
+
+def _randomize(model, seed: int) -> None:
+    """Larger-than-default random weights so every path (biases, norms) matters in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+def build(
+    folder: Path,
+    family: str,
+    *,
+    seed: int = 0,
+    config_overrides: dict | None = None,
+    drelu: bool = False,
+    saved_model_type: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+):
+    """Create, randomise and save a model; return the torch model (float32) that matches the saved weights.
+
+    ``drelu`` patches the MLP to dReLU and marks the saved config so our loader
+    reads it as dReLU (``hidden_act: drelu``, or ``saved_model_type='bamboo'``).
+    """
+    torch.manual_seed(seed)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+    }[family]
+    config = config_cls(**(config_overrides or {}))
+    model = model_cls(config).eval()
+    _randomize(model, seed)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    # The reference is what transformers itself loads from the folder, in float32:
+    # casting the in-memory model back would keep buffers (rotary inv_freq) rounded to half precision.
+    model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
+    if drelu:
+        for layer in model.model.layers:
+            layer.mlp.forward = _drelu_forward(layer.mlp)
+        path = Path(folder) / "config.json"
+        saved = json.loads(path.read_text())
+        if saved_model_type:
+            saved["model_type"] = saved_model_type
+        else:
+            saved["hidden_act"] = "drelu"
+        path.write_text(json.dumps(saved, indent=2))
+    return model
+
+
+def reference_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[None, :], dtype=torch.long), use_cache=False)
+    return out.logits[0].double().numpy()

@@ -1,0 +1,112 @@
+"""Our NumPy reference engine against Hugging Face transformers on small random models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import build, reference_logits
+from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.models import FFNKind, load_model, spec_from_config
+
+LLAMA_GQA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)
+LLAMA_MHA_ODD = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
+                     num_key_value_heads=6, vocab_size=77, rms_norm_eps=1e-5, max_position_embeddings=64)
+OPT_PRE = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4, vocab_size=90,
+               max_position_embeddings=64, word_embed_proj_dim=48, pad_token_id=1)
+OPT_POST_PROJ = dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=83,
+                     max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False,
+                     pad_token_id=1)
+
+CASES = {
+    "llama-reglu-gqa-tied": ("llama", dict(LLAMA_GQA, hidden_act="relu", tie_word_embeddings=True), {}),
+    "llama-reglu-mha-odd-untied": ("llama", dict(LLAMA_MHA_ODD, hidden_act="relu"), {}),
+    "llama-swiglu-gqa": ("llama", dict(LLAMA_GQA, hidden_act="silu", rope_theta=500.0), {}),
+    "llama-drelu": ("llama", dict(LLAMA_GQA, hidden_act="relu"), dict(drelu=True)),
+    "llama-reglu-bias": ("llama", dict(LLAMA_MHA_ODD, hidden_act="relu", attention_bias=True, mlp_bias=True), {}),
+    "mistral-swiglu-window": ("mistral", dict(LLAMA_GQA, hidden_act="silu", sliding_window=5), {}),
+    "mistral-reglu": ("mistral", dict(LLAMA_MHA_ODD, hidden_act="relu", sliding_window=None), {}),
+    "bamboo-drelu": ("mistral", dict(LLAMA_GQA, hidden_act="relu", sliding_window=None),
+                     dict(drelu=True, saved_model_type="bamboo")),
+    "opt-pre-ln": ("opt", OPT_PRE, {}),
+    "opt-post-ln-projections": ("opt", OPT_POST_PROJ, {}),
+    "opt-untied": ("opt", dict(OPT_PRE, tie_word_embeddings=False), {}),
+}
+EXPECTED_FFN = {"llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
+                "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU}
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    family, overrides, extra = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    torch_model = build(folder, family, seed=len(request.param), config_overrides=overrides, **extra)
+    vocab = overrides["vocab_size"]
+    tokens = np.random.default_rng(0).integers(0, vocab, size=13)
+    return request.param, folder, reference_logits(torch_model, tokens), tokens
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_full_prompt_logits_match_transformers(case, dtype):
+    name, folder, ref, tokens = case
+    model = load_model(Checkpoint(folder), dtype)
+    logits = model.forward(tokens, model.new_cache())
+    assert logits.dtype == dtype
+    assert relative_error(logits, ref) < 1e-4, name
+    if name in EXPECTED_FFN:
+        assert model.spec.ffn is EXPECTED_FFN[name]
+
+
+def test_kv_cache_steps_match_transformers(case):
+    """Prompt in one block, then one token at a time: every position's logits match."""
+    name, folder, ref, tokens = case
+    model = load_model(Checkpoint(folder), np.float32)
+    cache = model.new_cache()
+    steps = [model.forward(tokens[:6], cache)] + [model.forward(tokens[i : i + 1], cache) for i in range(6, len(tokens))]
+    assert cache.length == len(tokens)
+    assert relative_error(np.concatenate(steps), ref) < 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_and_sharded_checkpoints(tmp_path, dtype):
+    torch_model = build(tmp_path, "llama", config_overrides=dict(LLAMA_GQA, hidden_act="relu"), dtype=dtype,
+                        max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    tokens = np.arange(9) * 7 % LLAMA_GQA["vocab_size"]
+    model = load_model(Checkpoint(tmp_path), np.float32)
+    assert relative_error(model.forward(tokens, model.new_cache()), reference_logits(torch_model, tokens)) < 1e-4
+
+
+def test_ffn_hook_sees_firing_neurons(case):
+    name, folder, _, tokens = case
+    model = load_model(Checkpoint(folder))
+    seen = {}
+    model.ffn_hook = lambda trace: seen.setdefault(trace.layer, trace)
+    model.forward(tokens, model.new_cache())
+    spec = model.spec
+    assert sorted(seen) == list(range(spec.n_layers))
+    trace = seen[0]
+    assert trace.activated.shape == (len(tokens), spec.d_ff)
+    assert trace.ffn_input.shape == (len(tokens), spec.d_model)
+    fired = trace.fired.mean()
+    if spec.ffn.sparse:
+        assert 0 < fired < 1  # random ReLU-family weights fire about half the neurons
+    else:
+        assert fired == 1.0
+
+
+def test_unsupported_architecture_and_activation_are_named():
+    from powerinfer_tools.errors import PitoolsError
+
+    with pytest.raises(PitoolsError, match="'gpt2' is not supported.*llama.*mistral.*opt"):
+        spec_from_config({"model_type": "gpt2"})
+    with pytest.raises(PitoolsError, match="hidden_act='gelu'.*supported: relu, drelu, silu"):
+        spec_from_config(dict(LLAMA_GQA, model_type="llama", hidden_act="gelu"))
+    with pytest.raises(PitoolsError, match="lacks the field 'intermediate_size'"):
+        spec_from_config({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1})
