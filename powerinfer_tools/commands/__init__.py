@@ -1,0 +1,1 @@
+"""Subcommands of the ``pitools`` command line, one module each."""
