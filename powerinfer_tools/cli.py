@@ -45,3 +45,7 @@ def main() -> None:
 from .commands.pull import pull  # noqa: E402
 
 cli.add_command(pull)
+
+from .commands.run import run  # noqa: E402
+
+cli.add_command(run)

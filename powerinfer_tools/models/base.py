@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -53,6 +53,11 @@ class DecoderModel:
     def new_cache(self) -> KVCache:
         s = self.spec
         return KVCache(s.n_layers, s.n_kv_heads, s.head_dim, self.dtype)
+
+    def step_fn(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A fresh sequence: call it with the next tokens, get the last token's logits."""
+        cache = self.new_cache()
+        return lambda tokens: self.forward(tokens, cache)[-1]
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits ``[len(tokens), vocab]`` for tokens that follow what ``cache`` holds; extends the cache."""

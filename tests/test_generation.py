@@ -1,0 +1,70 @@
+"""Sampling and streamed detokenisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from powerinfer_tools.generation import Sampler, SamplingConfig, generate, stream_text
+
+LOGITS = np.log(np.array([0.05, 0.5, 0.3, 0.1, 0.05]))
+
+
+def draws(config: SamplingConfig, n: int = 400) -> np.ndarray:
+    sampler = Sampler(config)
+    return np.array([sampler(LOGITS) for _ in range(n)])
+
+
+def test_greedy_is_argmax():
+    assert set(draws(SamplingConfig(temperature=0), 10)) == {1}
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    assert set(draws(SamplingConfig(temperature=1, top_k=2, top_p=1))) == {1, 2}
+    # 0.5 + 0.3 = 0.8 reaches top_p = 0.75: only the two likeliest remain.
+    assert set(draws(SamplingConfig(temperature=1, top_k=0, top_p=0.75))) == {1, 2}
+    assert set(draws(SamplingConfig(temperature=1, top_k=0, top_p=1))) == {0, 1, 2, 3, 4}
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = np.bincount(draws(SamplingConfig(temperature=1, top_k=0, top_p=1, seed=1), 4000), minlength=5)
+    assert np.allclose(counts / 4000, np.exp(LOGITS), atol=0.03)
+
+
+def test_seed_makes_sampling_reproducible():
+    config = SamplingConfig(temperature=1.5, top_k=0, top_p=1, seed=42)
+    assert (draws(config, 50) == draws(config, 50)).all()
+    assert not (draws(config, 50) == draws(SamplingConfig(temperature=1.5, top_k=0, top_p=1, seed=43), 50)).all()
+
+
+def test_bad_sampling_settings_are_rejected():
+    with pytest.raises(ValueError):
+        SamplingConfig(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingConfig(top_p=0)
+
+
+def test_generate_feeds_back_tokens_and_stops_at_eos():
+    fed = []
+
+    def step(tokens):
+        fed.append(tokens.tolist())
+        logits = np.zeros(5)
+        logits[(tokens[-1] + 1) % 5] = 1  # always predicts the next id
+        return logits
+
+    out = list(generate(step, [1, 2], 10, Sampler(SamplingConfig(temperature=0)), stop_ids=[0]))
+    assert out == [3, 4, 0]
+    assert fed == [[1, 2], [3], [4]]
+
+
+def test_stream_text_never_splits_a_character():
+    data = "añ€😀 ok".encode()
+    byte_tokens = list(data)  # one token per byte: multi-byte characters span tokens
+
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    pieces = list(stream_text(byte_tokens, decode))
+    assert "".join(pieces) == "añ€😀 ok"
+    assert all("\ufffd" not in p for p in pieces)
