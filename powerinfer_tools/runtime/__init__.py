@@ -1,0 +1,1 @@
+"""The hybrid sparse runtime: reads GGUF weights in place and runs dense or sparse FFNs."""

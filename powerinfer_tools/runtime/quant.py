@@ -1,0 +1,108 @@
+"""Weight matrices kept in their GGUF encoding (f32, f16, q8_0, q4_0) and read in place.
+
+A ``QuantMatrix`` wraps the memory-mapped bytes of one 2-D tensor, rows
+contiguous, exactly as GGUF lays them out. Nothing is expanded to float32 for
+the whole model: each product dequantizes only the rows it needs, in chunks.
+These NumPy routines are the reference that compiled kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .xp import array_module
+
+SUPPORTED_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+)
+_CHUNK_ROWS = 1024  # rows dequantized at a time: bounds the float32 scratch to a few MB
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A ``[rows, cols]`` matrix stored as ``qtype``; ``data`` is ``[rows, row_bytes]`` uint8
+    for block-quantized types and ``[rows, cols]`` float for f32/f16."""
+
+    qtype: GGMLQuantizationType
+    data: np.ndarray
+
+    def __post_init__(self):
+        if self.qtype not in SUPPORTED_TYPES:
+            raise ValueError(f"weight type {self.qtype.name} is not supported by the runtime")
+        if self.data.ndim != 2:
+            raise ValueError(f"expected a 2-D weight, got shape {self.data.shape}")
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def cols(self) -> int:
+        if self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            return self.data.shape[1]
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        return self.data.shape[1] // block_bytes * block
+
+    @property
+    def row_bytes(self) -> int:
+        return self.data.shape[1] * self.data.itemsize
+
+    def dequantize_rows(self, rows: np.ndarray | slice | None = None) -> np.ndarray:
+        """float32 ``[k, cols]`` for the given row indices (all rows when None)."""
+        raw = self.data if rows is None else self.data[rows]
+        return dequantize_blocks(raw, self.qtype)
+
+    def matmul(self, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """``x [T, cols] @ W[rows].T``: one output column per (selected) row."""
+        n = self.rows if rows is None else len(rows)
+        out = array_module(x).empty((x.shape[0], n), dtype=np.float32)
+        for start in range(0, n, _CHUNK_ROWS):
+            stop = min(start + _CHUNK_ROWS, n)
+            chunk = slice(start, stop) if rows is None else rows[start:stop]
+            out[:, start:stop] = x @ self.dequantize_rows(chunk).T
+        return out
+
+    def weighted_row_sum(self, coeffs: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """``coeffs [T, k] @ W[rows]``: the axpy a transposed down projection needs (``ffn_down_t``)."""
+        n = self.rows if rows is None else len(rows)
+        out = array_module(coeffs).zeros((coeffs.shape[0], self.cols), dtype=np.float32)
+        for start in range(0, n, _CHUNK_ROWS):
+            stop = min(start + _CHUNK_ROWS, n)
+            chunk = slice(start, stop) if rows is None else rows[start:stop]
+            out += coeffs[:, start:stop] @ self.dequantize_rows(chunk)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def dequantize_blocks(raw, qtype: GGMLQuantizationType):
+    """float32 rows from GGUF-encoded rows, with array operations that run on NumPy and CuPy alike.
+
+    q8_0 blocks: an f16 scale then 32 int8 values. q4_0 blocks: an f16 scale then
+    16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each
+    stored with an offset of 8.
+    """
+    xp = array_module(raw)
+    if qtype is GGMLQuantizationType.F32:
+        return xp.asarray(raw, dtype=xp.float32)
+    if qtype is GGMLQuantizationType.F16:
+        return raw.astype(xp.float32)
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows = raw.shape[0]
+    blocks = xp.asarray(raw).reshape(rows, -1, block_bytes)
+    scale = xp.ascontiguousarray(blocks[:, :, :2]).view(xp.float16).astype(xp.float32)
+    if qtype is GGMLQuantizationType.Q8_0:
+        values = blocks[:, :, 2:].astype(xp.int8).astype(xp.float32)
+    else:
+        packed = blocks[:, :, 2:]
+        nibbles = xp.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        values = nibbles.astype(xp.float32) - 8
+    return (values * scale).reshape(rows, -1)
