@@ -3,7 +3,8 @@ attention over a KV cache and the FFN kinds.
 
 Weights follow the Hugging Face layout ``[out_features, in_features]``, so a
 linear layer is ``x @ W.T``. Activations are ``[tokens, features]``: the engine
-runs one sequence at a time, prompt tokens as one block.
+runs one sequence at a time, prompt tokens as one block. The functions use the
+array module of their inputs, so the runtime runs them on CuPy arrays as well.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ..xp import array_module
 from .spec import FFNKind
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    variance = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(variance + eps) * weight
+    variance = (x * x).mean(axis=-1, keepdims=True)
+    return x / array_module(x).sqrt(variance + eps) * weight
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    mean = np.mean(x, axis=-1, keepdims=True)
-    centred = x - mean
-    variance = np.mean(centred * centred, axis=-1, keepdims=True)
-    return centred / np.sqrt(variance + eps) * weight + bias
+    centred = x - x.mean(axis=-1, keepdims=True)
+    variance = (centred * centred).mean(axis=-1, keepdims=True)
+    return centred / array_module(x).sqrt(variance + eps) * weight + bias
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
@@ -34,11 +35,11 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None)
 
 
 def relu(x: np.ndarray) -> np.ndarray:
-    return np.maximum(x, 0)
+    return array_module(x).maximum(x, 0)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1 + np.exp(-x))
+    return x / (1 + array_module(x).exp(-x))
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_factor: float, dtype) -> tuple:
@@ -52,17 +53,33 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_fact
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate ``x [tokens, heads, head_dim]``: pairs are (i, i + head_dim/2), as in HF LLaMA."""
     half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    rotated = array_module(x).concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rope_adjacent(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate pairs (2i, 2i+1), as ggml's normal rope mode does.
+
+    llama.cpp's converter permutes the rows of LLaMA's q/k projections so that this
+    layout computes the same attention as Hugging Face's rotate-half. ``cos/sin``
+    are the tables of ``rope_tables`` (their two halves repeat the same angles).
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = array_module(x).empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = even * s + odd * c
+    return out
 
 
 class KVCache:
     """Keys and values of every layer for one sequence, grown by doubling."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 64):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, capacity: int = 64, xp=np):
         shape = (n_layers, capacity, n_kv_heads, head_dim)
-        self.keys = np.zeros(shape, dtype=dtype)
-        self.values = np.zeros(shape, dtype=dtype)
+        self.keys = xp.zeros(shape, dtype=dtype)
+        self.values = xp.zeros(shape, dtype=dtype)
         self.length = 0  # tokens stored, committed by advance()
 
     def store(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -80,8 +97,9 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.keys.shape[1])
         pad = ((0, 0), (0, capacity - self.keys.shape[1]), (0, 0), (0, 0))
-        self.keys = np.pad(self.keys, pad)
-        self.values = np.pad(self.values, pad)
+        xp = array_module(self.keys)
+        self.keys = xp.pad(self.keys, pad)
+        self.values = xp.pad(self.values, pad)
 
 
 def attention(
@@ -93,22 +111,23 @@ def attention(
     ``keys/values [S, kv_heads, hd]`` hold positions ``0 .. S-1`` (S = start + T).
     Returns ``[T, heads * hd]``.
     """
+    xp = array_module(q)
     n_tokens, n_heads, head_dim = q.shape
     n_kv = keys.shape[1]
     group = n_heads // n_kv
     # [kv_heads, group, T, hd] against [kv_heads, S, hd]: each KV head serves `group` query heads.
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)
-    scores = np.einsum("kgtd,skd->kgts", qg, keys) / np.sqrt(head_dim).astype(q.dtype)
-    query_pos = start + np.arange(n_tokens)[:, None]
-    key_pos = np.arange(keys.shape[0])[None, :]
+    scores = xp.einsum("kgtd,skd->kgts", qg, keys) / q.dtype.type(np.sqrt(head_dim))
+    query_pos = start + xp.arange(n_tokens)[:, None]
+    key_pos = xp.arange(keys.shape[0])[None, :]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
-    scores = np.where(visible, scores, -np.inf)
+    scores = xp.where(visible, scores, -xp.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
+    weights = xp.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    out = np.einsum("kgts,skd->tkgd", weights, values)
+    out = xp.einsum("kgts,skd->tkgd", weights, values)
     return out.reshape(n_tokens, n_heads * head_dim)
 
 
