@@ -96,8 +96,8 @@ def dequantize_blocks(raw, qtype: GGMLQuantizationType):
     if qtype is GGMLQuantizationType.F16:
         return raw.astype(xp.float32)
     block, block_bytes = GGML_QUANT_SIZES[qtype]
-    rows = raw.shape[0]
-    blocks = xp.asarray(raw).reshape(rows, -1, block_bytes)
+    rows, n_blocks = raw.shape[0], raw.shape[1] // block_bytes
+    blocks = xp.asarray(raw).reshape(rows, n_blocks, block_bytes)
     scale = xp.ascontiguousarray(blocks[:, :, :2]).view(xp.float16).astype(xp.float32)
     if qtype is GGMLQuantizationType.Q8_0:
         values = blocks[:, :, 2:].astype(xp.int8).astype(xp.float32)

@@ -1,0 +1,132 @@
+"""Time the compiled CPU kernels against the NumPy reference on FFN-shaped matrices.
+
+    python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
+                                     [--shapes tinyllama,llama7b]
+
+For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
+random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
+shape) for one token. It prints the median GB/s of weight bytes touched (bracketed: the GB/s of the
+fastest tenth of calls, since on a busy machine the median includes other processes' time slices),
+the reference's median GB/s, and the ratio of medians over ``QuantMatrix.matmul`` /
+``weighted_row_sum``. Each call reads a different copy of the matrix (a pool of ``--pool-mb``) and
+a fresh random row set, so weights come from memory rather than cache, as they do when a model
+decodes; a NumPy streaming read of the same pool gives the machine's memory speed at that moment.
+A last table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
+the kernels. The reference's BLAS uses its own thread count throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from powerinfer_tools import kernels
+from powerinfer_tools.runtime.quant import QuantMatrix
+
+SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096)}
+
+
+def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> QuantMatrix:
+    """Random quantized rows with sane f16 scales; only speed is measured, so no quantizer is needed."""
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    data[:, :, :2] = np.full((rows, cols // block), 0.01, np.float16).view(np.uint8).reshape(rows, -1, 2)
+    data = data.reshape(rows, -1)
+    data.setflags(write=False)  # as a read-only GGUF memory map is
+    return QuantMatrix(qtype, data)
+
+
+def seconds(call, pool: list[QuantMatrix], inputs: list, repeats: int) -> np.ndarray:
+    """Wall time of ``repeats`` calls, cycling through the pool and the inputs."""
+    call(pool[0], inputs[0])  # compile or load the cached machine code outside the timing
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        call(pool[i % len(pool)], inputs[i % len(inputs)])
+        times.append(time.perf_counter() - start)
+    return np.array(times)
+
+
+def row_sets(n_rows: int, density: float, count: int, rng: np.random.Generator) -> list:
+    if density == 1.0:
+        return [None]
+    return [np.sort(rng.choice(n_rows, int(n_rows * density), replace=False)) for _ in range(count)]
+
+
+def gbps(nbytes: int, times: np.ndarray) -> str:
+    """Median GB/s, and in brackets the GB/s of the fastest tenth of calls (the least disturbed)."""
+    return f"{nbytes / np.median(times) / 1e9:5.1f} ({nbytes / np.percentile(times, 10) / 1e9:4.1f})"
+
+
+def bench_shapes(args, rng):
+    print(f"{'shape':>9} {'type':>4} {'rows':>4} {'thr':>3} | {'matvec GB/s':>12} {'ref':>5} {'ratio':>6} "
+          f"| {'axpy GB/s':>12} {'ref':>5} {'ratio':>6}")
+    for shape in args.shapes.split(","):
+        n_rows, n_cols = SHAPES[shape]
+        for qtype in (Q.Q4_0, Q.Q8_0):
+            first = random_matrix(qtype, n_rows, n_cols, rng)
+            pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
+                              for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+            stream = seconds(lambda m, _: np.bitwise_or.reduce(m.data.view(np.uint64), axis=None), pool, [0],
+                             args.repeats)
+            print(f"{shape:>9} {qtype.name:>4} streaming read of the weights by NumPy, 1 thread: "
+                  f"{gbps(first.nbytes, stream)} GB/s")
+            x = rng.standard_normal((1, n_cols), dtype=np.float32)
+            for density in (1.0, 0.1):
+                rows = row_sets(n_rows, density, args.repeats, rng)
+                k = int(n_rows * density)
+                coeffs = rng.standard_normal((1, k), dtype=np.float32)
+                nbytes = k * first.row_bytes
+                mv_inputs = [(x, r) for r in rows]
+                ax_inputs = [(coeffs, r) for r in rows]
+                # the reference's speed does not depend on set_threads: its BLAS has its own threads
+                mv_ref = seconds(lambda m, a: m.matmul(*a), pool, mv_inputs, args.ref_repeats)
+                ax_ref = seconds(lambda m, a: m.weighted_row_sum(*a), pool, ax_inputs, args.ref_repeats)
+                for threads in (1, 2):
+                    kernels.set_threads(threads)
+                    mv = seconds(lambda m, a: kernels.matvec(m, *a), pool, mv_inputs, args.repeats)
+                    ax = seconds(lambda m, a: kernels.row_axpy(m, *a), pool, ax_inputs, args.repeats)
+                    print(f"{shape:>9} {qtype.name:>4} {density:>4.0%} {threads:>3} | {gbps(nbytes, mv)} "
+                          f"{nbytes / np.median(mv_ref) / 1e9:5.2f} {np.median(mv_ref) / np.median(mv):5.0f}x | "
+                          f"{gbps(nbytes, ax)} {nbytes / np.median(ax_ref) / 1e9:5.2f} "
+                          f"{np.median(ax_ref) / np.median(ax):5.0f}x")
+
+
+def bench_tokens(args, rng):
+    """Dense q4_0 TinyLlama shape, 2 threads: kernel time against reference time as T grows."""
+    n_rows, n_cols = SHAPES["tinyllama"]
+    pool = [random_matrix(Q.Q4_0, n_rows, n_cols, rng)]
+    kernels.set_threads(2)
+    kernels.MAX_TOKENS = 1 << 30  # take the compiled path at every T, to see where the line belongs
+    print("\ncrossover, tinyllama q4_0, all rows, 2 threads: median ms, kernel / reference")
+    for tokens in (1, 4, 16, 32, 64, 256):
+        x = [(rng.standard_normal((tokens, n_cols), dtype=np.float32), None)]
+        coeffs = [(rng.standard_normal((tokens, n_rows), dtype=np.float32), None)]
+        times = [np.median(seconds(call, pool, inputs, args.ref_repeats)) * 1e3 for call, inputs in (
+            (lambda m, a: kernels.matvec(m, *a), x), (lambda m, a: m.matmul(*a), x),
+            (lambda m, a: kernels.row_axpy(m, *a), coeffs), (lambda m, a: m.weighted_row_sum(*a), coeffs),
+        )]
+        print("T={:>3}: matvec {:7.2f} / {:7.2f}   axpy {:7.2f} / {:7.2f}".format(tokens, *times))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=40, help="timed calls per kernel measurement")
+    parser.add_argument("--ref-repeats", type=int, default=7, help="timed calls per reference measurement")
+    parser.add_argument("--pool-mb", type=int, default=1024, help="weights cycled through, to defeat the caches")
+    parser.add_argument("--shapes", default="tinyllama,llama7b")
+    args = parser.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
+    print(kernels.describe())
+    rng = np.random.default_rng(0)
+    bench_shapes(args, rng)
+    bench_tokens(args, rng)
+
+
+if __name__ == "__main__":
+    main()

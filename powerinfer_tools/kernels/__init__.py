@@ -1,0 +1,152 @@
+"""Compiled CPU kernels for the FFN hot loops, on weights read in place (f32, f16, q8_0, q4_0).
+
+    matvec(m, x, rows)        x [T, cols] @ W[rows].T  -> [T, len(rows)]   gate/up, dense or gathered
+    row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
+
+``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
+reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as q8_0 for
+quantized weights (~5e-3 relative error) and as f16 for f16 weights. ``row_axpy`` is exact up to
+float32 summation order (f32/f16 matrices whose width is not a multiple of 32 take the reference).
+
+They are meant for decoding (T up to ``MAX_TOKENS``); larger batches, i.e. prompt processing, go to
+the reference, which dequantizes once per chunk and hands the product to BLAS. When the compiled
+path cannot load (llama-cpp-python or numba missing, or a ggml ABI that fails ``ggml_ops``'s
+checks), both functions fall back to the reference with one warning; ``available()``,
+``unavailable_reason()`` and ``describe()`` say which path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import numpy as np
+
+from ..runtime.quant import QuantMatrix
+from . import ggml_ops
+
+MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
+
+_threads = os.cpu_count() or 1
+
+
+def available() -> bool:
+    """True when the compiled kernels loaded and passed their checks."""
+    return not isinstance(_backend(), str)
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled kernels are not used, or None when they are."""
+    backend = _backend()
+    return backend if isinstance(backend, str) else None
+
+
+def describe() -> str:
+    """One line for logs: which path runs, and with what."""
+    backend = _backend()
+    if isinstance(backend, str):
+        return f"NumPy reference ({backend})"
+    ggml = backend[1]
+    return (f"compiled: numba loops + ggml vec_dot from {ggml.library} (llama-cpp-python {ggml.version}), "
+            f"{_threads} threads")
+
+
+def set_threads(n: int) -> None:
+    """Threads the kernels use from now on (default: ``os.cpu_count()``)."""
+    global _threads
+    if n < 1:
+        raise ValueError(f"thread count must be at least 1, got {n}")
+    _threads = n
+
+
+def get_threads() -> int:
+    return _threads
+
+
+def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """``x [T, cols] @ W[rows].T`` as float32 ``[T, len(rows)]`` (all rows when ``rows`` is None)."""
+    backend = _compiled_or_none(x.shape[0])
+    if backend is None:
+        return m.matmul(x, rows)
+    nk, ggml, _ = backend
+    x = _checked_input(x, m.cols, "x")
+    rows = _checked_rows(m, rows)
+    routine = ggml.routines[m.qtype]
+    out = np.empty((x.shape[0], len(rows)), dtype=np.float32)
+    x_encoded = np.empty((x.shape[0], routine.encoded_bytes(m.cols)), dtype=np.uint8)
+    nk.dot_rows(routine.from_float, routine.vec_dot, _weight_bytes(m), rows, x, x_encoded, out)
+    return out
+
+
+def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """``coeffs [T, k] @ W[rows]`` as float32 ``[T, cols]``: the axpy over active rows of ``ffn_down_t``."""
+    backend = _compiled_or_none(coeffs.shape[0])
+    if backend is None or m.cols % backend[0].BLOCK:  # it walks rows a block at a time
+        return m.weighted_row_sum(coeffs, rows)
+    nk, _, threads = backend
+    rows = _checked_rows(m, rows)
+    coeffs = _checked_input(coeffs, len(rows), "coeffs")
+    out = np.zeros((coeffs.shape[0], m.cols), dtype=np.float32)
+    nk.axpy_rows(int(m.qtype), _weight_bytes(m), rows, coeffs, out, threads)
+    return out
+
+
+@functools.cache
+def _backend():
+    """``(numba_kernels module, checked GgmlCpu)``, or the reason string when they cannot load."""
+    try:
+        from . import numba_kernels
+    except ImportError as exc:
+        return f"numba is not installed ({exc})"
+    try:
+        return numba_kernels, ggml_ops.load()
+    except ggml_ops.GgmlUnavailable as exc:
+        return str(exc)
+
+
+def _compiled_or_none(n_tokens: int):
+    """``(numba_kernels, GgmlCpu, threads in use)`` when the compiled path should run, else None."""
+    backend = _backend()
+    if isinstance(backend, str):
+        _warn_fallback(backend)
+        return None
+    if n_tokens > MAX_TOKENS:
+        return None
+    nk, ggml = backend
+    return nk, ggml, nk.use_threads(_threads)
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"compiled CPU kernels unavailable, using NumPy: {reason}", RuntimeWarning, stacklevel=4)
+
+
+def _checked_input(a: np.ndarray, width: int, name: str) -> np.ndarray:
+    # The kernels trust shapes (a mismatch would read past the buffers), so check here.
+    if a.ndim != 2 or a.shape[1] != width:
+        raise ValueError(f"{name} must be [T, {width}], got shape {a.shape}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _checked_rows(m: QuantMatrix, rows: np.ndarray | None) -> np.ndarray:
+    if rows is None:
+        return np.arange(m.rows, dtype=np.intp)
+    rows = np.ascontiguousarray(rows, dtype=np.intp)  # one integer type: one compiled specialization
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be 1-D, got shape {rows.shape}")
+    if rows.size and (rows.min() < 0 or rows.max() >= m.rows):
+        raise IndexError(f"row indices must lie in [0, {m.rows}), got {rows.min()}..{rows.max()}")
+    return rows
+
+
+def _weight_bytes(m: QuantMatrix) -> np.ndarray:
+    """``m.data`` as a read-only uint8 ``[rows, row_bytes]`` view with contiguous rows: always the same
+    array type, so each kernel is compiled (and cached) once, whether the weights are a read-only
+    np.memmap or a writable array."""
+    data = np.asarray(m.data)
+    if data.strides[1] != data.itemsize:
+        data = np.ascontiguousarray(data)
+    view = data.view(np.uint8)
+    view.flags.writeable = False
+    return view

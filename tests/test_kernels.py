@@ -1,0 +1,225 @@
+"""Compiled CPU kernels against the NumPy reference (``QuantMatrix.matmul`` / ``weighted_row_sum``).
+
+The compiled path must be present: CI installs llama-cpp-python and numba. Set
+PITOOLS_ALLOW_NUMPY_KERNELS=1 to run on a machine without them; the kernel tests are then skipped
+with the reason shown, and only the fallback tests run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from powerinfer_tools import kernels
+from powerinfer_tools.kernels import ggml_ops
+from powerinfer_tools.runtime.quant import QuantMatrix
+
+TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
+SHAPES = [(1, 32), (7, 64), (33, 96), (130, 2048)]  # one block wide; 3 blocks for 2 threads; a model row
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if not kernels.available():
+        reason = f"compiled kernels unavailable: {kernels.unavailable_reason()}"
+        if os.environ.get("PITOOLS_ALLOW_NUMPY_KERNELS") != "1":
+            pytest.fail(reason + " (set PITOOLS_ALLOW_NUMPY_KERNELS=1 to accept the NumPy fallback)")
+        pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = kernels.get_threads()
+    yield
+    kernels.set_threads(before)
+
+
+def make(qtype: Q, rows: int, cols: int, seed: int = 0) -> QuantMatrix:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data = {Q.F32: w, Q.F16: w.astype(np.float16)}.get(qtype)
+    data = quantize(w, qtype) if data is None else data
+    data.setflags(write=False)  # GGUF weights are read-only memory maps
+    return QuantMatrix(qtype, data)
+
+
+def row_selections(n: int, rng) -> dict:
+    return {
+        "all": None,
+        "none": np.array([], dtype=np.int64),
+        "one": np.array([n - 1]),
+        "sorted": np.sort(rng.choice(n, max(1, n // 3), replace=False)),
+        "unsorted": rng.permutation(n)[: max(1, (2 * n) // 3) | 1],  # an odd count: uneven thread shares
+        "int32 with repeats": rng.integers(0, n, size=5).astype(np.int32),
+    }
+
+
+def magnitudes(m: QuantMatrix, rows) -> np.ndarray:
+    """|W[rows]| as float32 (dequantize_rows cannot reshape an empty selection of blocks)."""
+    if rows is not None and len(rows) == 0:
+        return np.zeros((0, m.cols), np.float32)
+    return np.abs(m.dequantize_rows(rows))
+
+
+def assert_matvec_close(m: QuantMatrix, x, rows, got):
+    """Two checks. Against the reference on x as vec_dot sees it (encoded as q8_0 for quantized
+    weights, as f16 for f16 weights: numpy emulates both exactly), up to float32 summation order;
+    and against the reference on x itself, within the worst case of that encoding: a q8_0 element is
+    off by at most half a step (1/254 of its block's largest magnitude) plus the f16 rounding of the
+    block scale (127 steps of 2^-11 relative), an f16 element by 2^-11 relative."""
+    w = magnitudes(m, rows)
+    ax = np.abs(x)
+    if m.qtype in (Q.Q8_0, Q.Q4_0):
+        seen = dequantize(quantize(x, Q.Q8_0), Q.Q8_0)
+        block_max = ax.reshape(len(x), -1, 32).max(axis=2).repeat(32, axis=1)
+        encoding_bound = block_max @ w.T * (1 / 254 + 2.0**-11)
+    elif m.qtype is Q.F16:
+        seen = x.astype(np.float16).astype(np.float32)
+        encoding_bound = ax @ w.T * 2.0**-11
+    else:
+        seen, encoding_bound = x, 0
+    summation_bound = (np.abs(seen) + ax) @ w.T * 1e-5 + 1e-6
+    assert got.shape == (len(x), w.shape[0]) and got.dtype == np.float32
+    excess = np.abs(got - m.matmul(seen, rows)) - summation_bound
+    assert (excess <= 0).all(), f"off by {excess.max():.3g} from the product with encoded x"
+    excess = np.abs(got - m.matmul(x, rows)) - (encoding_bound + summation_bound)
+    assert (excess <= 0).all(), f"off by {excess.max():.3g} beyond the encoding's rounding bound"
+
+
+def assert_axpy_close(m: QuantMatrix, coeffs, rows, got):
+    """The reference up to float32 summation order: 1e-5 of the sum of magnitudes."""
+    expected = m.weighted_row_sum(coeffs, rows)
+    bound = np.abs(coeffs) @ magnitudes(m, rows) * 1e-5 + 1e-6
+    assert got.shape == expected.shape and got.dtype == np.float32
+    excess = np.abs(got - expected) - bound
+    assert (excess <= 0).all(), f"off by {excess.max():.3g} beyond 1e-5 relative"
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # 3: more than numba has on a 2-core machine
+def test_kernels_match_reference(qtype, shape, tokens, threads):
+    kernels.set_threads(threads)
+    m = make(qtype, *shape)
+    rng = np.random.default_rng([*shape, tokens])
+    x = rng.standard_normal((tokens, m.cols)).astype(np.float32)
+    for name, rows in row_selections(m.rows, rng).items():
+        k = m.rows if rows is None else len(rows)
+        coeffs = rng.standard_normal((tokens, k)).astype(np.float32)
+        try:
+            assert_matvec_close(m, x, rows, kernels.matvec(m, x, rows))
+            assert_axpy_close(m, coeffs, rows, kernels.row_axpy(m, coeffs, rows))
+        except AssertionError as exc:
+            raise AssertionError(f"rows {name}: {exc}") from exc
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_thread_count_does_not_change_results(qtype):
+    # each output is computed by one thread in a fixed order, so results are bit-identical
+    m = make(qtype, 301, 256, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    rows = rng.permutation(301)[:101]
+    coeffs = rng.standard_normal((2, 101)).astype(np.float32)
+    results = []
+    for threads in (1, 2):
+        kernels.set_threads(threads)
+        results.append((kernels.matvec(m, x, rows), kernels.row_axpy(m, coeffs, rows)))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
+@pytest.mark.usefixtures("compiled")
+def test_the_checks_catch_wrong_results():
+    m = make(Q.Q4_0, 40, 128, seed=6)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    rows = np.arange(1, 21)
+    with pytest.raises(AssertionError):  # products with the neighbouring rows
+        assert_matvec_close(m, x, rows, kernels.matvec(m, x, rows - 1))
+    with pytest.raises(AssertionError):  # every product 0.1% off, as from a slightly wrong scale
+        assert_matvec_close(m, x, rows, kernels.matvec(m, x, rows) * np.float32(1.001))
+    coeffs = rng.standard_normal((1, 20)).astype(np.float32)
+    good = kernels.row_axpy(m, coeffs, rows)
+    assert_axpy_close(m, coeffs, rows, good)
+    bad = good.copy()
+    bad[0, 77] *= 1 + 1e-3
+    with pytest.raises(AssertionError):
+        assert_axpy_close(m, coeffs, rows, bad)
+
+
+@pytest.mark.usefixtures("compiled")
+def test_memory_mapped_and_writable_weights(tmp_path):
+    m = make(Q.Q8_0, 64, 256, seed=8)
+    path = tmp_path / "w.bin"
+    m.data.tofile(path)
+    x = np.random.default_rng(9).standard_normal((1, 256)).astype(np.float32)
+    coeffs = np.ones((1, 64), np.float32)
+    for data in (np.memmap(path, dtype=np.uint8, mode="r", shape=m.data.shape), m.data.copy()):
+        other = QuantMatrix(Q.Q8_0, data)
+        assert np.array_equal(kernels.matvec(other, x), kernels.matvec(m, x))
+        assert np.array_equal(kernels.row_axpy(other, coeffs), kernels.row_axpy(m, coeffs))
+
+
+@pytest.mark.usefixtures("compiled")
+def test_f16_width_off_the_block_grid_takes_the_reference():
+    m = make(Q.F16, 5, 40)
+    x = np.random.default_rng(10).standard_normal((1, 40)).astype(np.float32)
+    coeffs = np.ones((1, 5), np.float32)
+    assert_matvec_close(m, x, None, kernels.matvec(m, x))
+    assert np.array_equal(kernels.row_axpy(m, coeffs), m.weighted_row_sum(coeffs))
+
+
+@pytest.mark.usefixtures("compiled")
+def test_many_tokens_take_the_reference():
+    m = make(Q.Q4_0, 16, 64)
+    x = np.random.default_rng(11).standard_normal((kernels.MAX_TOKENS + 1, 64)).astype(np.float32)
+    assert np.array_equal(kernels.matvec(m, x), m.matmul(x))
+
+
+@pytest.mark.usefixtures("compiled")
+def test_bad_inputs_are_refused_before_the_kernels_read_memory():
+    m = make(Q.Q4_0, 16, 64)
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(IndexError):
+        kernels.matvec(m, x, np.array([3, 16]))
+    with pytest.raises(IndexError):
+        kernels.row_axpy(m, np.ones((1, 1), np.float32), np.array([-1]))
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        kernels.matvec(m, np.ones((1, 32), np.float32))
+    with pytest.raises(ValueError, match=r"\[T, 2\]"):
+        kernels.row_axpy(m, np.ones((1, 3), np.float32), np.array([0, 1]))
+    with pytest.raises(ValueError):
+        kernels.set_threads(0)
+
+
+@pytest.mark.usefixtures("compiled")
+def test_describe_names_the_library_and_threads():
+    kernels.set_threads(2)
+    assert kernels.describe().startswith("compiled:") and "libggml-cpu" in kernels.describe()
+    assert kernels.describe().endswith("2 threads")
+
+
+@pytest.mark.usefixtures("compiled")
+def test_abi_check_refuses_a_mismatched_routine():
+    routines = ggml_ops.load().routines
+    wrong = ggml_ops.DotRoutine(routines[Q.Q4_0].from_float, routines[Q.Q8_0].vec_dot, Q.Q8_0)
+    with pytest.raises(ggml_ops.GgmlUnavailable, match="Q4_0 vec_dot gave"):
+        ggml_ops._check_numerics(Q.Q4_0, wrong, "test")
+
+
+def test_unavailable_kernels_fall_back_to_numpy_with_a_warning(monkeypatch):
+    monkeypatch.setattr(kernels, "_backend", lambda: "no libggml-cpu here (test)")
+    assert not kernels.available() and kernels.unavailable_reason() == "no libggml-cpu here (test)"
+    assert kernels.describe() == "NumPy reference (no libggml-cpu here (test))"
+    m = make(Q.Q4_0, 8, 64)
+    x = np.ones((1, 64), np.float32)
+    with pytest.warns(RuntimeWarning, match="no libggml-cpu here"):
+        assert np.array_equal(kernels.matvec(m, x), m.matmul(x))
+    coeffs = np.ones((1, 8), np.float32)
+    assert np.array_equal(kernels.row_axpy(m, coeffs), m.weighted_row_sum(coeffs))
