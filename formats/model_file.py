@@ -1,0 +1,197 @@
+"""Model files: GGUF v3, optionally marked as PowerInfer files, written as a stream and read in place.
+
+Writing: the header, the metadata and every tensor's name, shape and type go
+out first (gguf-py's ``add_tensor_info`` / ``write_*_to_file``); then each
+tensor's data is produced in row chunks, encoded, and written with
+``write_tensor_data`` before the next tensor is touched. At most one output
+tensor is in memory at a time.
+
+A PowerInfer file is byte for byte a GGUF file whose first four bytes read
+``PWRI`` instead of ``GGUF``: this is how PowerInfer's ``convert.py`` marks
+files for sparse inference, and its loader accepts both magics. Our reader does
+the same, on top of gguf-py's ``GGUFReader``; tensors are memory-mapped and
+returned without copying.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter
+from tqdm import tqdm
+
+from powerinfer_tools.errors import PitoolsError
+
+from .quantization import decode, encode, storage_shape
+
+GGUF_MAGIC_BYTES = b"GGUF"
+POWERINFER_MAGIC_BYTES = b"PWRI"
+POWERINFER_MAGIC = int.from_bytes(POWERINFER_MAGIC_BYTES, "little")
+_CHUNK_BYTES = 16 << 20  # float32 rows encoded at a time
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """A tensor to write: its GGUF name, NumPy-order element shape, type, and where its rows come from.
+
+    ``rows(start, stop)`` returns float32 rows ``start .. stop-1`` (elements, for 1-D
+    tensors) exactly as they are to be stored, already transposed or reordered.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    rows: Callable[[int, int], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        shape, dtype = storage_shape(self.shape, self.qtype)
+        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+    def encoded(self) -> np.ndarray:
+        """The whole tensor in its storage layout, built a chunk of rows at a time."""
+        shape, dtype = storage_shape(self.shape, self.qtype)
+        out = np.empty(shape, dtype=dtype)
+        row_bytes = 4 * int(np.prod(self.shape[1:], dtype=np.int64))
+        step = max(1, _CHUNK_BYTES // row_bytes)
+        for start in range(0, self.shape[0], step):
+            stop = min(start + step, self.shape[0])
+            out[start:stop] = encode(self.rows(start, stop), self.qtype)
+        return out
+
+
+class ModelFileWriter:
+    """Writes one model file. Add metadata through ``gguf`` (a ``GGUFWriter``), then call ``write``."""
+
+    def __init__(self, path: str | os.PathLike, architecture: str, powerinfer: bool):
+        self.path = Path(path)
+        self.powerinfer = powerinfer
+        self.gguf = GGUFWriter(self.path, architecture)
+
+    def write(self, tensors: Sequence[OutputTensor], progress: bool = True) -> None:
+        for t in tensors:
+            self.gguf.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        try:
+            self.gguf.write_header_to_file()
+            self.gguf.write_kv_data_to_file()
+            self.gguf.write_ti_data_to_file()
+            bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, disable=not progress, leave=False)
+            with bar:
+                for i, t in enumerate(tensors, 1):
+                    bar.set_description(f"tensor {i}/{len(tensors)} {t.name}")
+                    self.gguf.write_tensor_data(t.encoded())
+                    bar.update(t.nbytes)
+        finally:
+            self.gguf.close()
+        if self.powerinfer:
+            with open(self.path, "r+b") as f:
+                f.write(POWERINFER_MAGIC_BYTES)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+class _Reader(GGUFReader):
+    """gguf-py's reader, also accepting PowerInfer's magic (the rest of the layout is GGUF's)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        values = super()._get(offset, dtype, count, override_order)
+        if offset == 0 and count == 1 and values[0] == POWERINFER_MAGIC:
+            return np.array([GGUF_MAGIC], dtype=values.dtype)
+        return values
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of a model file.
+
+    ``shape`` is the element shape in NumPy order (rows first: GGML's ``ne``
+    reversed). ``data`` is a read-only view into the memory-mapped file: float32 or
+    float16 ``[shape]`` for f32/f16, ``uint8 [rows, row_bytes]`` for q8_0/q4_0 --
+    the layout ``gguf.quants`` and the runtime's ``QuantMatrix`` use.
+    """
+
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+    offset: int  # absolute byte offset of the data in the file
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """A float32 copy (a view for f32)."""
+        return decode(self.data, self.qtype).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A GGUF or PowerInfer model file, opened read-only."""
+
+    path: Path
+    powerinfer: bool  # PWRI magic: PowerInfer's sparse layout
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, StoredTensor]
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> StoredTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise PitoolsError(f"{self.path}: model file has no tensor {name!r}") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value; ``{arch}`` in ``key`` stands for the architecture."""
+        return self.metadata.get(key.format(arch=self.architecture), default)
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    # GGUFReader also lists the header words as "GGUF.*" fields; they are not metadata.
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _tensors(reader: GGUFReader) -> dict[str, StoredTensor]:
+    # GGUFReader has already checked that every tensor's data lies within the file.
+    return {
+        t.name: StoredTensor(
+            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data,
+            int(t.data_offset),
+        )
+        for t in reader.tensors
+    }
+
+
+def open_model_file(path: str | os.PathLike) -> ModelFile:
+    """Open a GGUF or PowerInfer file; tensors are memory-mapped, nothing is read eagerly."""
+    path = Path(path)
+    if not path.is_file():
+        raise PitoolsError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (GGUF_MAGIC_BYTES, POWERINFER_MAGIC_BYTES):
+        raise PitoolsError(f"{path}: not a GGUF or PowerInfer model file (magic {magic!r})")
+    try:
+        reader = _Reader(path)
+        metadata, tensors = _metadata(reader), _tensors(reader)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise PitoolsError(f"{path}: corrupt or truncated model file ({exc})") from None
+    if "general.architecture" not in metadata:
+        raise PitoolsError(f"{path}: model file has no general.architecture")
+    version = int(reader.fields["GGUF.version"].parts[0][0])
+    return ModelFile(path, magic == POWERINFER_MAGIC_BYTES, version, metadata, tensors)

@@ -1,0 +1,90 @@
+"""Which GGML type each tensor is stored as, and the reference (de)quantizers behind them.
+
+The output types are the four the runtime computes with: f32, f16, q8_0 and
+q4_0. Quantization and dequantization are gguf-py's reference implementations
+(``gguf.quants``), which reproduce ggml's bit for bit.
+
+The per-tensor policy follows llama.cpp (``convert_hf_to_gguf.py`` and
+``llama-quant.cpp``) so that a file we write is what llama.cpp would have made:
+
+* 1-D tensors (norms, biases) and ``*_norm.weight`` stay f32;
+* learned position embeddings stay f32 (llama.cpp never quantizes them);
+* a quantized type needs rows that are a whole number of 32-value blocks:
+  tensors whose rows are not fall back to f16;
+* with q4_0 the output projection (the token embedding when there is no
+  separate output tensor, as in OPT) is kept at q8_0: llama-quantize keeps it
+  at q6_K, a type we do not write, because the logits are the most
+  quantization-sensitive product of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+
+F32 = GGMLQuantizationType.F32
+F16 = GGMLQuantizationType.F16
+Q8_0 = GGMLQuantizationType.Q8_0
+Q4_0 = GGMLQuantizationType.Q4_0
+
+
+@dataclass(frozen=True)
+class OutType:
+    """One ``--outtype``: the type of most 2-D weights and the file type llama.cpp records for it."""
+
+    name: str
+    weight_type: GGMLQuantizationType
+    file_type: LlamaFileType
+
+
+OUTTYPES = {
+    t.name: t
+    for t in (
+        OutType("f32", F32, LlamaFileType.ALL_F32),
+        OutType("f16", F16, LlamaFileType.MOSTLY_F16),
+        OutType("q8_0", Q8_0, LlamaFileType.MOSTLY_Q8_0),
+        OutType("q4_0", Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    )
+}
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_output: bool) -> GGMLQuantizationType:
+    """The type tensor ``name`` (GGUF name, NumPy-order ``shape``) is stored as.
+
+    ``is_output`` marks the tensor that computes the logits (``output.weight``,
+    or ``token_embd.weight`` when the model has no separate output tensor).
+    """
+    if len(shape) < 2 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return F32
+    if name.startswith("position_embd."):
+        return F32
+    wanted = outtype.weight_type
+    if wanted is Q4_0 and is_output:
+        wanted = Q8_0
+    block_size = GGML_QUANT_SIZES[wanted][0]
+    if shape[-1] % block_size != 0:
+        return F16
+    return wanted
+
+
+def storage_shape(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> tuple[tuple[int, ...], np.dtype]:
+    """How a tensor of element ``shape`` is laid out as a NumPy array: f32/f16 as floats,
+    block-quantized types as ``uint8`` rows of blocks (the layout ``gguf.quants`` uses)."""
+    if qtype is F32:
+        return shape, np.dtype(np.float32)
+    if qtype is F16:
+        return shape, np.dtype(np.float16)
+    return quant_shape_to_byte_shape(shape, qtype), np.dtype(np.uint8)
+
+
+def encode(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Float32 rows in the storage layout of ``qtype`` (gguf's reference quantizer)."""
+    return quantize(np.asarray(rows, dtype=np.float32), qtype)
+
+
+def decode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Stored data back to float32 (gguf's reference dequantizer)."""
+    return np.asarray(dequantize(data, qtype), dtype=np.float32)

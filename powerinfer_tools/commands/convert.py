@@ -1,0 +1,82 @@
+"""``pitools convert``: a Hugging Face checkpoint to a PowerInfer or dense GGUF model file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..convert import ConversionPlan
+from ..convert import convert as convert_checkpoint
+from ..formats.quantization import F16, OUTTYPES, Q4_0
+
+
+def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> list[str]:
+    """What keeps PowerInfer's own runtime from using a file that ours reads fine."""
+    if not plan.powerinfer:
+        return []
+    notes = []
+    if not has_predictors:
+        notes.append("no --predictors: PowerInfer's own runtime needs blk.N.fc1/fc2 predictor tensors to load this file")
+    if any(t.name.endswith("ffn_down_t.weight") and t.qtype not in (F16, Q4_0) for t in plan.tensors):
+        notes.append("PowerInfer's CPU runtime reads ffn_down_t only as f16 or q4_0; use --outtype f16 or q4_0 for it")
+    return notes
+
+
+@click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source", metavar="SRC")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Output file (default: <model>.powerinfer.gguf, or <model>.gguf when dense, beside the checkpoint folder).",
+)
+@click.option(
+    "--outtype",
+    type=click.Choice(list(OUTTYPES)),
+    default="f16",
+    show_default=True,
+    help="Type of the weight matrices; norms and biases stay f32.",
+)
+@click.option("--dense", is_flag=True, help="Write a plain GGUF that llama.cpp loads, even for a ReLU-family model.")
+@click.option(
+    "--predictors",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Folder of trained activation predictors to merge in (see formats/README.md).",
+)
+@click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
+def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, force: bool, quiet: bool):
+    """Convert SRC, a checkpoint folder or a Hugging Face hub id, into one model file.
+
+    ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
+    in PowerInfer's layout: the PWRI magic, the down projection stored transposed
+    as ffn_down_t, and the predictors when --predictors is given. Other models,
+    and any model with --dense, are written as plain GGUF with llama.cpp's names,
+    which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
+    model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
+    is embedded as llama.cpp reads it.
+
+    Weights are read one tensor at a time from memory-mapped safetensors and
+    written as they are converted; the output appears only when complete. The
+    output path is printed on stdout.
+
+    \b
+    Examples:
+      pitools convert ./ReluLLaMA-7B
+      pitools convert SparseLLM/ReluLLaMA-7B --outtype q4_0 --predictors ./predictors
+      pitools convert ./TinyLlama --dense -o tinyllama.gguf
+    """
+    path, plan = convert_checkpoint(
+        source, output, outtype=outtype, dense=dense, predictors=predictors, force=force, progress=not quiet
+    )
+    if not quiet:
+        layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
+        click.echo(
+            f"wrote {layout} {plan.architecture} model, {len(plan.tensors)} tensors, {outtype}: {path}", err=True
+        )
+        for note in _powerinfer_runtime_notes(plan, predictors is not None):
+            click.echo(f"note: {note}", err=True)
+    click.echo(str(path))

@@ -1,0 +1,125 @@
+"""``pitools inspect``: what a GGUF or PowerInfer model file holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from ..formats.gguf_names import tensor_kind
+from ..formats.model_file import ModelFile, open_model_file
+
+KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
+_ARRAY_HEAD = 8  # array values show this many items
+
+
+def _summary(value: Any) -> Any:
+    """Metadata values as JSON: long arrays (the vocabulary, merges) cut to their length and first items."""
+    if isinstance(value, list) and len(value) > _ARRAY_HEAD:
+        return {"length": len(value), "first": value[:_ARRAY_HEAD]}
+    return value
+
+
+def describe(model: ModelFile) -> dict:
+    """Everything ``inspect`` reports, as plain JSON-able data."""
+    tensors = [
+        {
+            "name": t.name,
+            "type": t.qtype.name,
+            "shape": list(t.shape),
+            "bytes": t.nbytes,
+            "kind": tensor_kind(t.name),
+        }
+        for t in model.tensors.values()
+    ]
+    totals = {kind: {"tensors": 0, "parameters": 0, "bytes": 0} for kind in KINDS}
+    for t in tensors:
+        total = totals[t["kind"]]
+        total["tensors"] += 1
+        total["parameters"] += int(np.prod(t["shape"], dtype=np.int64))
+        total["bytes"] += t["bytes"]
+    predictor_layers = {t["name"].split(".")[1] for t in tensors if t["kind"] == "predictor"}
+    return {
+        "path": str(model.path),
+        "layout": "powerinfer" if model.powerinfer else "dense",
+        "gguf_version": model.version,
+        "architecture": model.architecture,
+        "block_count": model.get("{arch}.block_count"),
+        "predictor_layers": len(predictor_layers),
+        "sparse_ffn": any(t["name"].endswith("ffn_down_t.weight") for t in tensors),
+        "metadata": {key: _summary(value) for key, value in model.metadata.items()},
+        "tensors": tensors,
+        "totals": {kind: total for kind, total in totals.items() if total["tensors"]},
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "total_parameters": sum(total["parameters"] for total in totals.values()),
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _layout_line(report: dict) -> str:
+    if report["layout"] == "dense":
+        return f"dense GGUF v{report['gguf_version']}"
+    parts = [f"PowerInfer (PWRI magic, GGUF v{report['gguf_version']})"]
+    if report["sparse_ffn"]:
+        parts.append("ffn_down_t for sparse axpy")
+    parts.append(f"predictors in {report['predictor_layers']} of {report['block_count']} layers")
+    return ", ".join(parts)
+
+
+def _metadata_value(value: Any) -> str:
+    if isinstance(value, dict):  # a cut array
+        head = ", ".join(repr(v) for v in value["first"])
+        return f"[{value['length']} items: {head}, ...]"
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def render(report: dict) -> str:
+    size = f"{_size(report['total_bytes'])}, {report['total_parameters']:,} parameters, {len(report['tensors'])} tensors"
+    lines = [
+        f"file          {report['path']}",
+        f"layout        {_layout_line(report)}",
+        f"architecture  {report['architecture']}",
+        f"size          {size}",
+        "",
+        f"metadata ({len(report['metadata'])} keys)",
+    ]
+    width = max((len(k) for k in report["metadata"]), default=0)
+    lines += [f"  {key:<{width}}  {_metadata_value(value)}" for key, value in report["metadata"].items()]
+    lines += ["", "tensors (shape in rows x columns)"]
+    width = max((len(t["name"]) for t in report["tensors"]), default=0)
+    for t in report["tensors"]:
+        shape = " x ".join(str(n) for n in t["shape"])
+        lines.append(f"  {t['name']:<{width}}  {t['type']:<5}  {shape:<14}  {_size(t['bytes']):>10}  {t['kind']}")
+    lines += ["", "totals by kind", f"  {'kind':<10}  {'tensors':>7}  {'parameters':>14}  {'bytes':>10}  share"]
+    for kind, total in report["totals"].items():
+        share = total["bytes"] / report["total_bytes"] if report["total_bytes"] else 0.0
+        lines.append(
+            f"  {kind:<10}  {total['tensors']:>7}  {total['parameters']:>14,}  {_size(total['bytes']):>10}  {share:6.1%}"
+        )
+    return "\n".join(lines)
+
+
+@click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def inspect(file: Path, as_json: bool) -> None:
+    """Show what FILE, a GGUF or PowerInfer model file, holds.
+
+    Prints the layout (dense GGUF, or PowerInfer's: PWRI magic, transposed
+    ffn_down_t, predictors), the metadata (long arrays such as the vocabulary cut
+    to their first items), every tensor's type, shape and size, and totals per
+    kind: embedding, attention, ffn, predictor, output.
+    """
+    report = describe(open_model_file(file))
+    click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -1,0 +1,197 @@
+"""Converting a Hugging Face checkpoint into a dense GGUF or a PowerInfer model file.
+
+The pipeline, one function per step:
+
+1. ``resolve_checkpoint`` (hub.py): a folder, or a hub id downloaded into one;
+2. ``plan_conversion``: read config.json and tokenizer.json, choose the layout
+   (dense or PowerInfer), the architecture name, and for every output tensor its
+   GGUF name, orientation and type -- without reading any weights;
+3. ``write_model``: stream the planned tensors into the file, one at a time.
+
+The sparsity steps (profile activations, train predictors, reorder neurons by
+hotness) belong between 2 and 3: they produce the ``PredictorFolder`` passed to
+``plan_conversion``, and a neuron order is a ``row_order`` on the FFN tensors'
+``CheckpointRows`` (gate/up rows, ``ffn_down_t`` rows, predictor fc2 rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGUFWriter
+
+from .checkpoint import Checkpoint, bf16_to_float32
+from .errors import PitoolsError
+from .fileio import atomic_output, check_writable_output
+from .formats.gguf_names import (
+    add_hyperparameters,
+    gguf_architecture,
+    predictor_names,
+    rope_row_order,
+    tensor_names,
+)
+from .formats.model_file import ModelFileWriter, OutputTensor
+from .formats.predictor_folder import PredictorFolder, read_predictor_folder
+from .formats.quantization import OUTTYPES, OutType, tensor_type
+from .formats.tokenizer_gguf import GGUFVocab, read_vocab
+from .hub import looks_local, resolve_checkpoint
+from .models import ModelSpec, spec_from_config
+
+SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
+POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
+
+
+@dataclass(frozen=True)
+class CheckpointRows:
+    """Rows of one checkpoint tensor as they are stored: optionally transposed, then reordered.
+
+    The memory map is opened per call and dropped afterwards, so only the rows being
+    converted are ever resident.
+    """
+
+    checkpoint: Checkpoint
+    name: str
+    transpose: bool = False
+    row_order: np.ndarray | None = None
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        raw = self.checkpoint.raw(self.name)
+        if self.transpose:
+            raw = raw.T
+        rows = raw[start:stop] if self.row_order is None else raw[self.row_order[start:stop]]
+        if self.checkpoint.info(self.name).dtype == "BF16":
+            rows = bf16_to_float32(rows)
+        return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """Everything that goes into the output file, weights still on disk."""
+
+    name: str  # general.name
+    spec: ModelSpec
+    architecture: str  # general.architecture
+    powerinfer: bool
+    outtype: OutType
+    vocab: GGUFVocab
+    tensors: list[OutputTensor]
+    sparse_threshold: float | None = None
+
+    @property
+    def suffix(self) -> str:
+        return POWERINFER_SUFFIX if self.powerinfer else DENSE_SUFFIX
+
+
+def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | None) -> bool:
+    """True for the PowerInfer layout: the default for ReLU-family models."""
+    if predictors is not None and (dense or not spec.ffn.sparse):
+        why = "with --dense" if dense else f"to a {spec.ffn.value} model, which is not activation-sparse"
+        raise PitoolsError(f"predictors do not apply {why}")
+    return spec.ffn.sparse and not dense
+
+
+class _Source(NamedTuple):
+    target: str  # GGUF name
+    shape: tuple[int, ...]  # as stored
+    rows: CheckpointRows
+
+
+def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool) -> list[_Source]:
+    sources = []
+    for t in tensor_names(spec, powerinfer):
+        found = checkpoint.info(t.source).shape
+        if found != t.shape:
+            raise PitoolsError(
+                f"{checkpoint.folder}: tensor {t.source!r} has shape {list(found)}, config.json implies {list(t.shape)}"
+            )
+        order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
+        sources.append(_Source(t.target, t.stored_shape, CheckpointRows(checkpoint, t.source, t.transpose, order)))
+    return sources
+
+
+def _predictor_tensors(predictors: PredictorFolder, n_layers: int) -> list[_Source]:
+    return [
+        _Source(name, predictors.tensors.info(name).shape, CheckpointRows(predictors.tensors, name))
+        for layer in range(n_layers)
+        for name in predictor_names(layer)
+    ]
+
+
+def plan_conversion(
+    checkpoint: Checkpoint,
+    name: str,
+    outtype: str = "f16",
+    dense: bool = False,
+    predictors: PredictorFolder | None = None,
+) -> ConversionPlan:
+    """Decide the layout, names and types of every output tensor; read headers only."""
+    if outtype not in OUTTYPES:
+        raise PitoolsError(f"unknown output type {outtype!r} (supported: {', '.join(OUTTYPES)})")
+    spec = spec_from_config(checkpoint.config)
+    powerinfer = _choose_layout(spec, dense, predictors)
+    vocab = read_vocab(checkpoint.folder, spec.vocab_size)
+    sources = _model_tensors(checkpoint, spec, powerinfer)
+    if predictors is not None:
+        sources += _predictor_tensors(predictors, spec.n_layers)
+    # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
+    logits = "output.weight" if any(s.target == "output.weight" for s in sources) else "token_embd.weight"
+    kind = OUTTYPES[outtype]
+    tensors = [
+        OutputTensor(s.target, s.shape, tensor_type(s.target, s.shape, kind, is_output=s.target == logits), s.rows)
+        for s in sources
+    ]
+    threshold = predictors.sparse_threshold if predictors is not None else None
+    return ConversionPlan(name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold)
+
+
+def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
+    writer.add_name(plan.name)
+    writer.add_file_type(plan.outtype.file_type)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    add_hyperparameters(writer, plan.spec)
+    if plan.sparse_threshold is not None:
+        writer.add_float32(SPARSE_THRESHOLD_KEY, plan.sparse_threshold)
+    plan.vocab.add_to(writer)
+
+
+def write_model(plan: ConversionPlan, path: str | Path, progress: bool = True) -> None:
+    """Write ``plan`` to ``path`` atomically: a temporary file beside it, renamed at the end."""
+    with atomic_output(path) as tmp:
+        writer = ModelFileWriter(tmp, plan.architecture, plan.powerinfer)
+        _add_metadata(writer.gguf, plan)
+        writer.write(plan.tensors, progress)
+
+
+def _model_name(source: str, folder: Path) -> str:
+    return folder.resolve().name if looks_local(source) else source.rstrip("/").split("/")[-1]
+
+
+def default_output(source: str, folder: Path, plan: ConversionPlan) -> Path:
+    """``<model>.powerinfer.gguf`` / ``<model>.gguf`` beside a local checkpoint folder, or in the
+    current directory for a hub id (its folder is inside the Hugging Face cache)."""
+    where = folder.resolve().parent if looks_local(source) else Path.cwd()
+    return where / f"{plan.name}{plan.suffix}"
+
+
+def convert(
+    source: str,
+    output: str | Path | None = None,
+    outtype: str = "f16",
+    dense: bool = False,
+    predictors: str | Path | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> tuple[Path, ConversionPlan]:
+    """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written."""
+    folder = resolve_checkpoint(source, progress=progress)
+    checkpoint = Checkpoint(folder)
+    spec = spec_from_config(checkpoint.config)
+    predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
+    plan = plan_conversion(checkpoint, _model_name(source, folder), outtype, dense, predictor_folder)
+    path = Path(output) if output is not None else default_output(source, folder, plan)
+    check_writable_output(path, force)
+    write_model(plan, path, progress)
+    return path, plan

@@ -1,0 +1,151 @@
+"""Shared helpers for the conversion tests: small tokenizers trained with ``tokenizers``, small
+checkpoints that use them, predictor folders, and llama-cpp-python set up for this machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+import hf_models
+
+EOT = "<|endoftext|>"
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+
+# Text llama.cpp must tokenize exactly as tokenizers does: code, Unicode, whitespace runs.
+SAMPLE_TEXTS = [
+    "def f(x):\n    return x  +  1  # héllo wörld ✓ 日本語\n\n\t  tabs\r\nend",
+    'import json\nclass JSONDecoder(object):\n    """Simple JSON <https://json.org> decoder"""\n',
+    "   leading spaces and trailing   ",
+    "emoji 😀🚀 and ZWJ 👨\u200d👩\u200d👧 mixed Ünïcödé",
+    "a\u00a0b\u2003c\u3000d",
+    "\n\n\n",
+    " ",
+    "x" * 50,
+    "1234567890 3.14159 -42 0x1F",
+    "Ελληνικά Русский عربى हिन्दी",
+    "can't won't I'm we'll they've she'd",
+]
+
+
+def _corpus() -> list[str]:
+    """The json package's sources (on every Python) plus some non-ASCII text."""
+    folder = Path(json.__file__).parent
+    texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.py"))]
+    return texts + ["héllo wörld — café naïve 日本語 テキスト ✓ ünïcödé Ελληνικά Русский " * 3]
+
+
+def train_gpt2_tokenizer(folder: Path, vocab_size: int = 500) -> int:
+    """GPT-2 byte-level BPE as the bundled model's: <|endoftext|> is id 0, BOS and EOS. Returns the vocab size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": EOT, "eos_token": EOT, "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def train_spm_tokenizer(folder: Path, vocab_size: int = 600) -> int:
+    """A LLaMA-2-style tokenizer.json: BPE with byte fallback, spaces as U+2581 through a
+    Prepend+Replace normalizer, <unk> <s> </s> then the 256 <0xXX> byte tokens first."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPM_SPECIALS, limit_alphabet=120, show_progress=False
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    # tokenizers cannot train byte tokens into the model vocabulary: renumber with them inserted.
+    spec = json.loads(tok.to_str())
+    trained = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]) if t not in SPM_SPECIALS]
+    order = SPM_SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + trained
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(order)}
+    for added in spec["added_tokens"]:
+        added["id"] = spec["model"]["vocab"][added["content"]]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(order)
+
+
+def make_model(folder: Path, family: str, tokenizer: str = "gpt2", *, extra_vocab: int = 0, build_kwargs=None, **config):
+    """A small random checkpoint with a trained tokenizer; returns the transformers model (float32).
+
+    ``extra_vocab`` pads the embedding beyond the tokenizer, as many released models do.
+    """
+    train = train_gpt2_tokenizer if tokenizer == "gpt2" else train_spm_tokenizer
+    n_vocab = train(folder)
+    config = dict(config, vocab_size=n_vocab + extra_vocab)
+    return hf_models.build(folder, family, config_overrides=config, **(build_kwargs or {}))
+
+
+def save_predictors(folder: Path, layers: list[tuple[np.ndarray, np.ndarray]], sparse_threshold: float | None = 0.0,
+                    complete: bool = True) -> None:
+    """A predictor folder in the layout `pitools train-predictors` writes (formats/README.md)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for i, (fc1, fc2) in enumerate(layers):
+        tensors[f"blk.{i}.fc1.weight"] = np.ascontiguousarray(fc1)
+        tensors[f"blk.{i}.fc2.weight"] = np.ascontiguousarray(fc2)
+    save_file(tensors, str(folder / "predictors.safetensors"))
+    meta = {"format": "pitools-predictors", "version": 1, "complete": complete, "n_layers": len(layers)}
+    if sparse_threshold is not None:
+        meta["sparse_threshold"] = sparse_threshold
+    (folder / "predictors.json").write_text(json.dumps(meta))
+
+
+def random_predictors(n_layers: int, d_model: int, d_ff: int, hidden: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal((hidden, d_model)).astype(np.float32), rng.standard_normal((d_ff, hidden)).astype(np.float32))
+        for _ in range(n_layers)
+    ]
+
+
+def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Where llama.cpp's stored q/k row r comes from, written out longhand (independent of the converter)."""
+    head_dim = n_rows // n_heads
+    order = []
+    for h in range(n_heads):
+        for i in range(head_dim // 2):
+            order += [h * head_dim + i, h * head_dim + head_dim // 2 + i]
+    return np.array(order)
+
+
+def llama(path: Path, **kwargs):
+    """llama-cpp-python's Llama with llama.cpp's "extra" weight buffers off.
+
+    Those repack quantized weights for AMX when the CPU reports it; on this machine
+    the AMX tile instructions then fault (SIGSEGV in ggml_backend_amx_mul_mat, for
+    llama.cpp's own quantized files too). The plain CPU kernels compute the same.
+    """
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        kwargs.setdefault("verbose", False)
+        return llama_module.Llama(str(path), **kwargs)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
