@@ -1,0 +1,30 @@
+"""Neuron placement: which FFN neurons, attention blocks and output head go on the GPU.
+
+A ``PlacementProblem`` (built by ``problem_from_stats`` from per-layer firing probabilities
+and sizes) is solved by ``solve`` as an ILP under one VRAM budget, for the ``latency`` or
+``activations`` objective; ``predict`` prices any ``Placement`` with the cost model, and
+``summary`` reports it beside a layer-granular (``-ngl``) offload of the same budget.
+"""
+
+from .hardware import PRESETS, HardwareProfile, load_profile, probe_profile, save_profile
+from .ilp import OBJECTIVES, SolveReport, solve
+from .problem import Placement, PlacementProblem, Prediction, predict, problem_from_stats
+from .units import format_size, parse_size
+
+__all__ = [
+    "OBJECTIVES",
+    "PRESETS",
+    "HardwareProfile",
+    "Placement",
+    "PlacementProblem",
+    "Prediction",
+    "SolveReport",
+    "format_size",
+    "load_profile",
+    "parse_size",
+    "predict",
+    "probe_profile",
+    "problem_from_stats",
+    "save_profile",
+    "solve",
+]

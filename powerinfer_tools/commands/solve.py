@@ -1,0 +1,180 @@
+"""``pitools solve``: place FFN neurons, dense blocks and the head on the GPU within a VRAM budget;
+``pitools probe``: measure this machine's bandwidths into a hardware profile.
+
+``solve`` takes the model's per-layer numbers from the model file, or from ``--stats FILE.npz``
+(its arrays are the arguments of ``problem_from_stats``, listed in the command's help).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from ..errors import PitoolsError
+from ..fileio import check_writable_output
+from ..formats.gpu_split import GpuSplit, write_gpu_split
+from ..solver import ilp
+from ..solver.hardware import DEFAULT_PRESET, PRESETS, load_profile, probe_profile, save_profile
+from ..solver.ilp import OBJECTIVES, SOLVERS, SolveReport
+from ..solver.problem import DEFAULT_RESERVE_BYTES, STATS_KEYS, PlacementProblem, problem_from_stats
+from ..solver.summary import summary_dict, summary_text
+from ..solver.units import format_size, parse_size
+
+SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
+
+
+def read_stats_file(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a ``--stats`` file (listed in the help of ``pitools solve``)."""
+    try:
+        npz = np.load(path)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise PitoolsError(f"{path}: holds a single array; --stats takes an .npz archive of named arrays")
+        with npz:
+            stats = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError) as exc:
+        raise PitoolsError(f"{path}: cannot read stats file: {exc}") from exc
+    missing = [key for key in STATS_KEYS if key not in stats]
+    if missing:
+        raise PitoolsError(f"{path}: stats file lacks {', '.join(missing)}; it needs {', '.join(STATS_KEYS)}")
+    return {key: stats[key] for key in STATS_KEYS}
+
+
+def read_model_stats(model: Path) -> dict[str, np.ndarray]:
+    """The same arrays, from a PowerInfer model file and its neuron profile."""
+    raise PitoolsError(f"{model}: solving from a model file is not wired yet; pass --stats FILE.npz")
+
+
+def split_file(problem: PlacementProblem, report: SolveReport) -> GpuSplit:
+    """The split file for ``report``, with our own keys beside PowerInfer's."""
+    placement, prediction = report.placement, report.prediction
+    return GpuSplit(
+        masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
+        # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
+        vram_capacity=int(sum(layer.ffn_vram for layer in prediction.layers)),
+        extra={
+            "pitools.objective": report.objective,
+            "pitools.predicted_token_ms": prediction.token_s * 1e3,
+            "pitools.gpu_neurons": list(placement.gpu_neurons),
+            "pitools.dense_on_gpu": list(placement.dense_on_gpu),
+            "pitools.output_on_gpu": placement.head_on_gpu,
+            "pitools.vram_budget": problem.budget_bytes,
+            "pitools.vram_used": prediction.vram,
+            "pitools.n_ctx": problem.n_ctx,
+            "pitools.hardware": problem.hardware.name,
+        },
+    )
+
+
+def solve_command(
+    problem: PlacementProblem,
+    output: Path,
+    *,
+    objective: str = "latency",
+    batch: int = 64,
+    solver: str = "auto",
+    gap: float = 0.005,
+    time_limit: float = 60.0,
+    as_json: bool = False,
+) -> dict[str, Any]:
+    """Solve ``problem``, write the split file to ``output``, print the summary; return it."""
+    report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
+    write_gpu_split(output, split_file(problem, report))
+    summary = {**summary_dict(problem, report), "output": str(output)}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(summary_text(summary))
+        click.echo(f"wrote {output}")
+    return summary
+
+
+@click.command("solve", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@click.option("--vram", required=True,
+              help="GPU memory budget: 11GB, 11000MB (GB = 10^9 bytes), 11GiB (2^30 bytes), 1.5g (bare g = GiB).")
+@click.option("--stats", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Per-layer firing probabilities and sizes (.npz) instead of the model file: the arrays listed above.")
+@click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
+              help=f"Preset ({', '.join(PRESETS)}) or profile file (.toml/.json) from `pitools probe`.")
+@click.option("--ctx", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Context length the KV cache is sized for.")
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+              help="latency: minimise predicted time per token; activations: maximise activation mass on the "
+                   "GPU, as PowerInfer does.")
+@click.option("--reserve", default=f"{DEFAULT_RESERVE_BYTES >> 20}MiB", show_default=True,
+              help="GPU memory kept for the CUDA context and scratch buffers.")
+@click.option("--min-share", type=click.FloatRange(0, 1), default=None,
+              help="Least fraction of a split layer's neurons on the GPU [default: where a split saves "
+                   "more than its sync cost].")
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Neurons decided together (the ILP's granularity).")
+@click.option("--solver", type=click.Choice(SOLVERS), default="auto", show_default=True,
+              help="auto: HiGHS when highspy is installed, else CBC.")
+@click.option("--gap", type=click.FloatRange(0, 1), default=0.005, show_default=True,
+              help="Relative optimality gap at which the solver stops.")
+@click.option("--time-limit", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help=f"Split file to write [default: MODEL{SPLIT_SUFFIX}, where PowerInfer looks for it].")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx: int, objective: str,
+              reserve: str, min_share: float | None, batch: int, solver: str, gap: float, time_limit: float,
+              output: Path | None, force: bool, as_json: bool) -> None:
+    """Choose which FFN neurons (and which attention blocks) live on the GPU, and write the split
+    file PowerInfer's runtime reads, MODEL.generated.gpuidx.
+
+    --stats FILE.npz holds these arrays (sizes in bytes; one value, or one per layer):
+
+    \b
+      freqs               (n_layers, n_ff) probability that each FFN neuron fires on a token
+      neuron_bytes        one neuron's rows of gate, up and down, as stored
+      dense_bytes         attention weights and norms of a layer
+      predictor_bytes     the neuron predictor of a layer (fc1 and fc2)
+      kv_bytes_per_token  K and V of one token in a layer (times --ctx)
+      head_bytes          output norm and output matrix
+      hidden_bytes        one activation vector (n_embd x 4 for float32)
+    """
+    if model is None and stats is None:
+        raise PitoolsError("give a MODEL file, or --stats FILE.npz")
+    if output is None:
+        if model is None:
+            raise PitoolsError("--stats without MODEL: name the split file with -o")
+        output = model.with_name(model.name + SPLIT_SUFFIX)
+    check_writable_output(output, force)
+    arrays = read_stats_file(stats) if stats else read_model_stats(model)
+    problem = problem_from_stats(
+        **arrays,
+        n_ctx=ctx,
+        budget_bytes=parse_size(vram, "--vram"),
+        hardware=load_profile(hardware),
+        reserve_bytes=parse_size(reserve, "--reserve"),
+        min_gpu_share=min_share,
+    )
+    solve_command(problem, output, objective=objective, batch=batch, solver=solver, gap=gap,
+                  time_limit=time_limit, as_json=as_json)
+
+
+@click.command("probe", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=Path("hardware.toml"),
+              show_default=True, help="Profile to write (.toml, or .json).")
+@click.option("--base", type=click.Choice(sorted(PRESETS)), default=DEFAULT_PRESET, show_default=True,
+              help="Preset giving what cannot be measured here: PCIe bandwidth, sync latency, and GPU "
+                   "bandwidth when CuPy sees no GPU.")
+@click.option("--size", default="1GiB", show_default=True,
+              help="Bytes read per pass; must exceed the last-level cache.")
+@click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Passes; the median is kept.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+def probe(output: Path, base: str, size: str, repeats: int, force: bool) -> None:
+    """Measure memory bandwidth (CPU; GPU too through CuPy) and write a hardware profile for --hardware."""
+    check_writable_output(output, force)
+    nbytes = parse_size(size, "--size")
+    click.echo(f"streaming {format_size(nbytes)} x {repeats} ...", err=True)
+    profile = probe_profile(PRESETS[base], nbytes, repeats)
+    save_profile(profile, output)
+    click.echo(f"CPU {profile.cpu_bandwidth_gbs:g} GB/s, GPU {profile.gpu_bandwidth_gbs:g} GB/s "
+               f"({profile.source})\nwrote {output}")

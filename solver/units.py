@@ -1,0 +1,51 @@
+"""Reading and printing byte sizes such as ``11GB``, ``11GiB`` or ``1.5g``.
+
+Rules (units are case-insensitive, so ``gb`` is ``GB``; a trailing ``b`` never means bits):
+
+* decimal SI units: ``kB MB GB TB`` are 10^3, 10^6, 10^9, 10^12 bytes;
+* binary IEC units: ``KiB MiB GiB TiB`` are 2^10, 2^20, 2^30, 2^40 bytes;
+* a bare letter ``K M G T`` (``1.5g``) is binary, as in PowerInfer's ``--vram-budget``
+  (GiB), llama.cpp and ``ls -h``;
+* ``B`` is bytes. A number without a unit is rejected: ``11`` could mean GB or GiB.
+
+Fractional results are rounded down to whole bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from powerinfer_tools.errors import PitoolsError
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
+
+ACCEPTED_FORMS = (
+    "11GB or 11000MB (decimal: GB = 10^9 bytes), 11GiB or 11264MiB (binary: GiB = 2^30 bytes), "
+    "1.5g or 1.5G (a bare K/M/G/T is binary, like GiB); units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
+)
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Return the number of bytes that ``text`` names; PitoolsError if it is not a size."""
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise PitoolsError(f"{what}: cannot read {text!r} as a size; write it as {ACCEPTED_FORMS}")
+    # Decimal, not float: 0.3kB must be 300 bytes, not 299.
+    return int(Decimal(match.group(1)) * unit)
+
+
+def format_size(nbytes: float) -> str:
+    """``12345678901`` -> ``'11.50 GiB'``: binary units, as GPU tools report memory."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
