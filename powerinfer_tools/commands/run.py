@@ -3,64 +3,61 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from ..bundled import BUNDLED_MODEL
-from ..checkpoint import Checkpoint
-from ..generation import Sampler, SamplingConfig, generate, stream_text
-from ..models import load_model
-from ..tokenizer import CheckpointTokenizer
+from ..generation import SamplingConfig
+from ..llm import LLM
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path), default=BUNDLED_MODEL, required=False)
+@click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
 @click.option("-p", "--prompt", default="def ", show_default=True, help="Text to continue.")
 @click.option("-n", "--n-tokens", default=64, show_default=True, help="Most tokens to generate.")
 @click.option("--temp", default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--top-k", default=40, show_default=True, help="Sample among the K likeliest tokens (0: all).")
 @click.option("--top-p", default=0.95, show_default=True, help="Sample from the smallest set with this much mass.")
 @click.option("--seed", type=int, default=None, help="Random seed for reproducible sampling.")
-def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None) -> None:
-    """Generate a continuation of PROMPT with MODEL (a Hugging Face checkpoint
-    folder; default: the bundled tiny ReLU LLaMA) using the NumPy reference engine.
+@click.option("--mode", type=click.Choice(["sparse", "dense"]), default="sparse", show_default=True,
+              help="sparse: compute only the FFN neurons the predictors select; dense: all of them.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
+              help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
+                   "for a GPU that checks the budget and counts PCIe bytes (for testing).")
+@click.option("--split", type=click.Path(path_type=Path, exists=True), default=None,
+              help="GPU split file [default: MODEL.generated.gpuidx beside the model, if present].")
+@click.option("--no-split", is_flag=True, help="Ignore any split file.")
+def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
+        mode: str, device: str, split: Path | None, no_split: bool) -> None:
+    """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
-    Tokens are printed as they are produced; a summary line (prompt and
-    generation speed) goes to standard error.
+    MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
+    Hugging Face checkpoint folder (run by the NumPy reference engine); by
+    default the bundled tiny ReLU LLaMA checkpoint. A summary line goes to
+    stderr: prompt and generation speed, the mean fraction of FFN neurons
+    computed, bytes of weights read per step, and the GPU's share of FFN work.
 
     \b
-    Example:
+    Examples:
       pitools run -p "import os" -n 48
+      pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
     """
-    checkpoint = Checkpoint(model)
-    engine = load_model(checkpoint)
-    spec = engine.spec
-    tokenizer = CheckpointTokenizer(model, spec.bos_token_id, spec.eos_token_id)
-    prompt_ids = tokenizer.encode(prompt)
-    sampler = Sampler(SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed))
-    stop = [spec.eos_token_id] if spec.eos_token_id is not None else []
-
-    step = engine.step_fn()
-    timings: list[float] = []
-
-    def timed_step(tokens):
-        t0 = time.perf_counter()
-        logits = step(tokens)
-        timings.append(time.perf_counter() - t0)
-        return logits
-
-    tokens = generate(timed_step, prompt_ids, n_tokens, sampler, stop)
+    llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device)
+    sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
     click.echo(prompt, nl=False)
-    for piece in stream_text(tokens, tokenizer.decode):
+    for piece in llm.generate(prompt, n_tokens, sampling):
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    prompt_time, gen_times = timings[0], timings[1:]
-    gen_rate = len(gen_times) / sum(gen_times) if gen_times else float("nan")
-    click.echo(
-        f"prompt: {len(prompt_ids)} tokens, {len(prompt_ids) / prompt_time:.1f} tok/s | "
-        f"generation: {len(timings)} tokens, {gen_rate:.1f} tok/s | engine: reference (NumPy)",
-        err=True,
+    s = llm.last_stats
+    summary = (
+        f"prompt: {s.prompt_tokens} tokens at {s.prompt_rate:.1f} tok/s | "
+        f"generation: {s.generated_tokens} tokens at {s.generation_rate:.1f} tok/s"
     )
+    if s.ffn.steps:
+        summary += (
+            f" | FFN density {s.ffn.density:.3f} | {s.ffn.bytes_per_step / 1e6:.2f} MB read/step"
+            f" | GPU share {s.ffn.device_share:.2f}"
+        )
+    click.echo(f"{summary} | {llm.description}", err=True)

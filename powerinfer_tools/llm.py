@@ -1,0 +1,105 @@
+"""The Python API: load a model once, then generate text as an iterator.
+
+    from powerinfer_tools.llm import LLM
+    llm = LLM.load("model.powerinfer.gguf", mode="sparse")
+    for piece in llm.generate("def ", max_tokens=32):
+        print(piece, end="", flush=True)
+
+A ``.gguf`` file runs on the sparse runtime; a Hugging Face checkpoint folder
+runs on the NumPy reference engine (dense, for checking).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .checkpoint import Checkpoint
+from .generation import Sampler, SamplingConfig, generate, stream_text
+from .models import load_model
+from .runtime.engine import RuntimeModel, TokenStats
+from .runtime.ffn import FFNMode
+from .runtime.loader import load_runtime_model
+from .runtime.tokenizer import GGUFTokenizer
+from .tokenizer import CheckpointTokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    ffn: TokenStats = field(default_factory=TokenStats)  # runtime only: neurons and bytes per step
+
+    @property
+    def prompt_rate(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else float("nan")
+
+    @property
+    def generation_rate(self) -> float:
+        return self.generated_tokens / self.generation_seconds if self.generation_seconds else float("nan")
+
+
+class LLM:
+    def __init__(self, engine, tokenizer, description: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.description = description
+        self.last_stats = GenerationStats()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        mode: str = "sparse",
+        split: str | Path | None = None,
+        use_split: bool = True,
+        device: str = "cpu",
+    ) -> "LLM":
+        """``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing."""
+        path = Path(path)
+        if path.is_dir():
+            engine = load_model(Checkpoint(path))
+            s = engine.spec
+            return cls(engine, CheckpointTokenizer(path, s.bos_token_id, s.eos_token_id), "reference engine (NumPy)")
+        model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device)
+        ffn_mode = FFNMode(mode)
+        if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
+            ffn_mode = FFNMode.DENSE
+        model.mode = ffn_mode
+        where = f", split {model.split_path.name} on {model.device.name}" if model.device is not None else ""
+        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}")
+
+    @property
+    def mode(self) -> str:
+        return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else "dense"
+
+    def generate(
+        self, prompt: str, max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
+    ) -> Iterator[str]:
+        """Yield text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends."""
+        stats = self.last_stats = GenerationStats()
+        prompt_ids = self.tokenizer.encode(prompt)
+        stats.prompt_tokens = len(prompt_ids)
+        eos = self.engine.spec.eos_token_id
+        runtime = isinstance(self.engine, RuntimeModel)
+        if runtime:
+            self.engine.stats = stats.ffn
+        step = self.engine.step_fn()
+
+        def timed(tokens):
+            t0 = time.perf_counter()
+            logits = step(tokens)
+            elapsed = time.perf_counter() - t0
+            if stats.prompt_seconds == 0:
+                stats.prompt_seconds = elapsed
+            else:
+                stats.generated_tokens += 1
+                stats.generation_seconds += elapsed
+            return logits
+
+        tokens = generate(timed, prompt_ids, max_tokens, Sampler(sampling), [eos] if eos is not None else [])
+        yield from stream_text(tokens, self.tokenizer.decode)

@@ -1,0 +1,247 @@
+"""The runtime model: dense blocks and FFN partitions on their backends, one token block at a time."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..models.layers import (
+    KVCache,
+    apply_rope_adjacent,
+    attention,
+    layer_norm,
+    rms_norm,
+    rope_tables,
+)
+from ..models.spec import ModelSpec, NormKind
+from .backends import CpuBackend, move
+from .ffn import FFNMode, FFNPartition, Predictor
+from .quant import QuantMatrix
+
+
+@dataclass
+class Norm:
+    weight: np.ndarray
+    bias: Optional[np.ndarray] = None
+
+
+@dataclass
+class DenseBlock:
+    """A layer's attention and norms, and its neuron predictor: resident where the split puts them."""
+
+    backend: object
+    attn_norm: Norm
+    wq: QuantMatrix
+    wk: QuantMatrix
+    wv: QuantMatrix
+    wo: QuantMatrix
+    ffn_norm: Norm
+    biases: dict = field(default_factory=dict)  # "q", "k", "v", "o", "down" -> bias vector
+    predictor: Optional[Predictor] = None
+
+
+@dataclass
+class RuntimeLayer:
+    dense: DenseBlock
+    partitions: list[FFNPartition]  # device partition first when there is one
+    d_ff: int
+
+
+@dataclass
+class TokenStats:
+    """What one forward pass read and computed, summed over layers."""
+
+    steps: int = 0  # forward calls: the prompt is one, then one per generated token
+    tokens: int = 0
+    neurons_total: int = 0
+    neurons_active: int = 0
+    neurons_on_device: int = 0
+    bytes_read: int = 0
+
+    def add(self, other: "TokenStats") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def density(self) -> float:
+        """Mean fraction of FFN neurons computed per token."""
+        return self.neurons_active / self.neurons_total if self.neurons_total else float("nan")
+
+    @property
+    def device_share(self) -> float:
+        """Fraction of the computed FFN neurons that the GPU (or its emulation) computed."""
+        return self.neurons_on_device / self.neurons_active if self.neurons_active else 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_read / self.steps if self.steps else float("nan")
+
+
+class RuntimeModel:
+    """Runs a model read from a GGUF file, with FFN neurons split across backends."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layers: list[RuntimeLayer],
+        token_embd: QuantMatrix,
+        output_norm: Optional[Norm],
+        output: QuantMatrix,
+        positions: Optional[np.ndarray] = None,
+        device=None,
+        split_path=None,
+        metadata: Optional[dict] = None,
+    ):
+        self.spec = spec
+        self.layers = layers
+        self.token_embd = token_embd
+        self.output_norm = output_norm
+        self.output = output
+        self.positions = positions
+        self.device = device  # the GPU backend holding the hot partitions, if a split is in use
+        self.split_path = split_path
+        self.metadata = metadata or {}  # the model file's GGUF metadata (tokenizer, hyperparameters)
+        self.host = CpuBackend()
+        self.mode = FFNMode.DENSE
+        self.stats = TokenStats()
+        self.static_bytes = sum(m.nbytes for m in self._dense_matrices())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
+
+    @property
+    def has_predictors(self) -> bool:
+        return all(layer.dense.predictor is not None for layer in self.layers)
+
+    def _dense_matrices(self) -> list[QuantMatrix]:
+        per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
+        return per_layer + [self.output]
+
+    def new_cache(self) -> list[KVCache]:
+        """One KV cache per layer, on the backend that runs the layer's attention."""
+        s = self.spec
+        return [KVCache(1, s.n_kv_heads, s.head_dim, np.float32, xp=layer.dense.backend.xp) for layer in self.layers]
+
+    def step_fn(self):
+        caches = self.new_cache()
+        return lambda tokens: self.forward(tokens, caches)[-1]
+
+    # -- forward --------------------------------------------------------------
+
+    def _norm(self, norm: Norm, x):
+        if self.spec.norm is NormKind.RMS:
+            return rms_norm(x, norm.weight, self.spec.norm_eps)
+        return layer_norm(x, norm.weight, norm.bias, self.spec.norm_eps)
+
+    def forward(self, tokens: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold."""
+        s = self.spec
+        start = caches[0].length
+        x = self.token_embd.dequantize_rows(np.asarray(tokens))
+        if self.positions is not None:
+            x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
+        rope = None
+        if s.rope_theta is not None:
+            rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta, s.rope_scaling_factor, np.float32)
+        where = self.host
+        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)
+        for layer, cache in zip(self.layers, caches):
+            backend = layer.dense.backend
+            x = move(x, where, backend)
+            where = backend
+            x = self._layer(layer, x, cache, start, rope, step)
+        x = move(x, where, self.host)
+        if self.output_norm is not None:
+            x = self._norm(self.output_norm, x)
+        self.stats.add(step)
+        return self.host.matmul(self.output, x)
+
+    def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
+        s, d = self.spec, layer.dense
+        pre_norm = s.pre_norm
+        h = self._norm(d.attn_norm, x) if pre_norm else x
+        attn = self._attention(d, h, cache, start, rope)
+        x = x + attn if pre_norm else self._norm(d.attn_norm, x + attn)
+        h = self._norm(d.ffn_norm, x) if pre_norm else x
+        out = self._ffn(layer, h, step)
+        if "down" in d.biases:
+            out = out + d.biases["down"]
+        return x + out if pre_norm else self._norm(d.ffn_norm, x + out)
+
+    def _attention(self, d: DenseBlock, h, cache: KVCache, start: int, rope):
+        s = self.spec
+        n = h.shape[0]
+        b = d.biases
+
+        def project(w: QuantMatrix, key: str, heads: int):
+            y = d.backend.matmul(w, h)
+            if key in b:
+                y = y + b[key]
+            return y.reshape(n, heads, s.head_dim)
+
+        q, k, v = project(d.wq, "q", s.n_heads), project(d.wk, "k", s.n_kv_heads), project(d.wv, "v", s.n_kv_heads)
+        if rope is not None:
+            xp = d.backend.xp
+            cos, sin = xp.asarray(rope[0]), xp.asarray(rope[1])
+            q, k = apply_rope_adjacent(q, cos, sin), apply_rope_adjacent(k, cos, sin)
+        keys, values = cache.store(0, k, v)
+        cache.advance(n)
+        out = attention(q, keys, values, start, s.sliding_window)
+        out = d.backend.matmul(d.wo, out)
+        return out + b["o"] if "o" in b else out
+
+    # -- FFN --------------------------------------------------------------------
+
+    def _select(self, layer: RuntimeLayer, h):
+        """Which neurons to compute: (active global ids, per-token mask over them or None)."""
+        if self.mode is FFNMode.DENSE:
+            return np.arange(layer.d_ff), None
+        if self.mode is FFNMode.SPARSE:
+            predictor = layer.dense.predictor
+            if predictor is None:
+                raise RuntimeError("sparse mode needs predictors in the model file")
+            chosen = predictor(h)
+        else:
+            chosen = self._firing(layer, h)
+        chosen = move(chosen, layer.dense.backend, self.host)
+        active = np.flatnonzero(chosen.any(axis=0))
+        return active, chosen[:, active]
+
+    def _firing(self, layer: RuntimeLayer, h) -> np.ndarray:
+        """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
+        fired = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
+        for p in layer.partitions:
+            xh = move(h, layer.dense.backend, p.backend)
+            act = move(p.activations(self.spec.ffn, xh, p.neurons), p.backend, self.host)
+            fired[:, p.neurons] = act != 0
+        return fired
+
+    def _ffn(self, layer: RuntimeLayer, h, step: TokenStats):
+        home = layer.dense.backend
+        active, mask = self._select(layer, h)
+        n_tokens = h.shape[0]
+        step.neurons_total += layer.d_ff * n_tokens
+        work = []
+        for p in layer.partitions:
+            mine = np.isin(active, p.neurons, assume_unique=True)
+            part_mask = None if mask is None else mask[:, mine]
+            computed = len(np.flatnonzero(mine)) * n_tokens if mask is None else int(part_mask.sum())
+            step.neurons_active += computed
+            step.neurons_on_device += computed if p.backend.is_device else 0
+            step.bytes_read += int(mine.sum()) * p.bytes_per_neuron
+            work.append((p, active[mine], part_mask))
+
+        def run(p: FFNPartition, ids: np.ndarray, part_mask):
+            xh = move(h, home, p.backend)
+            if part_mask is not None:
+                part_mask = p.backend.xp.asarray(part_mask, dtype=np.float32)
+            return move(p.compute(self.spec.ffn, xh, ids, part_mask), p.backend, home)
+
+        if len(work) == 1:
+            return run(*work[0])
+        # The device partition runs in a worker thread while the host computes its own;
+        # NumPy and CuPy release the GIL in their kernels, so the two overlap.
+        on_device = self._pool.submit(run, *work[0])
+        out = sum(run(*w) for w in work[1:])
+        return out + on_device.result()

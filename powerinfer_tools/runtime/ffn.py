@@ -1,0 +1,99 @@
+"""Sparse FFN execution over neuron partitions.
+
+A layer's neurons are split into partitions, one per backend: the hot ones the
+split file places on the GPU, the cold ones on the CPU (without a split, one
+CPU partition holds them all). For a block of tokens each partition computes
+only its *active* neurons: rows of gate and up give their activations, rows of
+the transposed down projection (``ffn_down_t``, one row per neuron) are summed
+with those activations as weights. The partial outputs add up to the FFN output.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..models.layers import activate, relu
+from ..models.spec import FFNKind
+from .quant import QuantMatrix
+
+
+class FFNMode(str, enum.Enum):
+    DENSE = "dense"  # every neuron
+    SPARSE = "sparse"  # the neurons the predictor selects
+    ORACLE = "oracle"  # exactly the neurons that fire (needs the full gate: for tests)
+
+
+@dataclass
+class Predictor:
+    """PowerInfer's per-layer MLP: neuron ``i`` is predicted to fire when ``(fc2 relu(fc1 x))_i > threshold``."""
+
+    fc1: np.ndarray  # [hidden, d_model]
+    fc2: np.ndarray  # [d_ff, hidden]
+    threshold: float = 0.0
+
+    def __call__(self, x):
+        return relu(x @ self.fc1.T) @ self.fc2.T > self.threshold
+
+    @property
+    def nbytes(self) -> int:
+        return self.fc1.nbytes + self.fc2.nbytes
+
+
+@dataclass
+class FFNPartition:
+    """The neurons of one layer that one backend computes, with their weight rows on that backend.
+
+    ``row_of[n]`` is the row of global neuron ``n`` in this partition's matrices
+    (-1 when the neuron is elsewhere): the CPU partition indexes the memory-mapped
+    file directly, a device partition its uploaded copy of just its rows.
+    """
+
+    backend: object
+    neurons: np.ndarray  # sorted global neuron ids
+    row_of: np.ndarray  # [d_ff] int64
+    up: QuantMatrix
+    down_t: Optional[QuantMatrix]  # [d_ff, d_model], neuron-major: what sparse execution reads
+    down: Optional[QuantMatrix] = None  # [d_model, d_ff] of a dense file: all neurons at once only
+    gate: Optional[QuantMatrix] = None
+    gate_bias: Optional[np.ndarray] = None
+    up_bias: Optional[np.ndarray] = None
+
+    @property
+    def bytes_per_neuron(self) -> int:
+        gate = self.gate.row_bytes if self.gate is not None else 0
+        down = self.down_t.row_bytes if self.down_t is not None else self.down.nbytes // self.down.cols
+        return gate + self.up.row_bytes + down
+
+    def activations(self, kind: FFNKind, x, neurons: np.ndarray):
+        """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""
+        rows = self.backend.xp.asarray(self.row_of[neurons])
+        gate_pre = None
+        if self.gate is not None:
+            gate_pre = self.backend.matmul(self.gate, x, rows)
+            if self.gate_bias is not None:
+                gate_pre += self.gate_bias[rows]
+        up_pre = self.backend.matmul(self.up, x, rows)
+        if self.up_bias is not None:
+            up_pre += self.up_bias[rows]
+        return activate(kind, gate_pre, up_pre)
+
+    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None):
+        """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
+
+        ``mask [T, len(active)]`` zeroes the neurons a token did not select; without
+        it every active neuron counts for every token.
+        """
+        rows = self.row_of[active]
+        device_rows = self.backend.xp.asarray(rows)
+        activated = self.activations(kind, x, active)
+        if mask is not None:
+            activated = activated * mask
+        if self.down_t is None:
+            if len(rows) != self.down.cols:
+                raise RuntimeError("this model file has no ffn_down_t: only dense mode can run it")
+            return self.backend.matmul(self.down, activated)
+        return self.backend.row_sum(self.down_t, activated, device_rows)
