@@ -93,6 +93,24 @@ def make_model(folder: Path, family: str, tokenizer: str = "gpt2", *, extra_voca
     return hf_models.build(folder, family, config_overrides=config, **(build_kwargs or {}))
 
 
+TOKENIZER_TEST_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2, max_position_embeddings=64, hidden_act="silu")
+
+
+def tokenizer_models(root: Path) -> dict[str, tuple[Path, Path]]:
+    """kind -> (checkpoint folder, dense GGUF) for a tiny model with a GPT-2 ("gpt2") and a
+    LLaMA-style ("spm") tokenizer; the GPT-2 one pads its vocabulary with 3 unused tokens."""
+    from powerinfer_tools.convert import convert
+
+    out = {}
+    for kind, extra in (("gpt2", 3), ("spm", 0)):
+        folder = root / kind
+        make_model(folder, "llama", kind, extra_vocab=extra, **TOKENIZER_TEST_MODEL)
+        path, _ = convert(str(folder), root / f"{kind}.gguf", progress=False)
+        out[kind] = folder, path
+    return out
+
+
 def save_predictors(folder: Path, layers: list[tuple[np.ndarray, np.ndarray]], sparse_threshold: float | None = 0.0,
                     complete: bool = True) -> None:
     """A predictor folder in the layout `pitools train-predictors` writes (formats/README.md)."""

@@ -9,27 +9,15 @@ import pytest
 from gguf import TokenType
 from tokenizers import Tokenizer
 
-from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, make_model, train_gpt2_tokenizer
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, make_model, tokenizer_models, train_gpt2_tokenizer
 from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.tokenizer_gguf import read_vocab
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-            max_position_embeddings=64, hidden_act="silu")
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """kind -> (checkpoint folder, dense GGUF) for a GPT-2 and a LLaMA-style tokenizer."""
-    root = tmp_path_factory.mktemp("tok")
-    out = {}
-    for kind, extra in (("gpt2", 3), ("spm", 0)):
-        folder = root / kind
-        make_model(folder, "llama", kind, extra_vocab=extra, **TINY)
-        path, _ = convert(str(folder), root / f"{kind}.gguf", progress=False)
-        out[kind] = folder, path
-    return out
+    return tokenizer_models(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])

@@ -1,0 +1,42 @@
+"""The runtime's tokenizer, read from GGUF metadata, against llama.cpp on the same file."""
+
+from __future__ import annotations
+
+import pytest
+
+from gguf_fixtures import SAMPLE_TEXTS, llama, tokenizer_models
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tokenizer_models(tmp_path_factory.mktemp("rt-tok"))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "spm"])
+def test_token_ids_equal_llamacpp(models, kind):
+    _, path = models[kind]
+    ours = GGUFTokenizer(open_model_file(path).metadata)
+    cpp = llama(path, vocab_only=True)
+    for text in SAMPLE_TEXTS:
+        assert ours.encode(text, add_bos=False) == cpp.tokenize(text.encode(), add_bos=False, special=False), text
+        assert ours.encode(text) == cpp.tokenize(text.encode(), add_bos=True, special=False), text
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "spm"])
+def test_decoding_matches_llamacpp_and_round_trips(models, kind):
+    _, path = models[kind]
+    ours = GGUFTokenizer(open_model_file(path).metadata)
+    cpp = llama(path, vocab_only=True)
+    for text in SAMPLE_TEXTS:
+        ids = cpp.tokenize(text.encode(), add_bos=False, special=False)
+        assert ours.decode(ids).encode() == cpp.detokenize(ids), text
+        if kind == "gpt2":  # byte-level BPE is lossless; SentencePiece adds its leading space
+            assert ours.decode(ids) == text
+
+
+def test_unknown_tokenizer_kind_is_named():
+    with pytest.raises(PitoolsError, match="'bert' is not supported"):
+        GGUFTokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
