@@ -26,6 +26,12 @@ LLAMA, BAMBOO, OPT = "llama", "bamboo", "opt"
 FFN_ACTIVATION_KEY = "pitools.ffn_activation"
 
 
+def neuron_frequency_key(layer: int) -> str:
+    """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
+    which ``pitools solve`` places neurons by. PowerInfer ignores it."""
+    return f"pitools.blk.{layer}.neuron_frequency"
+
+
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
     """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout.
 

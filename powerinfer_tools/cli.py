@@ -49,3 +49,36 @@ cli.add_command(pull)
 from .commands.run import run  # noqa: E402
 
 cli.add_command(run)
+
+from .commands.convert import convert  # noqa: E402
+
+cli.add_command(convert)
+
+from .commands.inspect import inspect  # noqa: E402
+
+cli.add_command(inspect)
+
+from .commands.profile import profile  # noqa: E402
+
+cli.add_command(profile)
+
+from .commands.train_predictors import train_predictors  # noqa: E402
+
+cli.add_command(train_predictors)
+
+from .commands.perplexity import perplexity  # noqa: E402
+
+cli.add_command(perplexity)
+
+from .commands.solve import probe, solve  # noqa: E402
+
+cli.add_command(solve)
+cli.add_command(probe)
+
+from .commands.synth import synth  # noqa: E402
+
+cli.add_command(synth)
+
+from .commands.bench import bench  # noqa: E402
+
+cli.add_command(bench)

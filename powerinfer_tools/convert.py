@@ -29,6 +29,7 @@ from .fileio import atomic_output, check_writable_output
 from .formats.gguf_names import (
     add_hyperparameters,
     gguf_architecture,
+    neuron_frequency_key,
     predictor_names,
     rope_row_order,
     tensor_names,
@@ -39,6 +40,8 @@ from .formats.quantization import OUTTYPES, OutType, tensor_type
 from .formats.tokenizer_gguf import GGUFVocab, read_vocab
 from .hub import looks_local, resolve_checkpoint
 from .models import ModelSpec, spec_from_config
+from .reorder import gguf_neuron_axis
+from .sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
@@ -79,10 +82,8 @@ class ConversionPlan:
     vocab: GGUFVocab
     tensors: list[OutputTensor]
     sparse_threshold: float | None = None
+    neuron_frequencies: list[np.ndarray] | None = None  # per layer, in the file's neuron order
 
-    @property
-    def suffix(self) -> str:
-        return POWERINFER_SUFFIX if self.powerinfer else DENSE_SUFFIX
 
 
 def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | None) -> bool:
@@ -99,7 +100,11 @@ class _Source(NamedTuple):
     rows: CheckpointRows
 
 
-def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool) -> list[_Source]:
+def _layer_of(gguf_name: str) -> int:
+    return int(gguf_name.split(".")[1])
+
+
+def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
         found = checkpoint.info(t.source).shape
@@ -108,16 +113,21 @@ def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool) ->
                 f"{checkpoint.folder}: tensor {t.source!r} has shape {list(found)}, config.json implies {list(t.shape)}"
             )
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
+        if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
+            order = orders[_layer_of(t.target)]
         sources.append(_Source(t.target, t.stored_shape, CheckpointRows(checkpoint, t.source, t.transpose, order)))
     return sources
 
 
-def _predictor_tensors(predictors: PredictorFolder, n_layers: int) -> list[_Source]:
-    return [
-        _Source(name, predictors.tensors.info(name).shape, CheckpointRows(predictors.tensors, name))
-        for layer in range(n_layers)
-        for name in predictor_names(layer)
-    ]
+def _predictor_tensors(predictors: PredictorFolder, n_layers: int, orders: list | None) -> list[_Source]:
+    """fc1 and fc2 of every layer; fc2's rows follow the neuron order."""
+    sources = []
+    for layer in range(n_layers):
+        for name in predictor_names(layer):
+            order = orders[layer] if orders is not None and gguf_neuron_axis(name) == 0 else None
+            rows = CheckpointRows(predictors.tensors, name, row_order=order)
+            sources.append(_Source(name, predictors.tensors.info(name).shape, rows))
+    return sources
 
 
 def plan_conversion(
@@ -126,16 +136,22 @@ def plan_conversion(
     outtype: str = "f16",
     dense: bool = False,
     predictors: PredictorFolder | None = None,
+    sparsity: SparsityArtifacts | None = None,
 ) -> ConversionPlan:
-    """Decide the layout, names and types of every output tensor; read headers only."""
+    """Decide the layout, names and types of every output tensor; read headers only.
+
+    With ``sparsity``, FFN neurons are stored hot-first (its ``orders``) and their
+    firing frequencies go into the metadata for ``pitools solve``.
+    """
     if outtype not in OUTTYPES:
         raise PitoolsError(f"unknown output type {outtype!r} (supported: {', '.join(OUTTYPES)})")
     spec = spec_from_config(checkpoint.config)
     powerinfer = _choose_layout(spec, dense, predictors)
     vocab = read_vocab(checkpoint.folder, spec.vocab_size)
-    sources = _model_tensors(checkpoint, spec, powerinfer)
+    orders = sparsity.orders if sparsity is not None and powerinfer else None
+    sources = _model_tensors(checkpoint, spec, powerinfer, orders)
     if predictors is not None:
-        sources += _predictor_tensors(predictors, spec.n_layers)
+        sources += _predictor_tensors(predictors, spec.n_layers, orders)
     # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
     logits = "output.weight" if any(s.target == "output.weight" for s in sources) else "token_embd.weight"
     kind = OUTTYPES[outtype]
@@ -144,7 +160,12 @@ def plan_conversion(
         for s in sources
     ]
     threshold = predictors.sparse_threshold if predictors is not None else None
-    return ConversionPlan(name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold)
+    frequencies = None
+    if sparsity is not None and sparsity.frequencies is not None and powerinfer:
+        frequencies = [f if orders is None else f[o] for f, o in zip(sparsity.frequencies, orders or [None] * spec.n_layers)]
+    return ConversionPlan(
+        name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies
+    )
 
 
 def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
@@ -154,6 +175,8 @@ def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
     add_hyperparameters(writer, plan.spec)
     if plan.sparse_threshold is not None:
         writer.add_float32(SPARSE_THRESHOLD_KEY, plan.sparse_threshold)
+    for layer, freq in enumerate(plan.neuron_frequencies or []):
+        writer.add_array(neuron_frequency_key(layer), [float(f) for f in freq])
     plan.vocab.add_to(writer)
 
 
@@ -169,11 +192,11 @@ def _model_name(source: str, folder: Path) -> str:
     return folder.resolve().name if looks_local(source) else source.rstrip("/").split("/")[-1]
 
 
-def default_output(source: str, folder: Path, plan: ConversionPlan) -> Path:
+def default_output(source: str, folder: Path, name: str, powerinfer: bool) -> Path:
     """``<model>.powerinfer.gguf`` / ``<model>.gguf`` beside a local checkpoint folder, or in the
     current directory for a hub id (its folder is inside the Hugging Face cache)."""
     where = folder.resolve().parent if looks_local(source) else Path.cwd()
-    return where / f"{plan.name}{plan.suffix}"
+    return where / f"{name}{POWERINFER_SUFFIX if powerinfer else DENSE_SUFFIX}"
 
 
 def convert(
@@ -182,16 +205,37 @@ def convert(
     outtype: str = "f16",
     dense: bool = False,
     predictors: str | Path | None = None,
+    profile: str | Path | None = None,
+    sparsify: SparsifySettings | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> tuple[Path, ConversionPlan]:
-    """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written."""
+    """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written.
+
+    With ``sparsify`` (the command line's default for ReLU-family models), a
+    PowerInfer file gets predictors, hot-first neurons and firing frequencies:
+    ``profile``/``predictors`` folders are reused when given, else made in the
+    work folder beside the output. Without it, ``predictors`` are merged as given.
+    """
     folder = resolve_checkpoint(source, progress=progress)
     checkpoint = Checkpoint(folder)
     spec = spec_from_config(checkpoint.config)
-    predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
-    plan = plan_conversion(checkpoint, _model_name(source, folder), outtype, dense, predictor_folder)
-    path = Path(output) if output is not None else default_output(source, folder, plan)
+    name = _model_name(source, folder)
+    sparse_layout = spec.ffn.sparse and not dense
+    path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
     check_writable_output(path, force)
+    sparsity = None
+    if sparsify is not None and sparse_layout:
+        sparsity = prepare_sparsity(
+            folder,
+            work_folder(path),
+            sparsify,
+            Path(profile) if profile is not None else None,
+            Path(predictors) if predictors is not None else None,
+            progress,
+        )
+        predictors = sparsity.predictors
+    predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
+    plan = plan_conversion(checkpoint, name, outtype, dense, predictor_folder, sparsity)
     write_model(plan, path, progress)
     return path, plan

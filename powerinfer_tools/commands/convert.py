@@ -9,6 +9,8 @@ import click
 from ..convert import ConversionPlan
 from ..convert import convert as convert_checkpoint
 from ..formats.quantization import F16, OUTTYPES, Q4_0
+from ..predictors import TrainSettings
+from ..sparsify import SparsifySettings
 
 
 def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> list[str]:
@@ -44,16 +46,39 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
     "--predictors",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="Folder of trained activation predictors to merge in (see formats/README.md).",
+    help="Reuse this folder of trained predictors (`pitools train-predictors`) instead of training them.",
 )
+@click.option(
+    "--profile",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Reuse this activation profile (`pitools profile`) instead of profiling.",
+)
+@click.option("--corpus", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Calibration text for profiling (repeatable) [default: the checkpoint's heldout.txt].")
+@click.option("--tokens", type=click.IntRange(min=16), default=SparsifySettings.tokens, show_default=True,
+              help="Calibration tokens to profile.")
+@click.option("--recall", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=TrainSettings.recall,
+              show_default=True, help="Held-out recall every layer's predictor must reach.")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=TrainSettings.budget, show_default=True,
+              help="All predictors' size as a fraction of the FFN weights.")
+@click.option("--reorder/--no-reorder", default=True, show_default=True,
+              help="Store each FFN's neurons hot-first, so the GPU's share is a contiguous prefix.")
+@click.option("--no-sparsity", is_flag=True,
+              help="PowerInfer layout without profiling, predictors or reordering (our runtime runs it dense).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
-def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, force: bool, quiet: bool):
+def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,
+            corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool, no_sparsity: bool,
+            force: bool, quiet: bool):
     """Convert SRC, a checkpoint folder or a Hugging Face hub id, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
     in PowerInfer's layout: the PWRI magic, the down projection stored transposed
-    as ffn_down_t, and the predictors when --predictors is given. Other models,
+    as ffn_down_t, and per-layer neuron predictors. Unless given with --profile
+    and --predictors, the model is first profiled on calibration text and its
+    predictors trained (cached and resumable in OUTPUT.work/); neurons are stored
+    hot-first and their firing frequencies recorded for `pitools solve`. Other models,
     and any model with --dense, are written as plain GGUF with llama.cpp's names,
     which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
@@ -65,18 +90,22 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
 
     \b
     Examples:
-      pitools convert ./ReluLLaMA-7B
+      pitools convert ./ReluLLaMA-7B --corpus calibration.txt
       pitools convert SparseLLM/ReluLLaMA-7B --outtype q4_0 --predictors ./predictors
       pitools convert ./TinyLlama --dense -o tinyllama.gguf
     """
+    sparsify = None if no_sparsity else SparsifySettings(
+        corpus=corpus, tokens=tokens, train=TrainSettings(recall=recall, budget=budget), reorder=reorder
+    )
     path, plan = convert_checkpoint(
-        source, output, outtype=outtype, dense=dense, predictors=predictors, force=force, progress=not quiet
+        source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,
+        force=force, progress=not quiet,
     )
     if not quiet:
         layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
         click.echo(
             f"wrote {layout} {plan.architecture} model, {len(plan.tensors)} tensors, {outtype}: {path}", err=True
         )
-        for note in _powerinfer_runtime_notes(plan, predictors is not None):
+        for note in _powerinfer_runtime_notes(plan, plan.sparse_threshold is not None):
             click.echo(f"note: {note}", err=True)
     click.echo(str(path))

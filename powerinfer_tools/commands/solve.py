@@ -18,9 +18,21 @@ from ..errors import PitoolsError
 from ..fileio import check_writable_output
 from ..formats.gpu_split import GpuSplit, write_gpu_split
 from ..solver import ilp
-from ..solver.hardware import DEFAULT_PRESET, PRESETS, load_profile, probe_profile, save_profile
+from ..solver.hardware import (
+    DEFAULT_PRESET,
+    PRESETS,
+    load_profile,
+    probe_profile,
+    save_profile,
+)
 from ..solver.ilp import OBJECTIVES, SOLVERS, SolveReport
-from ..solver.problem import DEFAULT_RESERVE_BYTES, STATS_KEYS, PlacementProblem, problem_from_stats
+from ..solver.model_stats import read_model_stats
+from ..solver.problem import (
+    DEFAULT_RESERVE_BYTES,
+    STATS_KEYS,
+    PlacementProblem,
+    problem_from_stats,
+)
 from ..solver.summary import summary_dict, summary_text
 from ..solver.units import format_size, parse_size
 
@@ -41,11 +53,6 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
     if missing:
         raise PitoolsError(f"{path}: stats file lacks {', '.join(missing)}; it needs {', '.join(STATS_KEYS)}")
     return {key: stats[key] for key in STATS_KEYS}
-
-
-def read_model_stats(model: Path) -> dict[str, np.ndarray]:
-    """The same arrays, from a PowerInfer model file and its neuron profile."""
-    raise PitoolsError(f"{model}: solving from a model file is not wired yet; pass --stats FILE.npz")
 
 
 def split_file(problem: PlacementProblem, report: SolveReport) -> GpuSplit:

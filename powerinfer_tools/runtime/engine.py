@@ -22,6 +22,9 @@ from .ffn import FFNMode, FFNPartition, Predictor
 from .quant import QuantMatrix
 
 
+_UNBUILT = object()  # RuntimeModel._decoder before its first use
+
+
 @dataclass
 class Norm:
     weight: np.ndarray
@@ -108,7 +111,9 @@ class RuntimeModel:
         self.mode = FFNMode.DENSE
         self.stats = TokenStats()
         self.static_bytes = sum(m.nbytes for m in self._dense_matrices())
+        self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
+        self._decoder = _UNBUILT
 
     @property
     def has_predictors(self) -> bool:
@@ -125,7 +130,7 @@ class RuntimeModel:
 
     def step_fn(self):
         caches = self.new_cache()
-        return lambda tokens: self.forward(tokens, caches)[-1]
+        return lambda tokens: self.forward(tokens, caches, all_logits=False)[-1]
 
     # -- forward --------------------------------------------------------------
 
@@ -134,8 +139,12 @@ class RuntimeModel:
             return rms_norm(x, norm.weight, self.spec.norm_eps)
         return layer_norm(x, norm.weight, norm.bias, self.spec.norm_eps)
 
-    def forward(self, tokens: np.ndarray, caches: list[KVCache]) -> np.ndarray:
-        """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold."""
+    def forward(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool = True) -> np.ndarray:
+        """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold.
+
+        With ``all_logits=False`` only the last token's, ``[1, vocab]``: generation needs no more,
+        and the output projection of a whole prompt costs as much as a layer.
+        """
         s = self.spec
         start = caches[0].length
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
@@ -145,17 +154,35 @@ class RuntimeModel:
         if s.rope_theta is not None:
             rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta, s.rope_scaling_factor, np.float32)
         where = self.host
-        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)
-        for layer, cache in zip(self.layers, caches):
-            backend = layer.dense.backend
-            x = move(x, where, backend)
-            where = backend
-            x = self._layer(layer, x, cache, start, rope, step)
-        x = move(x, where, self.host)
+        sparse = self.mode is FFNMode.SPARSE
+        step = TokenStats(steps=1, tokens=len(tokens),
+                          bytes_read=self.static_bytes + (self.predictor_bytes if sparse else 0))
+        decoder = self._cpu_decoder()
+        if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
+            x = decoder.forward(x, caches, sparse, step)
+        else:
+            for layer, cache in zip(self.layers, caches):
+                backend = layer.dense.backend
+                x = move(x, where, backend)
+                where = backend
+                x = self._layer(layer, x, cache, start, rope, step)
+        x = move(x if all_logits else x[-1:], where, self.host)
         if self.output_norm is not None:
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
         return self.host.matmul(self.output, x)
+
+    def _cpu_decoder(self):
+        """The compiled one-token path (``decode.CpuDecoder``), built on first use; None when this model
+        or machine cannot use it (then every step takes ``_layer``)."""
+        if self._decoder is _UNBUILT:
+            try:
+                from .decode import CpuDecoder
+            except ImportError:  # numba missing: the kernels fall back to NumPy as well
+                self._decoder = None
+            else:
+                self._decoder = CpuDecoder.build(self)
+        return self._decoder
 
     def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
         s, d = self.spec, layer.dense
@@ -164,7 +191,7 @@ class RuntimeModel:
         attn = self._attention(d, h, cache, start, rope)
         x = x + attn if pre_norm else self._norm(d.attn_norm, x + attn)
         h = self._norm(d.ffn_norm, x) if pre_norm else x
-        out = self._ffn(layer, h, step)
+        out = self._ffn(layer, h, x, step)
         if "down" in d.biases:
             out = out + d.biases["down"]
         return x + out if pre_norm else self._norm(d.ffn_norm, x + out)
@@ -193,15 +220,19 @@ class RuntimeModel:
 
     # -- FFN --------------------------------------------------------------------
 
-    def _select(self, layer: RuntimeLayer, h):
-        """Which neurons to compute: (active global ids, per-token mask over them or None)."""
+    def _select(self, layer: RuntimeLayer, h, residual):
+        """Which neurons to compute: (active global ids, per-token mask over them or None).
+
+        The predictor reads ``residual``, the stream entering the FFN block before its
+        norm, as PowerInfer's runtime feeds it (``ffn_inp``).
+        """
         if self.mode is FFNMode.DENSE:
             return np.arange(layer.d_ff), None
         if self.mode is FFNMode.SPARSE:
             predictor = layer.dense.predictor
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
-            chosen = predictor(h)
+            chosen = predictor(residual)
         else:
             chosen = self._firing(layer, h)
         chosen = move(chosen, layer.dense.backend, self.host)
@@ -217,9 +248,9 @@ class RuntimeModel:
             fired[:, p.neurons] = act != 0
         return fired
 
-    def _ffn(self, layer: RuntimeLayer, h, step: TokenStats):
+    def _ffn(self, layer: RuntimeLayer, h, residual, step: TokenStats):
         home = layer.dense.backend
-        active, mask = self._select(layer, h)
+        active, mask = self._select(layer, h, residual)
         n_tokens = h.shape[0]
         step.neurons_total += layer.d_ff * n_tokens
         work = []

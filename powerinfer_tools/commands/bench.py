@@ -1,0 +1,78 @@
+"""``pitools bench``: tokens/s of our runtime against llama.cpp on the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..bench import DENSE, LLAMA_CPP, SPARSE, BenchSettings, format_report, measure_bandwidth, report, run_bench
+from ..errors import PitoolsError
+from ..solver.hardware import load_profile
+from ..synth import dense_companion
+
+_DEFAULTS = BenchSettings()
+
+
+@click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option("--baseline", type=click.Choice([LLAMA_CPP, "none"]), default=LLAMA_CPP, show_default=True,
+              help="Engine to compare against.")
+@click.option("--baseline-model", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Dense GGUF of the same weights for llama.cpp [default: beside MODEL, as `pitools synth` "
+                   "writes it: m.powerinfer.gguf -> m.gguf].")
+@click.option("-n", "--generate", type=click.IntRange(min=1), default=_DEFAULTS.generate, show_default=True,
+              help="Decoding steps per run.")
+@click.option("-p", "--prompt-tokens", type=click.IntRange(min=1), default=_DEFAULTS.prompt_tokens,
+              show_default=True, help="Prompt length.")
+@click.option("--runs", type=click.IntRange(min=1), default=_DEFAULTS.runs, show_default=True,
+              help="Measured runs per engine (after one warm-up); medians are reported.")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=_DEFAULTS.threads, show_default=True)
+@click.option("--mode", "modes", type=click.Choice([SPARSE, DENSE]), multiple=True,
+              help="Our runtime's FFN modes to run (repeatable) [default: both].")
+@click.option("--hardware", default=None,
+              help="Hardware profile whose CPU bandwidth to use (a `pitools probe` output); default: probe now.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, modes, hardware, as_json,
+          quiet) -> None:
+    """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp.
+
+    Each engine runs in its own process; they take turns, one run each per
+    round, for --runs rounds after a warm-up. A run processes a prompt of
+    --prompt-tokens tokens of the bundled held-out text in one block, then
+    decodes the --generate tokens that follow it one at a time (the same
+    tokens for every engine). Printed per engine: prompt and generation
+    tokens/s, weight bytes read per generated token, the bandwidth that
+    implies and its fraction of the probed memory bandwidth, the fraction of
+    FFN neurons computed, and peak RSS against the target (model file + KV
+    cache + 15%). Then the ratios to llama.cpp (medians of per-round
+    ratios), under the JSON keys sparse_vs_llamacpp_generation,
+    dense_vs_llamacpp_generation and sparse_vs_llamacpp_prompt.
+
+    Workers run with OMP_WAIT_POLICY=passive (unless set) and --threads for
+    OpenMP, OpenBLAS, numba and llama.cpp.
+
+    \b
+    Examples:
+      pitools synth --shape tinyllama-1.1b -o /tmp/tl.powerinfer.gguf
+      pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
+    """
+    settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads)
+    if baseline == "none":
+        baseline_model = None
+    elif baseline_model is None:
+        baseline_model = dense_companion(model)
+        if not baseline_model.is_file():
+            raise PitoolsError(f"no dense GGUF for llama.cpp at {baseline_model}; give --baseline-model FILE.gguf "
+                               "(or --baseline none)")
+    log = (lambda message: None) if quiet else (lambda message: click.echo(message, err=True))
+    if hardware is not None:
+        bandwidth = load_profile(hardware).cpu_bandwidth_gbs
+    else:
+        log("probing memory bandwidth ...")
+        bandwidth = measure_bandwidth(threads)
+    results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log)
+    rep = report(results, settings, bandwidth)
+    click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))

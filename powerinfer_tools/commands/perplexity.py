@@ -1,0 +1,57 @@
+"""``pitools perplexity``: language-model perplexity on a corpus, dense or with sparse FFNs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..bundled import BUNDLED_MODEL
+from ..errors import PitoolsError
+from ..perplexity import MODES, format_result, oracle_chooser, predictor_chooser
+from ..perplexity import perplexity as measure
+from ..predictors import load_predictors
+from .profile import corpus_options, load_model_and_corpus
+
+
+@click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", default=str(BUNDLED_MODEL), required=False)
+@corpus_options
+@click.option("--sparse", "mode", type=click.Choice(MODES), default="dense", show_default=True,
+              help="dense: every neuron; oracle: only the neurons that truly fire; "
+                   "predicted: only those the --predictors select.")
+@click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
+               as_json, quiet) -> None:
+    """Perplexity of MODEL on a corpus with the NumPy reference engine.
+
+    MODEL is a checkpoint folder or hub id (default: the bundled tiny ReLU
+    LLaMA, on its held-out text). The corpus is read in windows of --seq-len
+    tokens, each with a fresh cache; every token after the first is scored once.
+    With --sparse oracle or predicted, the fraction of FFN neurons computed
+    and the recall (share of truly firing neurons computed) are reported too.
+
+    \b
+    Examples:
+      pitools perplexity --tokens 20000
+      pitools perplexity --sparse predicted --predictors pred --skip-tokens 40000
+    """
+    if (mode == "predicted") != (predictor_dir is not None):
+        raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
+    loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
+    choose = None
+    if mode == "oracle":
+        choose = oracle_chooser(loaded.model)
+    elif mode == "predicted":
+        threshold, layers = load_predictors(predictor_dir)
+        spec = loaded.model.spec
+        if len(layers) != spec.n_layers or layers[0][0].shape[1] != spec.d_model or layers[0][1].shape[0] != spec.d_ff:
+            raise PitoolsError(f"{predictor_dir}: predictors do not fit this model "
+                               f"({spec.n_layers} layers, d_model {spec.d_model}, d_ff {spec.d_ff})")
+        choose = predictor_chooser(loaded.model, threshold, layers)
+    result = measure(loaded.model, loaded.tokens, loaded.seq_len, mode, choose, progress=not quiet)
+    click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))

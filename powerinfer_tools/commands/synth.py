@@ -1,0 +1,71 @@
+"""``pitools synth``: a synthetic ReLU model of a real architecture's shape, for benchmarks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..formats.quantization import OUTTYPES
+from ..synth import SHAPES, Planting, synthesize
+
+_DEFAULTS = Planting()
+
+
+@click.command("synth", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--shape", type=click.Choice(list(SHAPES)), required=True, help="Architecture shape to copy.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="PowerInfer GGUF to write (name it *.powerinfer.gguf: the dense file is then *.gguf).")
+@click.option("--density", type=float, default=_DEFAULTS.density, show_default=True,
+              help="Mean fraction of FFN neurons that fire per token.")
+@click.option("--outtype", type=click.Choice(list(OUTTYPES)), default="q4_0", show_default=True)
+@click.option("--rank", type=click.IntRange(min=1), default=_DEFAULTS.rank, show_default=True,
+              help="Latent dimensions that decide which neurons fire (what the predictors must learn).")
+@click.option("--noise", type=click.FloatRange(0, 1, max_open=True), default=_DEFAULTS.noise, show_default=True,
+              help="Share of a gate pre-activation outside the latent space (harder to predict).")
+@click.option("--profile-tokens", type=click.IntRange(min=64), default=4096, show_default=True,
+              help="Tokens profiled for predictor training.")
+@click.option("--seed", default=_DEFAULTS.seed, show_default=True)
+@click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for the f16 checkpoint, profile and predictors [default: OUTPUT.work].")
+@click.option("--keep-work", is_flag=True, help="Keep the work folder instead of deleting it at the end.")
+@click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def synth(shape, output, density, outtype, rank, noise, profile_tokens, seed, work, keep_work, force, as_json,
+          quiet) -> None:
+    """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
+
+    Random weights, but the FFN neurons fire with planted power-law
+    frequencies (about --density of them per token, a minority of hot
+    neurons carrying most firings, as in real profiles), so a token costs
+    what it costs in a real model of that shape. Our own pipeline then
+    profiles it, trains its predictors and converts it twice: OUTPUT, a
+    PowerInfer GGUF with the predictors, and beside it a dense GGUF of the
+    same weights that llama.cpp loads (the baseline of `pitools bench`).
+    The vocabulary is the bundled 4096-token tokenizer padded with unused
+    tokens to the shape's size (32000 for the LLaMA shapes). See
+    powerinfer_tools/synth.py for the construction.
+
+    \b
+    Examples:
+      pitools synth --shape tinyllama-1.1b --density 0.1 -o /tmp/tl.powerinfer.gguf
+      pitools bench /tmp/tl.powerinfer.gguf
+    """
+    planting = Planting(density=density, rank=rank, noise=noise, seed=seed)
+    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, work=work,
+                        keep_work=keep_work, force=force, progress=not quiet)
+    summary = result.summary()
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    hidden = summary["predictor_hidden"]
+    click.echo(
+        f"wrote {summary['powerinfer']} (PowerInfer, with predictors) and {summary['dense']} (dense)\n"
+        f"firing density: planted {summary['planted_density']:.3f}, profiled {summary['profiled_density']:.3f}; "
+        f"hot neurons carrying 80% of firings: {summary['profiled_hot80']:.1%}\n"
+        f"predictors: hidden {min(hidden)}-{max(hidden)}, worst layer recall {summary['predictor_recall']:.1%} "
+        f"and precision {summary['predictor_precision']:.1%}, computing {summary['predicted_density']:.1%} "
+        "of the neurons on held-out tokens"
+    )

@@ -1,0 +1,76 @@
+"""``pitools train-predictors``: train each layer's neuron predictor from a profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .. import predictors
+from ..errors import PitoolsError
+from ..predictors import TrainSettings, format_predictor_report, predictor_report, read_predictors
+
+_DEFAULTS = TrainSettings()
+
+
+@click.command("train-predictors", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("profile_dir", metavar="DIR", required=False,
+                type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Predictor folder to write (or resume).")
+@click.option("--recall", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=_DEFAULTS.recall,
+              show_default=True, help="Held-out recall every layer's predictor must reach.")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=_DEFAULTS.budget, show_default=True,
+              help="Size of all predictors together, as a fraction of the FFN weights.")
+@click.option("--min-precision", type=click.FloatRange(0, 1), default=_DEFAULTS.min_precision, show_default=True,
+              help="Precision a hidden size must also reach to be chosen over the next larger one.")
+@click.option("--epochs", type=click.IntRange(min=1), default=_DEFAULTS.epochs, show_default=True,
+              help="Epochs over the training pairs per candidate size (more when recall is short).")
+@click.option("--seed", default=_DEFAULTS.seed, show_default=True, help="Seed for initial weights and batch order.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="cuda trains with CuPy on the GPU; auto uses it when present.")
+@click.option("--force", is_flag=True, help="Start over even if the output folder holds predictors.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Only report on this existing predictor folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def train_predictors(profile_dir, output, recall, budget, min_precision, epochs, seed, device, force,
+                             report_dir, as_json, quiet) -> None:
+    """Train the neuron predictors of a profiled model.
+
+    DIR is a finished `pitools profile` folder. For every layer an MLP
+    fc2·relu(fc1·x) learns from the profile's (FFN input, fired mask) pairs
+    which neurons fire; a neuron counts as predicted when its output is >= 0,
+    the rule of PowerInfer's runtime. Each layer gets the smallest hidden size
+    of a ladder (8, 12, 16, 24, 32, 48, ...) that reaches --recall on held-out
+    pairs at --min-precision, within what is left of --budget; easy layers
+    leave budget to harder ones. Written after every layer: run the same
+    command again after an interruption and it resumes.
+
+    The folder holds predictors.safetensors (blk.N.fc1.weight, blk.N.fc2.weight)
+    and predictors.json; `pitools convert --predictors` reads it. The report
+    (also with --report PRED alone) shows per layer the hidden size, recall,
+    precision, the fraction of neurons computed against the fraction firing,
+    and bytes.
+
+    \b
+    Examples:
+      pitools train-predictors prof -o pred
+      pitools train-predictors prof -o pred --recall 0.97 --budget 0.15
+      pitools train-predictors --report pred --json
+    """
+    if report_dir is None:
+        if profile_dir is None or output is None:
+            raise PitoolsError("give a profile DIR and -o PRED to train, or --report PRED to report on predictors")
+        settings = TrainSettings(recall=recall, budget=budget, min_precision=min_precision, epochs=epochs, seed=seed)
+        try:
+            meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,
+                                               progress=not quiet)
+        except KeyboardInterrupt:
+            raise PitoolsError(f"interrupted; run the same command again to resume after the last layer "
+                               f"saved in {output}") from None
+    else:
+        meta = read_predictors(report_dir, require_complete=False).meta
+    report = predictor_report(meta)
+    click.echo(json.dumps(report, indent=2) if as_json else format_predictor_report(report))

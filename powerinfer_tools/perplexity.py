@@ -1,0 +1,144 @@
+"""Perplexity of the reference engine, dense or computing only some FFN neurons.
+
+Sparse modes restrict each FFN through the engine's ``neuron_selector``:
+``oracle`` computes exactly the neurons that fire (so it must equal dense up to
+rounding), ``predicted`` the neurons the trained predictors select, as the
+sparse runtime would. Both also measure, per layer, the fraction of neurons
+computed and the recall: of the neurons that truly fire, the share computed.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from tqdm import tqdm
+
+from .models import DecoderModel
+from .models.layers import activate, linear
+from .predictors import predict
+from .profiling import predictor_input
+
+MODES = ("dense", "oracle", "predicted")
+
+
+def true_fired(model: DecoderModel, layer: int, x: np.ndarray) -> np.ndarray:
+    """Which neurons of ``layer`` fire on FFN inputs ``x [T, d_model]`` (non-zero activated value)."""
+    w = model.blocks[layer].ffn
+    gate_pre = linear(x, w.gate, w.gate_bias) if w.gate is not None else None
+    return activate(model.spec.ffn, gate_pre, linear(x, w.up, w.up_bias)) != 0
+
+
+@dataclass
+class SelectionMeter:
+    """Per layer: (token, neuron) pairs seen, computed, truly firing, and both."""
+
+    seen: np.ndarray
+    computed: np.ndarray
+    fired: np.ndarray
+    hit: np.ndarray
+
+    @classmethod
+    def zeros(cls, n_layers: int) -> SelectionMeter:
+        return cls(*(np.zeros(n_layers, np.int64) for _ in range(4)))
+
+    def add(self, layer: int, selected: np.ndarray, fired: np.ndarray) -> None:
+        self.seen[layer] += selected.size
+        self.computed[layer] += int(selected.sum())
+        self.fired[layer] += int(fired.sum())
+        self.hit[layer] += int((selected & fired).sum())
+
+    def summary(self) -> dict:
+        def ratio(a, b):
+            return float(a.sum() / max(b.sum(), 1))
+
+        return {
+            "computed_density": ratio(self.computed, self.seen),
+            "fired_density": ratio(self.fired, self.seen),
+            "recall": ratio(self.hit, self.fired),
+            "layers": [
+                {"layer": i, "computed_density": ratio(self.computed[i], self.seen[i]),
+                 "fired_density": ratio(self.fired[i], self.seen[i]), "recall": ratio(self.hit[i], self.fired[i])}
+                for i in range(len(self.seen))
+            ],
+        }
+
+
+Chooser = Callable[[int, np.ndarray], np.ndarray]  # (layer, ffn_input) -> neurons to compute
+
+
+def oracle_chooser(model: DecoderModel) -> Chooser:
+    return lambda layer, x: true_fired(model, layer, x)
+
+
+def predictor_chooser(model: DecoderModel, threshold: float,
+                      predictors: list[tuple[np.ndarray, np.ndarray]]) -> Chooser:
+    def choose(layer: int, x: np.ndarray) -> np.ndarray:
+        fc1, fc2 = predictors[layer]
+        return predict(np, fc1, fc2, predictor_input(model, layer, x), threshold)
+
+    return choose
+
+
+def metered_selector(model: DecoderModel, choose: Chooser, meter: SelectionMeter):
+    """A ``neuron_selector`` that applies ``choose`` and records how it compares with the true firing."""
+
+    def select(layer: int, x: np.ndarray) -> np.ndarray:
+        selected = choose(layer, x)
+        meter.add(layer, selected, true_fired(model, layer, x))
+        return selected
+
+    return select
+
+
+@dataclass
+class PerplexityResult:
+    mode: str
+    perplexity: float
+    mean_nll: float
+    scored_tokens: int
+    selection: dict | None = None  # SelectionMeter.summary() in the sparse modes
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "perplexity": self.perplexity, "mean_nll": self.mean_nll,
+                "scored_tokens": self.scored_tokens, "selection": self.selection}
+
+
+def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str = "dense",
+               choose: Chooser | None = None, progress: bool = True) -> PerplexityResult:
+    """exp(mean next-token NLL) over windows of ``seq_len`` inputs, each starting with an empty cache.
+
+    Window ``k`` reads tokens ``k·L .. k·L+L-1`` and is scored on the tokens one
+    further on, so every token but the first is scored exactly once.
+    """
+    meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
+    model.neuron_selector = metered_selector(model, choose, meter) if choose is not None else None
+    total_nll, scored = 0.0, 0
+    bar = tqdm(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", file=sys.stderr,
+               disable=not progress, dynamic_ncols=True)
+    try:
+        with bar:
+            for start in range(0, len(tokens) - 1, seq_len):
+                targets = tokens[start + 1 : start + seq_len + 1]
+                logits = model.forward(tokens[start : start + len(targets)], model.new_cache()).astype(np.float64)
+                peak = logits.max(axis=1, keepdims=True)
+                log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+                total_nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
+                scored += len(targets)
+                bar.update(len(targets))
+    finally:
+        model.neuron_selector = None
+    mean = total_nll / scored
+    return PerplexityResult(mode, math.exp(mean), mean, scored, meter.summary() if meter is not None else None)
+
+
+def format_result(result: PerplexityResult) -> str:
+    text = f"perplexity {result.perplexity:.4f} ({result.mode}) over {result.scored_tokens} tokens"
+    if result.selection is not None:
+        s = result.selection
+        text += (f"; computed {s['computed_density']:.1%} of FFN neurons, {s['fired_density']:.1%} fire, "
+                 f"recall {s['recall']:.2%}")
+    return text

@@ -1,0 +1,324 @@
+"""One-token decoding on the CPU in compiled code: a whole layer per call.
+
+The general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
+calls, about half a millisecond of Python per layer: for a 22-layer model more than llama.cpp
+needs for the whole token. For the common case -- one token, every layer on the CPU, a LLaMA-family
+block (RMSNorm, RoPE, gated FFN, no biases) in dense or predicted-sparse mode -- ``CpuDecoder``
+runs each layer as one numba call. That call uses the compiled kernels for the products
+(``numba_kernels.dot_rows`` over weight rows, ``axpy_rows`` over ``ffn_down_t`` rows) and compiled
+loops for the small work between them (norms, RoPE, attention over the KV cache, the predictor,
+the activation). It computes what the general path computes, up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange, types
+from numba.experimental import structref
+
+from .. import kernels
+from ..kernels import numba_kernels as nk
+from ..kernels.numba_kernels import PREFETCH_ROWS, _from_float, _prefetch_span, _vec_dot  # building blocks
+from ..models.layers import KVCache
+from ..models.spec import FFNKind, ModelSpec, NormKind
+from .ffn import FFNMode
+from .quant import QuantMatrix
+
+# FFN kinds as integers for the compiled code.
+_KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
+
+
+def _struct(name: str, fields: list[str]):
+    """A numba StructRef class: passed to compiled code as one pointer (a namedtuple of arrays costs
+    ~20 us per call to type-check, more than the layer's work on a small model)."""
+
+    class StructType(types.StructRef):
+        def preprocess_fields(self, fields):
+            return tuple((n, types.unliteral(t)) for n, t in fields)
+
+    StructType.__name__ = f"{name}Type"
+    structref.register(StructType)
+    proxy = type(name, (structref.StructRefProxy,), {})
+    structref.define_proxy(proxy, StructType, fields)
+    return proxy
+
+
+# One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8) plus its ggml type id.
+# Matrices that share an input share a type (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up),
+# so the input is encoded once for them (``CpuDecoder.build`` checks).
+LayerWeights = _struct("LayerWeights", [
+    "attn_norm", "wq", "wk", "wv", "wo", "attn_type",
+    "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc2", "threshold",
+])
+# Buffers reused by every layer and step.
+Scratch = _struct("Scratch", [
+    "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
+    "all_rows",
+])
+
+
+def _bytes(m: QuantMatrix) -> np.ndarray:
+    """The weights as the kernels take them: a read-only uint8 [rows, row_bytes] view (one compiled type)."""
+    data = np.ascontiguousarray(np.asarray(m.data)).view(np.uint8)
+    data.flags.writeable = False
+    return data
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _rms_norm(x, weight, eps, out):
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += x[i] * x[i]
+    scale = np.float32(1.0 / math.sqrt(total / x.shape[0] + eps))
+    for i in range(x.shape[0]):
+        out[i] = x[i] * scale * weight[i]
+
+
+# --- products: each parallel loop is one fork/join of the thread pool, which costs more than a small
+# matrix's work when the other core is busy, so the loops are fused where their inputs allow.
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _qkv(vec_dot, wq, wk, wv, x_encoded, cols, q, k, v):
+    """``q, k, v = Wq·x, Wk·x, Wv·x`` in one parallel loop over the rows of all three (same weight type)."""
+    n_q, n_kv, row_bytes = wq.shape[0], wk.shape[0], wq.strides[0]
+    xe = x_encoded.ctypes.data
+    for i in prange(n_q + 2 * n_kv):
+        if i < n_q:
+            _vec_dot(vec_dot, cols, q.ctypes.data + 4 * i, wq.ctypes.data + i * row_bytes, xe)
+        elif i < n_q + n_kv:
+            j = i - n_q
+            _vec_dot(vec_dot, cols, k.ctypes.data + 4 * j, wk.ctypes.data + j * row_bytes, xe)
+        else:
+            j = i - n_q - n_kv
+            _vec_dot(vec_dot, cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * row_bytes, xe)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _matvec(vec_dot, w, x_encoded, cols, out):
+    """``out = W · x`` over all rows of ``w``."""
+    for i in prange(w.shape[0]):
+        _vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _gate_up(vec_dot, gate, up, rows, x_encoded, cols, kind, gate_out, up_out, act):
+    """``act[i]`` = the activated value of neuron ``rows[i]`` from its gate and up rows, in one loop."""
+    n, row_bytes, xe = rows.shape[0], gate.strides[0], x_encoded.ctypes.data
+    for i in prange(n):
+        if i + PREFETCH_ROWS < n:  # scattered rows: the hardware prefetcher cannot guess the next one
+            ahead = rows[i + PREFETCH_ROWS] * row_bytes
+            _prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            _prefetch_span(up.ctypes.data + ahead, row_bytes)
+        row = rows[i] * row_bytes
+        _vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * i, gate.ctypes.data + row, xe)
+        _vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * i, up.ctypes.data + row, xe)
+        g, u = gate_out[i], up_out[i]
+        if kind == 0:  # ReGLU
+            act[i] = max(g, 0.0) * u
+        elif kind == 1:  # dReLU
+            act[i] = max(g, 0.0) * max(u, 0.0)
+        else:  # SwiGLU
+            act[i] = g / (1.0 + math.exp(-g)) * u
+
+
+# --- the small work between the products
+
+
+@njit(nogil=True, cache=True)
+def _rope(x, n_heads, head_dim, cos, sin):
+    """Rotate pairs (2i, 2i+1) of every head, as ggml's normal rope mode (``apply_rope_adjacent``)."""
+    for h in range(n_heads):
+        base = h * head_dim
+        for i in range(head_dim // 2):
+            even, odd = x[base + 2 * i], x[base + 2 * i + 1]
+            x[base + 2 * i] = even * cos[i] - odd * sin[i]
+            x[base + 2 * i + 1] = even * sin[i] + odd * cos[i]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _attend(q, keys, values, first, last, n_heads, scores, out):
+    """Causal attention of one query at position ``last`` over cached positions ``first .. last``."""
+    head_dim = keys.shape[2]
+    group = n_heads // keys.shape[1]
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    for h in prange(n_heads):
+        kv = h // group
+        q_h, score = q[h * head_dim : (h + 1) * head_dim], scores[h]
+        top = np.float32(-np.inf)
+        for s in range(first, last + 1):
+            total = np.float32(0.0)
+            for j in range(head_dim):
+                total += q_h[j] * keys[s, kv, j]
+            score[s] = total * scale
+            top = max(top, score[s])
+        norm = np.float32(0.0)
+        for s in range(first, last + 1):
+            score[s] = math.exp(score[s] - top)
+            norm += score[s]
+        o = out[h * head_dim : (h + 1) * head_dim]
+        o[:] = 0.0
+        for s in range(first, last + 1):
+            weight = score[s] / norm
+            for j in range(head_dim):
+                o[j] += weight * values[s, kv, j]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _predict(x, fc1, fc2, threshold, hidden, active):
+    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` exceeds ``threshold``, into ``active``;
+    returns their count. Serial: with a small hidden size it is cheaper than a fork/join."""
+    for i in range(fc1.shape[0]):
+        total = np.float32(0.0)
+        for j in range(x.shape[0]):
+            total += fc1[i, j] * x[j]
+        hidden[i] = max(total, 0.0)
+    n = 0
+    for neuron in range(fc2.shape[0]):
+        total = np.float32(0.0)
+        for i in range(fc1.shape[0]):
+            total += fc2[neuron, i] * hidden[i]
+        if total > threshold:
+            active[n] = neuron
+            n += 1
+    return n
+
+
+@njit(nogil=True, cache=True)
+def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
+    """One layer for one token at position ``pos``: updates the residual ``x`` in place, writes this
+    token's key and value into ``keys[pos]`` / ``values[pos]``; returns the number of neurons computed."""
+    n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
+    _rms_norm(x, w.attn_norm, eps, s.h)
+    _from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
+    _rope(s.q, n_heads, head_dim, cos, sin)
+    _rope(s.k, n_kv_heads, head_dim, cos, sin)
+    keys[pos] = s.k.reshape((n_kv_heads, head_dim))
+    values[pos] = s.v.reshape((n_kv_heads, head_dim))
+    _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
+    _from_float(fns[w.attn_type, 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
+    _matvec(fns[w.attn_type, 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+    x += s.o
+
+    _rms_norm(x, w.ffn_norm, eps, s.h)
+    if sparse:  # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
+        n = _predict(x, w.fc1, w.fc2, w.threshold, s.hidden, s.active)
+        rows = s.active[:n]
+    else:
+        n = w.up.shape[0]
+        rows = s.all_rows[:n]
+    act = s.act[:n]
+    _from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, s.x_encoded, d_model, kind, s.gate_out, s.up_out, act)
+    if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
+        nk.axpy_rows(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
+    else:  # a dense file's ffn_down [d_model, d_ff]: dense mode only
+        _from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
+        _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
+        x += s.o
+    return n
+
+
+@dataclass
+class CpuDecoder:
+    """The compiled one-token path for a model whose every layer runs on the CPU; see the module doc."""
+
+    spec: ModelSpec
+    layers: list[LayerWeights]
+    bytes_per_neuron: list[int]  # per layer: gate, up and down bytes of one neuron (for TokenStats)
+    scratch: Scratch
+    fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
+    rope_frequencies: np.ndarray  # float64 [head_dim / 2]: angle per position of each rotated pair
+    max_context: int  # positions the scratch holds attention scores for
+
+    @classmethod
+    def build(cls, model) -> "CpuDecoder | None":
+        """The decoder for ``model`` (a ``RuntimeModel``), or None when the model needs the general path."""
+        s = model.spec
+        if (s.norm is not NormKind.RMS or not s.pre_norm or s.rope_theta is None or s.ffn not in _KINDS
+                or model.positions is not None or not kernels.available()
+                or not all(_supported(layer) for layer in model.layers)):
+            return None
+        ggml = kernels._backend()[1]  # noqa: SLF001 - the checked ggml routines the kernels call
+        matrices = [m for layer in model.layers for m in _layer_matrices(layer)]
+        fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
+        for m in matrices:
+            fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
+        encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
+        max_context = max(s.d_ff, s.max_positions)
+        hidden = max((layer.dense.predictor.fc1.shape[0] for layer in model.layers if layer.dense.predictor),
+                     default=1)
+        q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+        scratch = Scratch(
+            f32(s.d_model), f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
+            f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
+            np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores hidden
+            np.zeros(s.d_ff, np.intp), f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
+            np.arange(s.d_ff, dtype=np.intp),  # all_rows
+        )
+        inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
+        layers = [_layer_weights(layer) for layer in model.layers]
+        return cls(s, layers, [layer.partitions[0].bytes_per_neuron for layer in model.layers], scratch, fns,
+                   inv_freq / s.rope_scaling_factor, max_context)
+
+    def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
+        return (n_tokens == 1 and mode in (FFNMode.DENSE, FFNMode.SPARSE)
+                and caches[0].length < self.max_context)
+
+    def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
+        """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
+        s = self.spec
+        pos = caches[0].length
+        angles = pos * self.rope_frequencies  # as rope_tables computes them: float64, then float32
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        first = 0 if s.sliding_window is None else max(0, pos - s.sliding_window + 1)
+        threads = nk.use_threads(kernels.get_threads())
+        kind = _KINDS[s.ffn]
+        residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
+        zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
+        for w, bytes_per_neuron, cache in zip(self.layers, self.bytes_per_neuron, caches):
+            keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
+            cache.advance(1)
+            n = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                             s.norm_eps, kind, sparse, self.fns, threads)
+            step.neurons_total += s.d_ff
+            step.neurons_active += n
+            step.bytes_read += n * bytes_per_neuron
+        return residual[None]
+
+
+def _supported(layer) -> bool:
+    """Whether the compiled path computes this layer: all on the CPU, no biases, a gated FFN, and one
+    weight type for q/k/v/o and one for gate/up."""
+    d = layer.dense
+    if d.biases or d.backend.is_device or len(layer.partitions) != 1:
+        return False
+    p = layer.partitions[0]
+    return (not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
+            and len({d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype}) == 1 and p.gate.qtype == p.up.qtype
+            and (p.down_t is not None or p.down.cols == p.up.rows))
+
+
+def _layer_matrices(layer) -> list[QuantMatrix]:
+    d, p = layer.dense, layer.partitions[0]
+    return [d.wq, d.wk, d.wv, d.wo, p.gate, p.up, p.down_t if p.down_t is not None else p.down]
+
+
+def _layer_weights(layer) -> LayerWeights:
+    d, p = layer.dense, layer.partitions[0]
+    down = p.down_t if p.down_t is not None else p.down
+    predictor = d.predictor
+    no_predictor = np.zeros((1, 1), dtype=np.float32)
+    return LayerWeights(
+        d.attn_norm.weight, _bytes(d.wq), _bytes(d.wk), _bytes(d.wv), _bytes(d.wo), int(d.wq.qtype),
+        d.ffn_norm.weight, _bytes(p.gate), _bytes(p.up), int(p.gate.qtype),
+        _bytes(down), int(down.qtype), p.down_t is not None,
+        np.ascontiguousarray(predictor.fc1) if predictor is not None else no_predictor,
+        np.ascontiguousarray(predictor.fc2) if predictor is not None else no_predictor,
+        np.float32(predictor.threshold if predictor is not None else 0.0),
+    )

@@ -1,0 +1,83 @@
+"""The sparsity steps of ``pitools convert``: profile the model, train its predictors, order neurons.
+
+Both steps cache their results in a work folder beside the output
+(``<output>.work/profile`` and ``<output>.work/predictors``) and resume an
+interrupted run, so converting again after a crash, or in another output type,
+does not redo them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .corpus import read_tokens, resolve_source
+from .models import load_model
+from .predictors import TrainSettings, train_predictors
+from .profiling import Profiler, ProfileSettings, load_profile
+from .reorder import profile_permutations
+from .tokenizer import CheckpointTokenizer
+
+
+@dataclass(frozen=True)
+class SparsifySettings:
+    corpus: tuple[Path, ...] = ()  # default: the checkpoint folder's heldout.txt
+    tokens: int = 50_000
+    seq_len: int = 256
+    train: TrainSettings = field(default_factory=TrainSettings)
+    reorder: bool = True
+
+
+@dataclass(frozen=True)
+class SparsityArtifacts:
+    """What the converter writes into a PowerInfer file beyond the checkpoint's weights."""
+
+    predictors: Path  # predictor folder (formats/README.md)
+    frequencies: np.ndarray | None  # [n_layers, d_ff] firing probability per token, in the checkpoint's order
+    orders: list[np.ndarray] | None  # per layer: file neuron i is checkpoint neuron orders[l][i]
+
+
+def work_folder(output: Path) -> Path:
+    return output.with_name(output.name + ".work")
+
+
+def profile_checkpoint(folder: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
+    """Profile (or finish profiling) ``folder`` into ``profile_dir``."""
+    model = load_model(Checkpoint(folder))
+    spec = model.spec
+    source = resolve_source(settings.corpus, None, folder)
+    tokens = read_tokens(source, CheckpointTokenizer(folder, spec.bos_token_id, spec.eos_token_id), settings.tokens)
+    seq_len = min(settings.seq_len, spec.max_positions)
+    Profiler(model, str(folder), tokens, source.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
+        progress=progress
+    )
+
+
+def prepare_sparsity(
+    folder: Path,
+    work: Path,
+    settings: SparsifySettings,
+    profile_dir: Path | None = None,
+    predictors_dir: Path | None = None,
+    progress: bool = True,
+) -> SparsityArtifacts:
+    """Profile unless ``profile_dir`` is given, train predictors unless ``predictors_dir`` is given.
+
+    Given predictors alone (no profile), neurons keep their order and the file
+    carries no firing frequencies (``pitools solve`` then needs a profile).
+    """
+    if predictors_dir is not None and profile_dir is None:
+        return SparsityArtifacts(predictors_dir, None, None)
+    if profile_dir is None:
+        profile_dir = work / "profile"
+        profile_checkpoint(folder, profile_dir, settings, progress)
+    if predictors_dir is None:
+        predictors_dir = work / "predictors"
+        train_predictors(profile_dir, predictors_dir, settings.train, progress=progress)
+    meta, stats = load_profile(profile_dir, require_complete=True)
+    frequencies = stats.fire_count / max(int(meta["tokens"]), 1)
+    orders = profile_permutations(stats.fire_count) if settings.reorder else None
+    return SparsityArtifacts(predictors_dir, frequencies, orders)

@@ -1,0 +1,355 @@
+"""Synthetic ReLU-family models of real architectures' shapes, for benchmarking the runtime.
+
+``synthesize`` writes a LLaMA-layout ReGLU checkpoint with random weights whose FFN neurons fire
+with planted frequencies, then runs our own pipeline on it: profile, train predictors, convert to a
+PowerInfer GGUF, and convert the same weights to a dense GGUF that llama.cpp loads. Generation
+quality is irrelevant; what matters is that a token costs what it costs in a real model of that
+shape, with a realistic share and skew of active neurons.
+
+The construction. The residual stream is, at every layer, the token's embedding: attention and FFN
+outputs are scaled down (``RESIDUAL_STEP``) to about 1% of it, so the input of every FFN is
+``rms_norm(embedding)`` up to a small drift, and the profile can be computed from the construction
+(``PlantedActivations``) instead of by forward passes, which a 7B model in float32 would not fit in
+memory for. Each embedding row has RMS 1 and three orthogonal parts,
+
+    x = m·μ + k1·U s + k2·n
+
+a mean direction ``μ`` shared by all tokens (half the energy), a point ``s`` on the sphere of radius
+sqrt(r) of an r-dimensional latent subspace ``U`` (a quarter) and a random direction ``n``
+orthogonal to both (a quarter). Gate row i is
+
+    w_i = (c_i / m)·μ + (σ·sqrt(1-ν²) / k1)·U a_i + (σ·ν·sqrt(d') / k2)·z_i
+
+with unit ``a_i`` in the latent space and unit ``z_i`` in the d'-dimensional complement, so
+``w_i·x = c_i + σ·(sqrt(1-ν²)·a_i·s + ν·sqrt(d')·z_i·n)``: a per-neuron constant plus a roughly
+standard normal term per token. With ``c_i = σ·Φ⁻¹(p_i)`` neuron i fires (gate > 0) on a fraction
+p_i of tokens. The p_i follow a power law over neuron rank (``SKEW``) with mean ``density``, the
+shape of the profiles measured on real ReLU models (a minority of neurons carries most firings;
+``hot80`` in the report). ``ν`` (``noise``) is the share of a pre-activation that lies outside the
+latent space: a predictor with 2(r+1) hidden units represents the rest exactly (fc1 = ±[μ; Uᵀ]), so
+``rank`` and ``noise`` decide how large the trained predictors get.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from scipy.special import ndtri
+
+from .bundled import BUNDLED_MODEL
+from .checkpoint import Checkpoint
+from .convert import POWERINFER_SUFFIX, convert
+from .errors import PitoolsError
+from .fileio import check_writable_output
+from .models import spec_from_config
+from .models.layers import FFNTrace, activate, rms_norm
+from .predictors import TrainSettings, train_predictors
+from .profiling import Profiler, ProfileSettings, hot_fraction, write_report
+from .solver.units import format_size
+
+# Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
+# the residual stream by ~1% of its norm, so every FFN sees (almost exactly) the token's embedding.
+RESIDUAL_STEP = 0.01
+# Zipf exponent of firing frequency over neuron rank: 38% of neurons carry 80% of the firings, between
+# the 26% (OPT-30B) and 43% (LLaMA(ReGLU)-70B) that PowerInfer's paper reports.
+SKEW = 1.0
+P_MAX = 0.98  # the hottest neurons fire on (almost) every token, as in real profiles
+SIGMA = 1.0  # scale of the gate pre-activations
+# The mean direction lives on a few coordinates, as the "massive activations" of real models do. A
+# dense one made every hidden unit of the predictors die in their first Adam steps: the update moves
+# all weights along the shared direction at once.
+MEAN_SUPPORT = 32
+PROFILE_WINDOW = 1024  # tokens per profiling pass: bounds the activations held in memory
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a LLaMA-family architecture."""
+
+    d_model: int
+    d_ff: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int = 32000
+    context: int = 2048
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def n_params(self) -> int:
+        head_dim = self.d_model // self.n_heads
+        attention = 2 * self.d_model * self.d_model + 2 * self.d_model * self.n_kv_heads * head_dim
+        return self.n_layers * (attention + 3 * self.d_model * self.d_ff) + 2 * self.vocab_size * self.d_model
+
+
+SHAPES = {
+    "tinyllama-1.1b": Shape(2048, 5632, 22, 32, 4),
+    "llama-7b": Shape(4096, 11008, 32, 32, 32, context=4096),
+    "llama-13b": Shape(5120, 13824, 40, 40, 40, context=4096),
+    # For tests: the smallest shape the bundled tokenizer (4096 tokens) fits.
+    "test-tiny": Shape(64, 256, 2, 4, 2, vocab_size=4096, context=256),
+}
+
+
+@dataclass(frozen=True)
+class Planting:
+    density: float = 0.1  # mean fraction of FFN neurons that fire per token
+    rank: int = 8  # latent dimensions that decide which neurons fire
+    noise: float = 0.2  # share (std) of a gate pre-activation outside the latent space
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.density < P_MAX:
+            raise PitoolsError(f"--density must be in (0, {P_MAX}), got {self.density}")
+        if not 0 <= self.noise < 1:
+            raise PitoolsError(f"noise must be in [0, 1), got {self.noise}")
+
+    def rng(self, *stream: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *stream])
+
+
+def firing_frequencies(d_ff: int, density: float, rng: np.random.Generator) -> np.ndarray:
+    """Per-neuron firing probabilities, ``min(P_MAX, a·rank^-SKEW)`` with mean ``density``, shuffled."""
+    power = np.arange(1, d_ff + 1, dtype=np.float64) ** -SKEW
+    lo, hi = 0.0, P_MAX / power[-1]  # mean(min(P_MAX, a·power)) grows with a from 0 to P_MAX
+    for _ in range(100):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if np.minimum(P_MAX, a * power).mean() < density else (lo, a)
+    return rng.permutation(np.minimum(P_MAX, lo * power))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The residual stream's layout: a mean direction and a latent subspace, orthonormal."""
+
+    mean: np.ndarray  # [d] unit
+    latent: np.ndarray  # [d, r] orthonormal columns, orthogonal to mean
+
+    @classmethod
+    def random(cls, d_model: int, rank: int, rng: np.random.Generator) -> "Geometry":
+        mean = np.zeros(d_model)
+        support = rng.choice(d_model, min(MEAN_SUPPORT, d_model), replace=False)
+        mean[support] = rng.choice([-1.0, 1.0], len(support)) / np.sqrt(len(support))
+        q, _ = np.linalg.qr(np.column_stack([mean, rng.standard_normal((d_model, rank))]))
+        return cls(mean, q[:, 1:])
+
+    @property
+    def d_model(self) -> int:
+        return len(self.mean)
+
+    @property
+    def rank(self) -> int:
+        return self.latent.shape[1]
+
+    # Norms of the three parts of an embedding row: energies d/2, d/4, d/4, so its RMS is 1.
+    @property
+    def m(self) -> float:
+        return np.sqrt(self.d_model / 2)
+
+    @property
+    def k1(self) -> float:
+        return np.sqrt(self.d_model / 4 / self.rank)
+
+    @property
+    def k2(self) -> float:
+        return np.sqrt(self.d_model / 4)
+
+    def orthogonal_units(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """``n`` random unit rows orthogonal to the mean and the latent space."""
+        v = rng.standard_normal((n, self.d_model))
+        v -= np.outer(v @ self.mean, self.mean) + (v @ self.latent) @ self.latent.T
+        return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    def embeddings(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        s = rng.standard_normal((n, self.rank))
+        s *= np.sqrt(self.rank) / np.linalg.norm(s, axis=1, keepdims=True)
+        return self.m * self.mean + self.k1 * s @ self.latent.T + self.k2 * self.orthogonal_units(n, rng)
+
+    def gate(self, p: np.ndarray, noise: float, rng: np.random.Generator) -> np.ndarray:
+        """Gate rows that fire with probabilities ``p`` on embeddings of this geometry."""
+        a = rng.standard_normal((len(p), self.rank))
+        a /= np.linalg.norm(a, axis=1, keepdims=True)
+        complement = self.d_model - self.rank - 1
+        c = SIGMA * ndtri(p)
+        return (np.outer(c / self.m, self.mean)
+                + (SIGMA * np.sqrt(1 - noise**2) / self.k1) * a @ self.latent.T
+                + (SIGMA * noise * np.sqrt(complement) / self.k2) * self.orthogonal_units(len(p), rng))
+
+
+def _config(shape: Shape) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "relu",
+        "hidden_size": shape.d_model,
+        "intermediate_size": shape.d_ff,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "max_position_embeddings": shape.context,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": 10000.0,
+        "vocab_size": shape.vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,  # the bundled tokenizer's <|endoftext|>
+        "eos_token_id": 0,
+        "torch_dtype": "float16",
+    }
+
+
+def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarray:
+    """A Hugging Face checkpoint (f16 safetensors, one shard per layer) with the bundled tokenizer,
+    padded to the shape's vocabulary; returns the planted firing probabilities ``[n_layers, d_ff]``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(_config(shape), indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(BUNDLED_MODEL / name, folder / name)
+    geometry = Geometry.random(shape.d_model, planting.rank, planting.rng(0))
+    d, head_dim = shape.d_model, shape.d_model // shape.n_heads
+
+    def normal(rows: int, cols: int, rng, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * (scale / np.sqrt(cols))).astype(np.float16)
+
+    ones = np.ones(d, dtype=np.float16)
+    rng = planting.rng(1)
+    save_file({"model.embed_tokens.weight": geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
+               "model.norm.weight": ones,
+               "lm_head.weight": normal(shape.vocab_size, d, rng)}, str(folder / "model-embeddings.safetensors"))
+    frequencies = []
+    for i in range(shape.n_layers):
+        rng = planting.rng(2, i)
+        p = firing_frequencies(shape.d_ff, planting.density, rng)
+        frequencies.append(p)
+        kv = shape.n_kv_heads * head_dim
+        prefix = f"model.layers.{i}."
+        tensors = {
+            "input_layernorm.weight": ones,
+            "self_attn.q_proj.weight": normal(d, d, rng),
+            "self_attn.k_proj.weight": normal(kv, d, rng),
+            "self_attn.v_proj.weight": normal(kv, d, rng),
+            "self_attn.o_proj.weight": normal(d, d, rng, RESIDUAL_STEP),
+            "post_attention_layernorm.weight": ones,
+            "mlp.gate_proj.weight": geometry.gate(p, planting.noise, rng).astype(np.float16),
+            "mlp.up_proj.weight": normal(shape.d_ff, d, rng),
+            "mlp.down_proj.weight": normal(d, shape.d_ff, rng, RESIDUAL_STEP),
+        }
+        save_file({prefix + k: v for k, v in tensors.items()}, str(folder / f"model-layer{i:03d}.safetensors"))
+    return np.stack(frequencies)
+
+
+class _Block:
+    def __init__(self, ffn_norm: np.ndarray):
+        self.ffn_norm = ffn_norm
+
+
+class PlantedActivations:
+    """The FFN inputs and activations of a synthetic checkpoint, from its construction.
+
+    Stands in for the reference engine (``DecoderModel``) where ``Profiler`` uses one: ``forward``
+    calls ``ffn_hook`` with every layer's trace and returns no logits. The FFN input of every layer
+    is ``rms_norm(embedding)``: the synthetic model's attention and FFN outputs are ~1% of the
+    residual stream (``RESIDUAL_STEP``), whose drift this ignores.
+    """
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.spec = spec_from_config(checkpoint.config)
+        self.blocks = [_Block(checkpoint.tensor(f"model.layers.{i}.post_attention_layernorm.weight"))
+                       for i in range(self.spec.n_layers)]
+        self.ffn_hook = None
+
+    def new_cache(self) -> None:
+        return None  # no attention, no cache
+
+    def forward(self, tokens: np.ndarray, cache=None) -> None:
+        s = self.spec
+        h = self.checkpoint.raw("model.embed_tokens.weight")[np.asarray(tokens)].astype(np.float32)
+        for i, block in enumerate(self.blocks):
+            x = rms_norm(h, block.ffn_norm, s.norm_eps)
+            gate_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.gate_proj.weight").T
+            up_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.up_proj.weight").T
+            self.ffn_hook(FFNTrace(i, x, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))
+
+
+def dense_companion(path: Path) -> Path:
+    """Where the dense GGUF of a PowerInfer file goes: ``m.powerinfer.gguf`` -> ``m.gguf``, else ``m.dense.gguf``."""
+    name = path.name
+    if name.endswith(POWERINFER_SUFFIX):
+        return path.with_name(name[: -len(POWERINFER_SUFFIX)] + ".gguf")
+    return path.with_name(path.stem + ".dense.gguf")
+
+
+@dataclass
+class SynthResult:
+    powerinfer: Path
+    dense: Path
+    shape: str
+    planting: Planting
+    planted_density: float  # mean of the planted firing probabilities
+    planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (layer mean)
+    profile_report: dict  # profiling.firing_report of the profiled tokens
+    predictors: dict  # predictors.json
+
+    def summary(self) -> dict:
+        layers = self.predictors["layers"]
+        return {
+            "powerinfer": str(self.powerinfer),
+            "dense": str(self.dense),
+            "shape": self.shape,
+            **asdict(self.planting),
+            "planted_density": self.planted_density,
+            "planted_hot80": self.planted_hot80,
+            "profiled_density": self.profile_report["model"]["density"],
+            "profiled_hot80": self.profile_report["model"]["hot80_fraction"],
+            "predictor_hidden": [e["hidden"] for e in layers],
+            "predictor_recall": min(e["recall"] for e in layers),
+            "predictor_precision": min(e["precision"] for e in layers),
+            "predicted_density": float(np.mean([e["predicted_density"] for e in layers])),
+        }
+
+
+def _disk_needed(shape: Shape, outtype: str) -> int:
+    bytes_per_param = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[outtype]
+    return int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1)  # f16 checkpoint + two outputs
+
+
+def synthesize(shape_name: str, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
+               profile_tokens: int = 4096, train: TrainSettings = TrainSettings(), work: Path | None = None,
+               keep_work: bool = False, force: bool = False, progress: bool = True) -> SynthResult:
+    """Write the PowerInfer GGUF ``output`` (with predictors) and its dense companion (``dense_companion``)."""
+    if shape_name not in SHAPES:
+        raise PitoolsError(f"unknown shape {shape_name!r} (known: {', '.join(SHAPES)})")
+    shape = SHAPES[shape_name]
+    output = Path(output)
+    dense = dense_companion(output)
+    for path in (output, dense):
+        check_writable_output(path, force)
+    work = Path(work) if work is not None else output.with_name(output.name + ".work")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    needed, free = _disk_needed(shape, outtype), shutil.disk_usage(output.parent).free
+    if needed > free:
+        raise PitoolsError(f"{shape_name} at {outtype} needs about {format_size(needed)} of disk "
+                           f"(f16 checkpoint and two model files), {output.parent} has {format_size(free)}")
+
+    checkpoint_dir, profile_dir, predictor_dir = work / "checkpoint", work / "profile", work / "predictors"
+    frequencies = write_checkpoint(checkpoint_dir, shape, planting)
+    activations = PlantedActivations(Checkpoint(checkpoint_dir))
+    tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
+    profiler = Profiler(activations, f"synthetic {shape_name}", tokens,
+                        [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
+                        ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed))
+    profiler.run(force=True, progress=progress)
+    profile_report, _ = write_report(profile_dir)
+    predictors = train_predictors(profile_dir, predictor_dir, train, force=True, progress=progress)
+    convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, force=force, progress=progress)
+    convert(str(checkpoint_dir), dense, outtype, dense=True, force=force, progress=progress)
+    if not keep_work:
+        shutil.rmtree(work)
+    return SynthResult(output, dense, shape_name, planting, float(frequencies.mean()),
+                       float(np.mean([hot_fraction(p) for p in frequencies])), profile_report, predictors)

@@ -1,0 +1,60 @@
+"""The placement problem's per-layer numbers, read from a PowerInfer model file.
+
+Sizes are those of the tensors as stored (their quantization included); firing
+frequencies are the ones ``pitools convert`` recorded from its profile, in the
+file's neuron order (``pitools.blk.N.neuron_frequency``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from powerinfer_tools.formats.gguf_names import neuron_frequency_key
+from powerinfer_tools.formats.gguf_spec import spec_from_model_file
+from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+
+from powerinfer_tools.errors import PitoolsError
+
+from .problem import kv_cache_bytes_per_token
+
+# Tensors of a layer's dense block: attention and both norms (read every token, wherever the block runs).
+_DENSE_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down_t")
+_PREDICTOR_PARTS = ("fc1", "fc2")
+
+
+def _bytes(model: ModelFile, layer: int, parts: tuple[str, ...]) -> int:
+    """Bytes of a layer's tensors named ``blk.N.<part>.weight/.bias`` (those present)."""
+    names = (f"blk.{layer}.{part}.{kind}" for part in parts for kind in ("weight", "bias"))
+    return sum(model[name].nbytes for name in names if name in model)
+
+
+def read_model_stats(path: str | Path) -> dict:
+    """The arrays ``problem_from_stats`` takes (its ``STATS_KEYS``), for a PowerInfer model file."""
+    model = open_model_file(path)
+    spec = spec_from_model_file(model)
+    if "blk.0.ffn_down_t.weight" not in model:
+        raise PitoolsError(f"{path}: a dense model file; neuron placement needs a PowerInfer file (pitools convert)")
+    freqs = []
+    for layer in range(spec.n_layers):
+        freq = model.get(neuron_frequency_key(layer))
+        if freq is None:
+            raise PitoolsError(
+                f"{path}: no neuron firing frequencies (pitools.blk.N.neuron_frequency); convert the model with "
+                "profiling (the default of pitools convert), or pass --stats FILE.npz"
+            )
+        freqs.append(np.asarray(freq, dtype=np.float64))
+    head = ("output.weight", "output_norm.weight", "output_norm.bias")
+    if "output.weight" not in model:  # tied: the logits read the token embedding matrix
+        head = ("token_embd.weight",) + head[1:]
+    layers = range(spec.n_layers)
+    return {
+        "freqs": freqs,
+        "neuron_bytes": [_bytes(model, i, _NEURON_PARTS) // spec.d_ff for i in layers],
+        "dense_bytes": [_bytes(model, i, _DENSE_PARTS) for i in layers],
+        "predictor_bytes": [_bytes(model, i, _PREDICTOR_PARTS) for i in layers],
+        "kv_bytes_per_token": kv_cache_bytes_per_token(spec.n_kv_heads * spec.head_dim),
+        "head_bytes": sum(model[name].nbytes for name in head if name in model),
+        "hidden_bytes": spec.d_model * 4,
+    }
