@@ -224,6 +224,7 @@ def convert(
     sparse_layout = spec.ffn.sparse and not dense
     path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
     check_writable_output(path, force)
+    plan_conversion(checkpoint, name, outtype, dense)  # every input check before the long sparsity steps
     sparsity = None
     if sparsify is not None and sparse_layout:
         sparsity = prepare_sparsity(

@@ -104,7 +104,7 @@ def test_existing_output_needs_force(model):
     out.write_bytes(b"keep me")
     fails("convert", model, "-o", out, "-q", match="output exists; pass --force")
     assert out.read_bytes() == b"keep me"
-    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(out), "-q", "--force"])
+    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(out), "-q", "--force", "--no-sparsity"])
     assert result.exit_code == 0 and out.read_bytes()[:4] == b"PWRI"
 
 
@@ -119,7 +119,7 @@ def test_full_disk(model, monkeypatch):
 
     original = GGUFWriter.write_tensor_data
     monkeypatch.setattr(GGUFWriter, "write_tensor_data", write_tensor_data)
-    converts_nothing(model, match="No space left on device")
+    converts_nothing(model, "--no-sparsity", match="No space left on device")
     assert len(calls) == 5
 
 
@@ -128,7 +128,7 @@ def test_interrupted_conversion_leaves_nothing(model, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(GGUFWriter, "write_tensor_data", interrupt)
-    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(model.parent / "out" / "m.gguf"), "-q"])
+    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(model.parent / "out" / "m.gguf"), "-q", "--no-sparsity"])
     assert result.exit_code != 0
     assert list((model.parent / "out").iterdir()) == []
 
@@ -164,7 +164,7 @@ def test_unembeddable_tokenizer(model):
 @pytest.fixture
 def converted(model):
     path = model.parent / "out" / "m.gguf"
-    assert CliRunner().invoke(cli, ["convert", str(model), "-o", str(path), "-q"]).exit_code == 0
+    assert CliRunner().invoke(cli, ["convert", str(model), "-o", str(path), "-q", "--no-sparsity"]).exit_code == 0
     return path
 
 

@@ -40,9 +40,10 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
     """Train the neuron predictors of a profiled model.
 
     DIR is a finished `pitools profile` folder. For every layer an MLP
-    fc2·relu(fc1·x) learns from the profile's (FFN input, fired mask) pairs
-    which neurons fire; a neuron counts as predicted when its output is >= 0,
-    the rule of PowerInfer's runtime. Each layer gets the smallest hidden size
+    fc2·relu(fc1·x) learns from the profile's pairs (x: the residual stream
+    entering the FFN, before its norm; which neurons fired) which neurons fire;
+    a neuron counts as predicted when its output is >= 0, the rule of
+    PowerInfer's runtime. Each layer gets the smallest hidden size
     of a ladder (8, 12, 16, 24, 32, 48, ...) that reaches --recall on held-out
     pairs at --min-precision, within what is left of --budget; easy layers
     leave budget to harder ones. Written after every layer: run the same

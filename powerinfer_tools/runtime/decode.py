@@ -169,7 +169,7 @@ def _attend(q, keys, values, first, last, n_heads, scores, out):
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _predict(x, fc1, fc2, threshold, hidden, active):
-    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` exceeds ``threshold``, into ``active``;
+    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches ``threshold``, into ``active``;
     returns their count. Serial: with a small hidden size it is cheaper than a fork/join."""
     for i in range(fc1.shape[0]):
         total = np.float32(0.0)
@@ -181,7 +181,7 @@ def _predict(x, fc1, fc2, threshold, hidden, active):
         total = np.float32(0.0)
         for i in range(fc1.shape[0]):
             total += fc2[neuron, i] * hidden[i]
-        if total > threshold:
+        if total >= threshold:
             active[n] = neuron
             n += 1
     return n

@@ -29,14 +29,14 @@ class FFNMode(str, enum.Enum):
 
 @dataclass
 class Predictor:
-    """PowerInfer's per-layer MLP: neuron ``i`` is predicted to fire when ``(fc2 relu(fc1 x))_i > threshold``."""
+    """PowerInfer's per-layer MLP: neuron ``i`` is computed when ``(fc2 relu(fc1 x))_i >= threshold``, as PowerInfer does."""
 
     fc1: np.ndarray  # [hidden, d_model]
     fc2: np.ndarray  # [d_ff, hidden]
     threshold: float = 0.0
 
     def __call__(self, x):
-        return relu(x @ self.fc1.T) @ self.fc2.T > self.threshold
+        return relu(x @ self.fc1.T) @ self.fc2.T >= self.threshold
 
     @property
     def nbytes(self) -> int:
