@@ -39,6 +39,10 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
           quiet) -> None:
     """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp.
 
+    Sparse runs MODEL with its predictors; dense computes every neuron, on
+    the baseline's dense GGUF (the same file llama.cpp reads) when there is
+    one, else on MODEL.
+
     Each engine runs in its own process; they take turns, one run each per
     round, for --runs rounds after a warm-up. A run processes a prompt of
     --prompt-tokens tokens of the bundled held-out text in one block, then
@@ -69,10 +73,11 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
                                "(or --baseline none)")
     log = (lambda message: None) if quiet else (lambda message: click.echo(message, err=True))
     if hardware is not None:
-        bandwidth = load_profile(hardware).cpu_bandwidth_gbs
+        profile = load_profile(hardware)
+        bandwidth, source = profile.cpu_bandwidth_gbs, f"hardware profile {profile.name}"
     else:
-        log("probing memory bandwidth ...")
-        bandwidth = measure_bandwidth(threads)
+        log("probing memory bandwidth (as `pitools probe`) ...")
+        bandwidth, source = measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
     results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log)
-    rep = report(results, settings, bandwidth)
+    rep = report(results, settings, bandwidth, source)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
+from .. import synth as synth_module
 from ..formats.quantization import OUTTYPES
-from ..synth import SHAPES, Planting, synthesize
+from ..synth import SHAPES, SYNTH_TRAINING, Planting, synthesize
 
 _DEFAULTS = Planting()
 
@@ -26,6 +28,8 @@ _DEFAULTS = Planting()
               help="Share of a gate pre-activation outside the latent space (harder to predict).")
 @click.option("--profile-tokens", type=click.IntRange(min=64), default=4096, show_default=True,
               help="Tokens profiled for predictor training.")
+@click.option("--epochs", type=click.IntRange(min=1), default=SYNTH_TRAINING.epochs, show_default=True,
+              help="Predictor training epochs per candidate size (fewer: faster, for large shapes).")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True)
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the f16 checkpoint, profile and predictors [default: OUTPUT.work].")
@@ -33,8 +37,8 @@ _DEFAULTS = Planting()
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, outtype, rank, noise, profile_tokens, seed, work, keep_work, force, as_json,
-          quiet) -> None:
+def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, seed, work, keep_work, force,
+          as_json, quiet) -> None:
     """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
@@ -54,7 +58,8 @@ def synth(shape, output, density, outtype, rank, noise, profile_tokens, seed, wo
       pitools bench /tmp/tl.powerinfer.gguf
     """
     planting = Planting(density=density, rank=rank, noise=noise, seed=seed)
-    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, work=work,
+    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens,
+                        train=dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs), work=work,
                         keep_work=keep_work, force=force, progress=not quiet)
     summary = result.summary()
     if as_json:

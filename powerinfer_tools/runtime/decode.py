@@ -1,13 +1,15 @@
 """One-token decoding on the CPU in compiled code: a whole layer per call.
 
 The general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
-calls, about half a millisecond of Python per layer: for a 22-layer model more than llama.cpp
-needs for the whole token. For the common case -- one token, every layer on the CPU, a LLaMA-family
-block (RMSNorm, RoPE, gated FFN, no biases) in dense or predicted-sparse mode -- ``CpuDecoder``
-runs each layer as one numba call. That call uses the compiled kernels for the products
-(``numba_kernels.dot_rows`` over weight rows, ``axpy_rows`` over ``ffn_down_t`` rows) and compiled
-loops for the small work between them (norms, RoPE, attention over the KV cache, the predictor,
-the activation). It computes what the general path computes, up to float32 summation order.
+calls, about half a millisecond of Python per layer: for a 22-layer model a third of llama.cpp's
+whole token. For the common case -- one token, every layer on the CPU, a LLaMA-family block
+(RMSNorm, RoPE, gated FFN, no biases) in dense or predicted-sparse mode -- ``CpuDecoder`` runs each
+layer as one numba call: the products are loops over weight rows calling ggml's ``vec_dot`` (the
+kernels' building blocks, fused so that a layer takes five fork/joins of the thread pool: q/k/v,
+attention, output projection, gate/up with the activation, and ``numba_kernels.axpy_rows`` over
+``ffn_down_t``), and the small work between them (norms, RoPE, the predictor) is compiled loops.
+It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
+of inputs that can flip with it).
 """
 
 from __future__ import annotations
@@ -31,30 +33,41 @@ from .quant import QuantMatrix
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
 
 
-def _struct(name: str, fields: list[str]):
-    """A numba StructRef class: passed to compiled code as one pointer (a namedtuple of arrays costs
-    ~20 us per call to type-check, more than the layer's work on a small model)."""
-
-    class StructType(types.StructRef):
-        def preprocess_fields(self, fields):
-            return tuple((n, types.unliteral(t)) for n, t in fields)
-
-    StructType.__name__ = f"{name}Type"
-    structref.register(StructType)
-    proxy = type(name, (structref.StructRefProxy,), {})
-    structref.define_proxy(proxy, StructType, fields)
-    return proxy
+# Weights and buffers reach the compiled code as numba StructRefs: one pointer each. (A namedtuple of
+# arrays costs ~20 us per call to type-check, more than a small layer's work.) The types are module
+# level so that numba's on-disk cache recognises them in the next process.
 
 
-# One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8) plus its ggml type id.
-# Matrices that share an input share a type (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up),
-# so the input is encoded once for them (``CpuDecoder.build`` checks).
-LayerWeights = _struct("LayerWeights", [
+class _Fields(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+@structref.register
+class LayerWeightsType(_Fields):
+    pass
+
+
+@structref.register
+class ScratchType(_Fields):
+    pass
+
+
+class LayerWeights(structref.StructRefProxy):
+    """One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8). Matrices that share an
+    input share a ggml type id (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up), so the
+    input is encoded once for them (``CpuDecoder.build`` checks)."""
+
+
+class Scratch(structref.StructRefProxy):
+    """Buffers reused by every layer and step."""
+
+
+structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_type",
     "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc2", "threshold",
 ])
-# Buffers reused by every layer and step.
-Scratch = _struct("Scratch", [
+structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
     "all_rows",
 ])

@@ -113,6 +113,7 @@ class RuntimeModel:
         self.static_bytes = sum(m.nbytes for m in self._dense_matrices())
         self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
+        self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
         self._decoder = _UNBUILT
 
     @property
@@ -174,7 +175,9 @@ class RuntimeModel:
 
     def _cpu_decoder(self):
         """The compiled one-token path (``decode.CpuDecoder``), built on first use; None when this model
-        or machine cannot use it (then every step takes ``_layer``)."""
+        or machine cannot use it, or ``compiled_decoding`` is off (then every step takes ``_layer``)."""
+        if not self.compiled_decoding:
+            return None
         if self._decoder is _UNBUILT:
             try:
                 from .decode import CpuDecoder

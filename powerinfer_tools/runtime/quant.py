@@ -56,7 +56,7 @@ class QuantMatrix:
     def dequantize_rows(self, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """float32 ``[k, cols]`` for the given row indices (all rows when None)."""
         raw = self.data if rows is None else self.data[rows]
-        if self.qtype in _BLOCK_DECODERS and array_module(raw) is np:
+        if self.qtype in _BLOCK_DECODERS and array_module(raw) is np and len(raw) >= _COMPILED_MIN_ROWS:
             return _dequantize_compiled(raw, self.qtype)
         return dequantize_blocks(raw, self.qtype)
 
@@ -96,6 +96,7 @@ try:
 except ImportError:  # numba missing: the NumPy path serves
     njit = None
 
+_COMPILED_MIN_ROWS = 16  # fewer rows (an embedding lookup) are not worth a fork/join of the thread pool
 _F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # by bit pattern
 _Q4_VALUES = np.arange(-8, 8, dtype=np.float32)  # a q4_0 nibble n stands for n - 8
 _Q8_VALUES = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)  # a q8_0 byte, as int8

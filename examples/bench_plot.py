@@ -1,0 +1,52 @@
+"""Plot `pitools bench --json` reports: tokens/s by engine and model shape (docs/benchmarks.png).
+
+    python examples/bench_plot.py tinyllama-1.1b=tl.json llama-7b=l7.json -o docs/benchmarks.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ENGINES = {"sparse": "ours, sparse", "dense": "ours, dense", "llama.cpp": "llama.cpp, dense"}
+PANELS = {"generation_tokens_per_s": "generation (tokens/s)", "prompt_tokens_per_s": "prompt processing (tokens/s)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+", metavar="SHAPE=REPORT.json")
+    parser.add_argument("-o", "--output", type=Path, default=Path("docs/benchmarks.png"))
+    args = parser.parse_args()
+    reports = {}
+    for item in args.reports:
+        shape, path = item.split("=", 1)
+        reports[shape] = json.loads(Path(path).read_text())
+    shapes = list(reports)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
+    width = 0.8 / len(ENGINES)
+    for ax, (key, title) in zip(axes, PANELS.items()):
+        for i, (engine, label) in enumerate(ENGINES.items()):
+            values = [reports[s]["engines"].get(engine, {}).get(key, 0.0) for s in shapes]
+            xs = [j + (i - (len(ENGINES) - 1) / 2) * width for j in range(len(shapes))]
+            bars = ax.bar(xs, values, width, label=label)
+            ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        ax.set_xticks(range(len(shapes)), shapes)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    settings = reports[shapes[0]]["settings"]
+    fig.suptitle(f"q4_0, {settings['threads']} threads, {settings['prompt_tokens']}-token prompt, "
+                 f"{settings['generate']} decoded tokens; medians of {settings['runs']} runs", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=120)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

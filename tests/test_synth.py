@@ -1,0 +1,135 @@
+"""Synthetic benchmark models: planted firing frequencies, the construction's premise, and the files written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gguf_fixtures import llama
+from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.cli import cli
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.models import load_model
+from powerinfer_tools.predictors import TrainSettings
+from powerinfer_tools.profiling import hot_fraction
+from powerinfer_tools.synth import (
+    P_MAX,
+    SHAPES,
+    Geometry,
+    PlantedActivations,
+    Planting,
+    dense_companion,
+    firing_frequencies,
+    synthesize,
+    write_checkpoint,
+)
+
+FAST_TRAINING = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
+
+
+def test_frequencies_have_the_planted_mean_and_a_power_law_skew():
+    p = firing_frequencies(5632, 0.1, np.random.default_rng(0))
+    assert p.mean() == pytest.approx(0.1, rel=1e-6)
+    assert p.max() <= P_MAX and p.min() > 0
+    # A minority of neurons carries 80% of the firings, as in real ReLU models' profiles.
+    assert 0.25 < hot_fraction(p) < 0.5
+    assert np.array_equal(p, firing_frequencies(5632, 0.1, np.random.default_rng(0)))
+
+
+def test_gate_rows_fire_with_their_planted_probabilities():
+    rng = np.random.default_rng(1)
+    geometry = Geometry.random(512, 4, rng)
+    x = geometry.embeddings(4000, rng)
+    np.testing.assert_allclose(np.sqrt((x * x).mean(axis=1)), 1.0, rtol=1e-9)  # RMS 1: the norm keeps x
+    p = firing_frequencies(256, 0.1, rng)
+    fired = x @ geometry.gate(p, 0.15, rng).T > 0
+    assert fired.mean() == pytest.approx(0.1, abs=0.01)
+    assert np.corrcoef(fired.mean(axis=0), p)[0, 1] > 0.99
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("synth") / "checkpoint"
+    frequencies = write_checkpoint(folder, SHAPES["test-tiny"], Planting(density=0.1))
+    return Checkpoint(folder), frequencies
+
+
+def test_planted_activations_match_the_reference_engine(checkpoint):
+    """The profile comes from the construction, not forward passes: its premise is that attention and FFN
+    outputs barely move the residual stream, so every FFN sees the token's normalised embedding."""
+    ckpt, frequencies = checkpoint
+    assert frequencies.shape == (2, 256) and frequencies.mean() == pytest.approx(0.1)
+    tokens = np.random.default_rng(2).integers(0, 4096, 200)
+    fired = {}
+
+    def record(name):
+        def hook(trace):
+            fired[name, trace.layer] = trace.fired
+        return hook
+
+    engine = load_model(ckpt)
+    engine.ffn_hook = record("engine")
+    engine.forward(tokens, engine.new_cache())
+    planted = PlantedActivations(ckpt)
+    planted.ffn_hook = record("planted")
+    planted.forward(tokens)
+    for layer in range(2):
+        agreement = (fired["engine", layer] == fired["planted", layer]).mean()
+        assert agreement > 0.99, (layer, agreement)
+        assert fired["planted", layer].mean() == pytest.approx(0.1, abs=0.02)
+
+
+@pytest.fixture(scope="module")
+def synthesized(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth-files") / "tiny.powerinfer.gguf"
+    return synthesize("test-tiny", out, "q4_0", Planting(density=0.1), profile_tokens=800, train=FAST_TRAINING,
+                      progress=False)
+
+
+def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(synthesized):
+    assert synthesized.dense == synthesized.powerinfer.with_name("tiny.gguf")
+    sparse, dense = open_model_file(synthesized.powerinfer), open_model_file(synthesized.dense)
+    assert sparse.powerinfer and not dense.powerinfer
+    assert "blk.1.fc2.weight" in sparse and "blk.1.ffn_down_t.weight" in sparse
+    assert "blk.1.ffn_down.weight" in dense and "blk.0.fc1.weight" not in dense
+    # Same weights in both files.
+    assert np.array_equal(sparse["blk.0.ffn_gate.weight"].data, dense["blk.0.ffn_gate.weight"].data)
+    assert not synthesized.powerinfer.with_name(synthesized.powerinfer.name + ".work").exists()
+    summary = synthesized.summary()
+    assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
+    assert len(summary["predictor_hidden"]) == 2
+
+
+def test_llama_cpp_runs_the_dense_twin(synthesized):
+    model = llama(synthesized.dense, n_ctx=64, n_threads=1)
+    assert model.n_vocab() == SHAPES["test-tiny"].vocab_size
+    model.eval([5, 17, 3])
+
+
+def test_dense_companion_names():
+    from pathlib import Path
+
+    assert dense_companion(Path("/m/x.powerinfer.gguf")) == Path("/m/x.gguf")
+    assert dense_companion(Path("/m/x.gguf")) == Path("/m/x.dense.gguf")
+
+
+def test_refusals(tmp_path, synthesized):
+    with pytest.raises(PitoolsError, match="unknown shape"):
+        synthesize("gpt-5", tmp_path / "a.powerinfer.gguf")
+    with pytest.raises(PitoolsError, match="density"):
+        Planting(density=1.5)
+    with pytest.raises(PitoolsError, match="exists"):
+        synthesize("test-tiny", synthesized.powerinfer)
+
+
+def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr("powerinfer_tools.synth.SYNTH_TRAINING", FAST_TRAINING)
+    result = CliRunner().invoke(cli, ["synth", "--shape", "test-tiny", "-o", str(tmp_path / "t.powerinfer.gguf"),
+                                      "--profile-tokens", "800", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert {"powerinfer", "dense", "planted_density", "profiled_density", "predictor_hidden"} <= set(summary)
