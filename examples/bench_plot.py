@@ -31,11 +31,15 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
     width = 0.8 / len(ENGINES)
     for ax, (key, title) in zip(axes, PANELS.items()):
+        everything = []
         for i, (engine, label) in enumerate(ENGINES.items()):
             values = [reports[s]["engines"].get(engine, {}).get(key, 0.0) for s in shapes]
+            everything += [v for v in values if v > 0]
             xs = [j + (i - (len(ENGINES) - 1) / 2) * width for j in range(len(shapes))]
             bars = ax.bar(xs, values, width, label=label)
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
+        if max(everything) > 10 * min(everything):  # shapes of very different cost: keep both readable
+            ax.set_yscale("log")
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)

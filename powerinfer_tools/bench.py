@@ -230,7 +230,14 @@ def _dense_bytes_per_token(model) -> int:
 
 
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """Peak resident set of this process's memory map. Linux keeps ``ru_maxrss`` across exec, so a
+    worker would report its parent's size (the pitools process) when that is larger; VmHWM starts
+    afresh with the new map."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
 
 
 def _serve(conn, spec: EngineSpec) -> None:
@@ -384,10 +391,12 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
 
 def format_report(rep: dict) -> str:
     s = rep["settings"]
-    lines = [f"{s['prompt_tokens']}-token prompt, {s['generate']} decoding steps, {s['threads']} threads, "
-             f"medians of {s['runs']} runs (OMP_WAIT_POLICY={rep['omp_wait_policy']})",
-             f"{'engine':10} {'prompt tok/s':>12} {'gen tok/s':>10} {'MB/token':>9} {'GB/s':>6} "
-             f"{'of bw':>8} {'density':>7} {'peak RSS':>9} {'budget':>9} {'libs':>6}"]
+    lines = [
+        (f"{s['prompt_tokens']}-token prompt, {s['generate']} decoding steps, {s['threads']} threads, "
+         f"medians of {s['runs']} runs (OMP_WAIT_POLICY={rep['omp_wait_policy']})"),
+        (f"{'engine':10} {'prompt tok/s':>12} {'gen tok/s':>10} {'MB/token':>9} {'GB/s':>6} "
+         f"{'of bw':>8} {'density':>7} {'peak RSS':>9} {'budget':>9} {'libs':>6}"),
+    ]
     for name, e in rep["engines"].items():
         fraction = f"{e['bandwidth_fraction']:.0%}" if e["bandwidth_fraction"] is not None else "-"
         density = f"{e['density']:.1%}" if e["density"] is not None else "-"

@@ -32,8 +32,10 @@ latent space: a predictor with 2(r+1) hidden units represents the rest exactly (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,11 +68,12 @@ SIGMA = 1.0  # scale of the gate pre-activations
 MEAN_SUPPORT = 32
 PROFILE_WINDOW = 1024  # tokens per profiling pass: bounds the activations held in memory
 # Predictor training for synthetic models: the pipeline's recall target and budget, but a precision
-# floor of 70% (the default 50% lets the smallest predictor compute ~1.8x the neurons that fire)
+# floor of 65% (the default 50% lets the smallest predictor compute ~1.8x the neurons that fire)
 # and ~half the default optimiser steps, which the planted structure does not need: ~1 minute per
-# layer and candidate size on the 2-core machine instead of ~3.
-SYNTH_TRAINING = TrainSettings(min_precision=0.7, epochs=4, min_epoch_steps=150)
+# layer and candidate size for TinyLlama's shape on the 2-core machine instead of ~3.
+SYNTH_TRAINING = TrainSettings(min_precision=0.65, epochs=4, min_epoch_steps=150)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SYNTH_JSON = "synth.json"  # in the work folder, written once the checkpoint is complete
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class Geometry:
     latent: np.ndarray  # [d, r] orthonormal columns, orthogonal to mean
 
     @classmethod
-    def random(cls, d_model: int, rank: int, rng: np.random.Generator) -> "Geometry":
+    def random(cls, d_model: int, rank: int, rng: np.random.Generator) -> Geometry:
         mean = np.zeros(d_model)
         support = rng.choice(d_model, min(MEAN_SUPPORT, d_model), replace=False)
         mean[support] = rng.choice([-1.0, 1.0], len(support)) / np.sqrt(len(support))
@@ -206,6 +209,28 @@ def _config(shape: Shape) -> dict:
         "eos_token_id": 0,
         "torch_dtype": "float16",
     }
+
+
+def _resume_work(work: Path, identity: dict, force: bool) -> bool:
+    """Whether ``work`` holds the complete checkpoint of the synthesis ``identity`` (to resume from)."""
+    stamp = work / SYNTH_JSON
+    if force or not stamp.is_file():
+        for part in ("checkpoint", "profile", "predictors"):  # only ours: --work may be any folder
+            shutil.rmtree(work / part, ignore_errors=True)
+        stamp.unlink(missing_ok=True)
+        return False
+    previous = json.loads(stamp.read_text())
+    if previous != identity:
+        changed = ", ".join(k for k in identity if previous.get(k) != identity[k])
+        raise PitoolsError(f"{work} holds an interrupted synthesis with other settings (differs: {changed}); "
+                           "use --force to start over, or another --work folder")
+    return True
+
+
+def planted_frequencies(shape: Shape, planting: Planting) -> np.ndarray:
+    """The firing probabilities ``write_checkpoint`` plants, ``[n_layers, d_ff]``, without the weights."""
+    return np.stack([firing_frequencies(shape.d_ff, planting.density, planting.rng(2, i))
+                     for i in range(shape.n_layers)])
 
 
 def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarray:
@@ -351,15 +376,26 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
                            f"(f16 checkpoint and two model files), {output.parent} has {format_size(free)}")
 
     checkpoint_dir, profile_dir, predictor_dir = work / "checkpoint", work / "profile", work / "predictors"
-    frequencies = write_checkpoint(checkpoint_dir, shape, planting)
+    # A work folder left by an interrupted run of the same synthesis is resumed: the checkpoint is
+    # reused, and profiling and predictor training continue where they stopped (they check their
+    # own settings). ``force`` starts over.
+    identity = {"shape": asdict(shape), "planting": asdict(planting), "profile_tokens": profile_tokens}
+    resumed = _resume_work(work, identity, force)
+    if resumed:
+        frequencies = planted_frequencies(shape, planting)
+    else:
+        frequencies = write_checkpoint(checkpoint_dir, shape, planting)
+        (work / SYNTH_JSON).write_text(json.dumps(identity, indent=2))
     activations = PlantedActivations(Checkpoint(checkpoint_dir))
     tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
     profiler = Profiler(activations, f"synthetic {shape_name}", tokens,
                         [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
                         ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed))
-    profiler.run(force=True, progress=progress)
+    profiler.run(force=not resumed, progress=progress)
     profile_report, _ = write_report(profile_dir)
-    predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=True, progress=progress)
+    with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
+        predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=not resumed,
+                                      progress=progress)
     convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, force=force, progress=progress)
     convert(str(checkpoint_dir), dense, outtype, dense=True, force=force, progress=progress)
     if not keep_work:

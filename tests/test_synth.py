@@ -133,3 +133,31 @@ def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert {"powerinfer", "dense", "planted_density", "profiled_density", "predictor_hidden"} <= set(summary)
+
+
+def test_an_interrupted_synthesis_resumes_from_its_work_folder(tmp_path, monkeypatch):
+    out = tmp_path / "r.powerinfer.gguf"
+    settings = dict(profile_tokens=800, train=FAST_TRAINING, progress=False)
+    first = synthesize("test-tiny", out, "q8_0", keep_work=True, **settings)
+    made = {p: p.read_bytes() for p in (first.powerinfer, first.dense)}
+    for path in made:  # as if stopped after training, before the files were written
+        path.unlink()
+
+    def no_rewrite(*args):
+        raise AssertionError("the checkpoint was written again")
+
+    monkeypatch.setattr("powerinfer_tools.synth.write_checkpoint", no_rewrite)
+    second = synthesize("test-tiny", out, "q8_0", **settings)
+    assert {p: p.read_bytes() for p in (second.powerinfer, second.dense)} == made
+    assert second.summary() == first.summary()
+    assert not (tmp_path / "r.powerinfer.gguf.work").exists()
+
+
+def test_a_work_folder_of_other_settings_is_refused(tmp_path):
+    out = tmp_path / "w.powerinfer.gguf"
+    synthesize("test-tiny", out, "q8_0", profile_tokens=800, train=FAST_TRAINING, keep_work=True, progress=False)
+    for path in (out, dense_companion(out)):
+        path.unlink()
+    with pytest.raises(PitoolsError, match="other settings .differs: planting"):
+        synthesize("test-tiny", out, "q8_0", Planting(density=0.2), profile_tokens=800, train=FAST_TRAINING,
+                   progress=False)

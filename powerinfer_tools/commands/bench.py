@@ -7,7 +7,16 @@ from pathlib import Path
 
 import click
 
-from ..bench import DENSE, LLAMA_CPP, SPARSE, BenchSettings, format_report, measure_bandwidth, report, run_bench
+from ..bench import (
+    DENSE,
+    LLAMA_CPP,
+    SPARSE,
+    BenchSettings,
+    format_report,
+    measure_bandwidth,
+    report,
+    run_bench,
+)
 from ..errors import PitoolsError
 from ..solver.hardware import load_profile
 from ..synth import dense_companion

@@ -136,8 +136,8 @@ class _OpenBlasThreads:
     """The thread count of the OpenBLAS that NumPy loaded, through its C API (as threadpoolctl does)."""
 
     # numpy's wheels ship scipy-openblas, whose symbols carry a prefix and, for 64-bit ints, a suffix.
-    _NAMES = [(f"{prefix}get_num_threads{suffix}", f"{prefix}set_num_threads{suffix}")
-              for prefix in ("scipy_openblas_", "openblas_") for suffix in ("64_", "")]
+    _NAMES = tuple((f"{prefix}get_num_threads{suffix}", f"{prefix}set_num_threads{suffix}")
+                   for prefix in ("scipy_openblas_", "openblas_") for suffix in ("64_", ""))
 
     def __init__(self):
         self._get = self._set = None

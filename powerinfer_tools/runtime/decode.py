@@ -1,13 +1,14 @@
 """One-token decoding on the CPU in compiled code: a whole layer per call.
 
 The general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
-calls, about half a millisecond of Python per layer: for a 22-layer model a third of llama.cpp's
-whole token. For the common case -- one token, every layer on the CPU, a LLaMA-family block
-(RMSNorm, RoPE, gated FFN, no biases) in dense or predicted-sparse mode -- ``CpuDecoder`` runs each
-layer as one numba call: the products are loops over weight rows calling ggml's ``vec_dot`` (the
-kernels' building blocks, fused so that a layer takes five fork/joins of the thread pool: q/k/v,
-attention, output projection, gate/up with the activation, and ``numba_kernels.axpy_rows`` over
-``ffn_down_t``), and the small work between them (norms, RoPE, the predictor) is compiled loops.
+calls: for a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development
+machine, against 0.7 ms (one thread) for this path (docs/benchmarks.md). For the common case --
+one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE, gated FFN, no biases) in
+dense or predicted-sparse mode -- ``CpuDecoder`` runs each layer as one numba call: the products
+are loops over weight rows calling ggml's ``vec_dot`` (the kernels' building blocks, fused so that
+a layer takes five fork/joins of the thread pool: q/k/v, attention, output projection, gate/up
+with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``), and the small work
+between them (norms, RoPE, the predictor) is compiled loops.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
@@ -117,6 +118,15 @@ def _matvec(vec_dot, w, x_encoded, cols, out):
         _vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
 
 
+@njit(inline="always")
+def _activation(kind, g, u):
+    if kind == 0:  # ReGLU
+        return max(g, 0.0) * u
+    if kind == 1:  # dReLU
+        return max(g, 0.0) * max(u, 0.0)
+    return g / (1.0 + math.exp(-g)) * u  # SwiGLU
+
+
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _gate_up(vec_dot, gate, up, rows, x_encoded, cols, kind, gate_out, up_out, act):
     """``act[i]`` = the activated value of neuron ``rows[i]`` from its gate and up rows, in one loop."""
@@ -129,13 +139,7 @@ def _gate_up(vec_dot, gate, up, rows, x_encoded, cols, kind, gate_out, up_out, a
         row = rows[i] * row_bytes
         _vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * i, gate.ctypes.data + row, xe)
         _vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * i, up.ctypes.data + row, xe)
-        g, u = gate_out[i], up_out[i]
-        if kind == 0:  # ReGLU
-            act[i] = max(g, 0.0) * u
-        elif kind == 1:  # dReLU
-            act[i] = max(g, 0.0) * max(u, 0.0)
-        else:  # SwiGLU
-            act[i] = g / (1.0 + math.exp(-g)) * u
+        act[i] = _activation(kind, gate_out[i], up_out[i])
 
 
 # --- the small work between the products
@@ -229,7 +233,7 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, s.x_encoded, d_model, kind, s.gate_out, s.up_out, act)
     if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
         nk.axpy_rows(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
-    else:  # a dense file's ffn_down [d_model, d_ff]: dense mode only
+    else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         _from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
         _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
@@ -247,9 +251,10 @@ class CpuDecoder:
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
     rope_frequencies: np.ndarray  # float64 [head_dim / 2]: angle per position of each rotated pair
     max_context: int  # positions the scratch holds attention scores for
+    has_predictors: bool  # every layer has one: sparse mode can run here
 
     @classmethod
-    def build(cls, model) -> "CpuDecoder | None":
+    def build(cls, model) -> CpuDecoder | None:
         """The decoder for ``model`` (a ``RuntimeModel``), or None when the model needs the general path."""
         s = model.spec
         if (s.norm is not NormKind.RMS or not s.pre_norm or s.rope_theta is None or s.ffn not in _KINDS
@@ -262,7 +267,7 @@ class CpuDecoder:
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
-        max_context = max(s.d_ff, s.max_positions)
+        max_context = s.max_positions
         hidden = max((layer.dense.predictor.fc1.shape[0] for layer in model.layers if layer.dense.predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -270,18 +275,19 @@ class CpuDecoder:
         scratch = Scratch(
             f32(s.d_model), f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
             f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
-            np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores hidden
+            np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             np.zeros(s.d_ff, np.intp), f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp),  # all_rows
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         layers = [_layer_weights(layer) for layer in model.layers]
         return cls(s, layers, [layer.partitions[0].bytes_per_neuron for layer in model.layers], scratch, fns,
-                   inv_freq / s.rope_scaling_factor, max_context)
+                   inv_freq / s.rope_scaling_factor, max_context, model.has_predictors)
 
     def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
-        return (n_tokens == 1 and mode in (FFNMode.DENSE, FFNMode.SPARSE)
-                and caches[0].length < self.max_context)
+        """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
+        return (n_tokens == 1 and caches[0].length < self.max_context
+                and (mode is FFNMode.DENSE or (mode is FFNMode.SPARSE and self.has_predictors)))
 
     def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
         """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
