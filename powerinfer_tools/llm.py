@@ -17,12 +17,17 @@ from pathlib import Path
 from typing import Iterator
 
 from .checkpoint import Checkpoint
+from .errors import PitoolsError
 from .generation import Sampler, SamplingConfig, generate, stream_text
 from .models import load_model
 from .runtime.engine import RuntimeModel, TokenStats
 from .runtime.ffn import FFNMode
 from .runtime.loader import load_runtime_model
 from .runtime.tokenizer import GGUFTokenizer
+from .solver.hardware import DEFAULT_PRESET, load_profile
+from .solver.problem import DEFAULT_RESERVE_BYTES
+from .solver.split import default_split_path, ensure_split
+from .solver.units import format_size
 from .tokenizer import CheckpointTokenizer
 
 
@@ -58,19 +63,36 @@ class LLM:
         split: str | Path | None = None,
         use_split: bool = True,
         device: str = "cpu",
+        vram: int | None = None,
+        hardware: str = DEFAULT_PRESET,
     ) -> "LLM":
-        """``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing."""
+        """``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
+
+        With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
+        budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
+        """
         path = Path(path)
         if path.is_dir():
+            if vram is not None or split is not None:
+                raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split")
             engine = load_model(Checkpoint(path))
             s = engine.spec
             return cls(engine, CheckpointTokenizer(path, s.bos_token_id, s.eos_token_id), "reference engine (NumPy)")
+        solved = ""
+        if vram is not None:
+            if device == "cpu" or not use_split:
+                raise PitoolsError("a VRAM budget places neurons on a GPU: use it with --device cuda (or emulated)")
+            split = Path(split) if split is not None else default_split_path(path)
+            # A CUDA device needs room for its context and scratch; the emulated one holds weights only.
+            reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
+            report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
+            solved = f" (solved now for {format_size(vram)})" if report is not None else f" (cached, for {format_size(vram)})"
         model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device)
         ffn_mode = FFNMode(mode)
         if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
             ffn_mode = FFNMode.DENSE
         model.mode = ffn_mode
-        where = f", split {model.split_path.name} on {model.device.name}" if model.device is not None else ""
+        where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
         return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}")
 
     @property

@@ -9,8 +9,7 @@ import pytest
 from gguf import TokenType
 from tokenizers import Tokenizer
 
-from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, make_model, tokenizer_models, train_gpt2_tokenizer
-from powerinfer_tools.convert import convert
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, tokenizer_models, train_gpt2_tokenizer
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.tokenizer_gguf import read_vocab

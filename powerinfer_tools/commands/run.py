@@ -8,8 +8,11 @@ from pathlib import Path
 import click
 
 from ..bundled import BUNDLED_MODEL
+from ..errors import PitoolsError
 from ..generation import SamplingConfig
 from ..llm import LLM
+from ..solver.hardware import DEFAULT_PRESET, PRESETS
+from ..solver.units import parse_size
 
 
 @click.command()
@@ -25,11 +28,16 @@ from ..llm import LLM
 @click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
               help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
                    "for a GPU that checks the budget and counts PCIe bytes (for testing).")
-@click.option("--split", type=click.Path(path_type=Path, exists=True), default=None,
+@click.option("--split", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="GPU split file [default: MODEL.generated.gpuidx beside the model, if present].")
 @click.option("--no-split", is_flag=True, help="Ignore any split file.")
+@click.option("--vram", default=None,
+              help="GPU memory budget (11GB, 800MiB, ...): solve the split for it now, unless the split file "
+                   "was already solved for this budget, and keep it beside the model as PowerInfer does.")
+@click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
+              help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`.")
 def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
-        mode: str, device: str, split: Path | None, no_split: bool) -> None:
+        mode: str, device: str, split: Path | None, no_split: bool, vram: str | None, hardware: str) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
@@ -42,8 +50,12 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     Examples:
       pitools run -p "import os" -n 48
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
+      pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
     """
-    llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device)
+    if split is not None and vram is None and not split.is_file():
+        raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
+    llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device,
+                   vram=parse_size(vram, "--vram") if vram is not None else None, hardware=hardware)
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
     click.echo(prompt, nl=False)
     for piece in llm.generate(prompt, n_tokens, sampling):

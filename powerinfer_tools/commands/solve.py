@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import PitoolsError
 from ..fileio import check_writable_output
-from ..formats.gpu_split import GpuSplit, write_gpu_split
+from ..formats.gpu_split import write_gpu_split
 from ..solver import ilp
 from ..solver.hardware import (
     DEFAULT_PRESET,
@@ -25,8 +25,9 @@ from ..solver.hardware import (
     probe_profile,
     save_profile,
 )
-from ..solver.ilp import OBJECTIVES, SOLVERS, SolveReport
+from ..solver.ilp import OBJECTIVES, SOLVERS
 from ..solver.model_stats import read_model_stats
+from ..solver.split import SPLIT_SUFFIX, default_split_path, split_file
 from ..solver.problem import (
     DEFAULT_RESERVE_BYTES,
     STATS_KEYS,
@@ -36,7 +37,6 @@ from ..solver.problem import (
 from ..solver.summary import summary_dict, summary_text
 from ..solver.units import format_size, parse_size
 
-SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
 
 
 def read_stats_file(path: Path) -> dict[str, np.ndarray]:
@@ -53,27 +53,6 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
     if missing:
         raise PitoolsError(f"{path}: stats file lacks {', '.join(missing)}; it needs {', '.join(STATS_KEYS)}")
     return {key: stats[key] for key in STATS_KEYS}
-
-
-def split_file(problem: PlacementProblem, report: SolveReport) -> GpuSplit:
-    """The split file for ``report``, with our own keys beside PowerInfer's."""
-    placement, prediction = report.placement, report.prediction
-    return GpuSplit(
-        masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
-        # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
-        vram_capacity=int(sum(layer.ffn_vram for layer in prediction.layers)),
-        extra={
-            "pitools.objective": report.objective,
-            "pitools.predicted_token_ms": prediction.token_s * 1e3,
-            "pitools.gpu_neurons": list(placement.gpu_neurons),
-            "pitools.dense_on_gpu": list(placement.dense_on_gpu),
-            "pitools.output_on_gpu": placement.head_on_gpu,
-            "pitools.vram_budget": problem.budget_bytes,
-            "pitools.vram_used": prediction.vram,
-            "pitools.n_ctx": problem.n_ctx,
-            "pitools.hardware": problem.hardware.name,
-        },
-    )
 
 
 def solve_command(
@@ -150,7 +129,7 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
     if output is None:
         if model is None:
             raise PitoolsError("--stats without MODEL: name the split file with -o")
-        output = model.with_name(model.name + SPLIT_SUFFIX)
+        output = default_split_path(model)
     check_writable_output(output, force)
     arrays = read_stats_file(stats) if stats else read_model_stats(model)
     problem = problem_from_stats(

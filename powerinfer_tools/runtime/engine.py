@@ -97,6 +97,7 @@ class RuntimeModel:
         device=None,
         split_path=None,
         metadata: Optional[dict] = None,
+        head_backend=None,
     ):
         self.spec = spec
         self.layers = layers
@@ -108,6 +109,7 @@ class RuntimeModel:
         self.split_path = split_path
         self.metadata = metadata or {}  # the model file's GGUF metadata (tokenizer, hyperparameters)
         self.host = CpuBackend()
+        self.head_backend = head_backend or self.host  # where the output norm and matrix live
         self.mode = FFNMode.DENSE
         self.stats = TokenStats()
         self.static_bytes = sum(m.nbytes for m in self._dense_matrices())
@@ -167,11 +169,12 @@ class RuntimeModel:
                 x = move(x, where, backend)
                 where = backend
                 x = self._layer(layer, x, cache, start, rope, step)
-        x = move(x if all_logits else x[-1:], where, self.host)
+        head = self.head_backend
+        x = move(x if all_logits else x[-1:], where, head)
         if self.output_norm is not None:
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
-        return self.host.matmul(self.output, x)
+        return move(head.matmul(self.output, x), head, self.host)
 
     def _cpu_decoder(self):
         """The compiled one-token path (``decode.CpuDecoder``), built on first use; None when this model

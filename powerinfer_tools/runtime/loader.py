@@ -11,17 +11,13 @@ from ..errors import PitoolsError
 from ..formats.gguf_spec import spec_from_model_file
 from ..formats.gpu_split import GpuSplit, read_gpu_split
 from ..formats.model_file import ModelFile, open_model_file
+from ..solver.split import default_split_path
 from .backends import CpuBackend, CudaDevice, EmulatedDevice
 from .engine import DenseBlock, Norm, RuntimeLayer, RuntimeModel
 from .ffn import FFNPartition, Predictor
 from .quant import QuantMatrix
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
-
-
-def default_split_path(model_path: Path) -> Path:
-    """Where PowerInfer looks for a model's split file: beside it, ``.generated.gpuidx`` appended."""
-    return model_path.with_name(model_path.name + ".generated.gpuidx")
 
 
 class _Tensors:
@@ -157,15 +153,20 @@ def load_runtime_model(
             partitions.append(_partition(tensors, block, cold, spec.d_ff, host))
         layers.append(RuntimeLayer(dense, partitions, spec.d_ff))
 
-    output = tensors.matrix("output.weight") if "output.weight" in model else tensors.matrix("token_embd.weight")
+    # The solver may place the head (output norm and matrix) on the device: then the last hidden
+    # state crosses PCIe instead of the logits being computed from host memory.
+    head = device_backend if gpu_split is not None and gpu_split.extra.get("pitools.output_on_gpu") else host
+    output_name = "output.weight" if "output.weight" in model else "token_embd.weight"  # tied: the embedding
+    output = tensors.matrix(output_name, None if head is host else head)
     return RuntimeModel(
         spec,
         layers,
         token_embd=tensors.matrix("token_embd.weight"),
-        output_norm=tensors.norm("output_norm", host) if "output_norm.weight" in model else None,
+        output_norm=tensors.norm("output_norm", head) if "output_norm.weight" in model else None,
         output=output,
         positions=tensors.array("position_embd.weight"),
         device=device_backend,
         split_path=split_path if gpu_split is not None else None,
         metadata=model.metadata,
+        head_backend=head,
     )

@@ -1,0 +1,74 @@
+"""From a solved placement to the split file, and the whole step for a model file at a budget.
+
+``pitools solve`` and ``pitools run --vram`` (which solves on the fly when no split fits) share it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
+from . import ilp
+from .hardware import HardwareProfile
+from .ilp import SolveReport
+from .model_stats import read_model_stats
+from .problem import DEFAULT_RESERVE_BYTES, PlacementProblem, problem_from_stats
+
+SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
+
+
+def default_split_path(model_path: Path) -> Path:
+    """Where PowerInfer looks for a model's split file: beside it, ``.generated.gpuidx`` appended."""
+    return model_path.with_name(model_path.name + SPLIT_SUFFIX)
+
+
+def split_file(problem: PlacementProblem, report: SolveReport) -> GpuSplit:
+    """The split file for ``report``, with our own keys beside PowerInfer's."""
+    placement, prediction = report.placement, report.prediction
+    return GpuSplit(
+        masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
+        # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
+        vram_capacity=int(sum(layer.ffn_vram for layer in prediction.layers)),
+        extra={
+            "pitools.objective": report.objective,
+            "pitools.predicted_token_ms": prediction.token_s * 1e3,
+            "pitools.gpu_neurons": list(placement.gpu_neurons),
+            "pitools.dense_on_gpu": list(placement.dense_on_gpu),
+            "pitools.output_on_gpu": placement.head_on_gpu,
+            "pitools.vram_budget": problem.budget_bytes,
+            "pitools.vram_used": prediction.vram,
+            "pitools.n_ctx": problem.n_ctx,
+            "pitools.hardware": problem.hardware.name,
+        },
+    )
+
+
+def model_problem(model_path: Path, budget_bytes: int, hardware: HardwareProfile, *, n_ctx: int = 2048,
+                  reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> PlacementProblem:
+    """The placement problem of a model file (sizes and firing frequencies read from it)."""
+    return problem_from_stats(**read_model_stats(model_path), n_ctx=n_ctx, budget_bytes=budget_bytes,
+                              hardware=hardware, reserve_bytes=reserve_bytes)
+
+
+def fits_budget(split: GpuSplit, budget_bytes: int) -> bool:
+    """Whether a cached split may serve ``budget_bytes``: ours when solved for exactly that budget
+    (a larger budget deserves a new solve); PowerInfer's when its FFN capacity fits, as its loader
+    decides."""
+    solved_for = split.extra.get("pitools.vram_budget")
+    if solved_for is not None:
+        return int(solved_for) == budget_bytes
+    return split.vram_capacity <= budget_bytes
+
+
+
+def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware: HardwareProfile, *,
+                 reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> SolveReport | None:
+    """Make ``split_path`` a split of ``model_path`` for ``budget_bytes``: keep the file there when it
+    fits the budget (``fits_budget``), else solve and (over)write it, as PowerInfer's runtime caches
+    ``<model>.generated.gpuidx``. Returns the solve's report, or None when the cached file was kept."""
+    if split_path.is_file() and fits_budget(read_gpu_split(split_path), budget_bytes):
+        return None
+    problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes)
+    report = ilp.solve(problem)
+    write_gpu_split(split_path, split_file(problem, report))
+    return report

@@ -1,0 +1,120 @@
+"""The whole pipeline on a small random ReLU LLaMA: convert (profile, train predictors, reorder
+hot-first, write frequencies), then `pitools run --vram`, which solves a split on the fly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf_fixtures import make_model
+from powerinfer_tools.formats.gguf_names import neuron_frequency_key
+from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.solver.split import default_split_path
+
+from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.cli import cli
+from powerinfer_tools.convert import convert
+from powerinfer_tools.llm import LLM
+from powerinfer_tools.models import load_model
+from powerinfer_tools.predictors import TrainSettings
+from powerinfer_tools.runtime.ffn import FFNMode
+from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.sparsify import SparsifySettings
+
+CONFIG = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, hidden_act="relu")
+TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
+FAST = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """(checkpoint folder, converted PowerInfer f32 file)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    folder = root / "model"
+    make_model(folder, "llama", **CONFIG)
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
+    settings = SparsifySettings(corpus=(corpus,), tokens=1024, seq_len=128, train=FAST)
+    path, _ = convert(str(folder), root / "m.powerinfer.gguf", "f32", sparsify=settings, progress=False)
+    return folder, path
+
+
+def logits(model, tokens=TOKENS, prompt=4):
+    caches = model.new_cache()
+    steps = [model.forward(tokens[:prompt], caches)]
+    steps += [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
+    return np.concatenate(steps)
+
+
+def relative_error(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def test_convert_profiles_trains_and_orders_neurons_hot_first(pipeline):
+    folder, path = pipeline
+    model = open_model_file(path)
+    for layer in range(CONFIG["num_hidden_layers"]):
+        assert f"blk.{layer}.fc1.weight" in model and f"blk.{layer}.ffn_down_t.weight" in model
+        freq = np.asarray(model.get(neuron_frequency_key(layer)))
+        assert freq.shape == (CONFIG["intermediate_size"],)
+        assert np.all(np.diff(freq) <= 0) and 0 < freq.mean() < 1  # hot first, and a real profile
+    assert (path.parent / (path.name + ".work") / "predictors" / "predictors.json").is_file()
+    # Reordering neurons changes nothing: the runtime's dense result is the checkpoint's.
+    reference = load_model(Checkpoint(folder), np.float64).forward(TOKENS, load_model(Checkpoint(folder)).new_cache())
+    assert relative_error(logits(load_runtime_model(path)), reference) < 1e-4
+
+
+def test_vram_budget_solves_a_split_caches_it_and_changes_nothing(pipeline):
+    _, path = pipeline
+    split = default_split_path(path)
+    split.unlink(missing_ok=True)
+    expected = logits(load_runtime_model(path))
+    budget = path.stat().st_size  # part of the model: the file also holds the embedding and predictors
+
+    first = LLM.load(path, mode="dense", device="emulated", vram=budget)
+    assert "solved now" in first.description and split.is_file()
+    solved = read_gpu_split(split)
+    assert solved.extra["pitools.vram_budget"] == budget and any(m.any() for m in solved.masks)
+    assert relative_error(logits(first.engine), expected) < 1e-5
+    assert first.engine.device.used_bytes <= budget
+
+    again = LLM.load(path, mode="dense", device="emulated", vram=budget)
+    assert "cached" in again.description
+    larger = LLM.load(path, mode="dense", device="emulated", vram=budget * 2)
+    assert "solved now" in larger.description
+    assert read_gpu_split(split).extra["pitools.vram_budget"] == budget * 2
+    assert sum(m.sum() for m in read_gpu_split(split).masks) >= sum(m.sum() for m in solved.masks)
+
+
+def test_head_on_the_device_changes_nothing(pipeline, tmp_path):
+    _, path = pipeline
+    model = load_runtime_model(path)
+    model.mode = FFNMode.SPARSE
+    expected = logits(model)
+    masks = tuple(np.arange(model.spec.d_ff) < 100 for _ in model.layers)
+    split = tmp_path / "head.gpuidx"
+    write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, extra={"pitools.output_on_gpu": True}))
+    on_device = load_runtime_model(path, split=split, device="emulated")
+    on_device.mode = FFNMode.SPARSE
+    assert relative_error(logits(on_device), expected) < 1e-5
+    assert on_device.head_backend is on_device.device
+    assert on_device.device.used_bytes >= on_device.output.nbytes
+    # The logits come home across PCIe: every step sends at least one row of them.
+    vocab = model.spec.vocab_size
+    assert on_device.device.transfers.bytes_to_host >= 4 * vocab * len(TOKENS)
+
+
+def test_run_command_with_a_vram_budget(pipeline):
+    _, path = pipeline
+    default_split_path(path).unlink(missing_ok=True)
+    args = ["run", str(path), "-p", "def ", "-n", "4", "--device", "emulated", "--vram", "200KB"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "solved now for" in result.stderr and default_split_path(path).is_file()
+    on_cpu = CliRunner().invoke(cli, ["run", str(path), "-n", "2", "--vram", "200KB"])
+    assert on_cpu.exit_code == 1 and "--device cuda" in on_cpu.stderr
