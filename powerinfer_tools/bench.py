@@ -37,6 +37,7 @@ import numpy as np
 from .bundled import BUNDLED_MODEL
 from .errors import PitoolsError
 from .formats.model_file import open_model_file
+from .llamacpp import load_llama_cpp
 
 SPARSE, DENSE, LLAMA_CPP = "sparse", "dense", "llama.cpp"
 TEXT = BUNDLED_MODEL / "heldout.txt"  # what the engines read: the same token ids for all of them
@@ -191,30 +192,6 @@ class _LlamaCpp:
 
     def kv_bytes(self) -> int:
         return self._kv_bytes
-
-
-def load_llama_cpp(path: Path, **kwargs):
-    """llama-cpp-python's ``Llama`` with llama.cpp's "extra" weight buffers off.
-
-    Those repack quantized weights for AMX when the CPU reports it; on the development machine the
-    AMX tile instructions then fault (SIGSEGV in ggml_backend_amx_mul_mat). The plain CPU kernels
-    compute the same.
-    """
-    import llama_cpp.llama as llama_module
-
-    defaults = llama_module.llama_cpp.llama_model_default_params
-
-    def params():
-        p = defaults()
-        p.use_extra_bufts = False
-        return p
-
-    llama_module.llama_cpp.llama_model_default_params = params
-    try:
-        kwargs.setdefault("verbose", False)
-        return llama_module.Llama(str(path), **kwargs)
-    finally:
-        llama_module.llama_cpp.llama_model_default_params = defaults
 
 
 def _kv_width(model) -> int:

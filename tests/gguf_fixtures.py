@@ -6,11 +6,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import hf_models
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
-import hf_models
+from powerinfer_tools.llamacpp import load_llama_cpp as llama  # noqa: F401 - the tests' name for it
 
 EOT = "<|endoftext|>"
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -142,28 +151,3 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
         for i in range(head_dim // 2):
             order += [h * head_dim + i, h * head_dim + head_dim // 2 + i]
     return np.array(order)
-
-
-def llama(path: Path, **kwargs):
-    """llama-cpp-python's Llama with llama.cpp's "extra" weight buffers off.
-
-    Those repack quantized weights for AMX when the CPU reports it; on this machine
-    the AMX tile instructions then fault (SIGSEGV in ggml_backend_amx_mul_mat, for
-    llama.cpp's own quantized files too). The plain CPU kernels compute the same.
-    """
-    import llama_cpp.llama as llama_module
-
-    defaults = llama_module.llama_cpp.llama_model_default_params
-
-    def params():
-        p = defaults()
-        p.use_extra_bufts = False
-        return p
-
-    llama_module.llama_cpp.llama_model_default_params = params
-    try:
-        kwargs.setdefault("verbose", False)
-        return llama_module.Llama(str(path), **kwargs)
-    finally:
-        llama_module.llama_cpp.llama_model_default_params = defaults
-
