@@ -67,18 +67,17 @@ class SelectionMeter:
         }
 
 
-Chooser = Callable[[int, np.ndarray], np.ndarray]  # (layer, ffn_input) -> neurons to compute
+Chooser = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, ffn_input, residual) -> neurons to compute
 
 
 def oracle_chooser(model: DecoderModel) -> Chooser:
-    return lambda layer, x: true_fired(model, layer, x)
+    return lambda layer, x, residual: true_fired(model, layer, x)
 
 
-def predictor_chooser(model: DecoderModel, threshold: float,
-                      predictors: list[tuple[np.ndarray, np.ndarray]]) -> Chooser:
-    def choose(layer: int, x: np.ndarray) -> np.ndarray:
+def predictor_chooser(threshold: float, predictors: list[tuple[np.ndarray, np.ndarray]]) -> Chooser:
+    def choose(layer: int, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
         fc1, fc2 = predictors[layer]
-        return predict(np, fc1, fc2, predictor_input(model, layer, x), threshold)
+        return predict(np, fc1, fc2, predictor_input(residual), threshold)
 
     return choose
 
@@ -86,8 +85,8 @@ def predictor_chooser(model: DecoderModel, threshold: float,
 def metered_selector(model: DecoderModel, choose: Chooser, meter: SelectionMeter):
     """A ``neuron_selector`` that applies ``choose`` and records how it compares with the true firing."""
 
-    def select(layer: int, x: np.ndarray) -> np.ndarray:
-        selected = choose(layer, x)
+    def select(layer: int, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+        selected = choose(layer, x, residual)
         meter.add(layer, selected, true_fired(model, layer, x))
         return selected
 

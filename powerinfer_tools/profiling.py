@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .errors import PitoolsError
 from .fileio import atomic_output
-from .models import DecoderModel, NormKind
+from .models import DecoderModel
 from .models.layers import FFNTrace
 
 FORMAT = "pitools-profile"
@@ -160,23 +160,17 @@ class PairSampler:
         return np.sort(rng.choice(n_tokens, size=k, replace=False))
 
 
-def predictor_input(model: DecoderModel, layer: int, ffn_input: np.ndarray) -> np.ndarray:
-    """What PowerInfer's runtime feeds ``layer``'s predictor, up to a positive factor per token.
+def predictor_input(residual: np.ndarray) -> np.ndarray:
+    """What predictors are trained on: the residual stream entering the FFN block (before its norm,
+    ``FFNTrace.residual``), scaled per token to unit RMS.
 
-    PowerInfer scores neurons from ``ffn_inp``, the residual stream ``h`` entering
-    the FFN block *before* its norm. The engine's hook sees the normed input
-    ``x = h / rms(h) · g``, so ``x / g = h / rms(h)``: ``h`` scaled by a positive
-    factor per token. The predictor has no biases, so its output scales with its
-    input and the decision ``output >= 0`` (the sparse threshold we write) is the
-    same for both. LayerNorm (OPT) also removes the mean, which cannot be undone.
+    PowerInfer's runtime feeds its predictors that residual (``ffn_inp``) unscaled. A predictor has
+    no biases, so its output scales with its input and the decision ``output >= 0`` (the sparse
+    threshold we write) is the same for any positive per-token factor; the scaling keeps training
+    inputs of one size whatever the layer's residual norm, and fits them in float16.
     """
-    if model.spec.norm is not NormKind.RMS:
-        raise PitoolsError(
-            f"predictor inputs of {model.spec.architecture} (LayerNorm) models need the residual stream before "
-            "the FFN norm, which the reference engine does not expose"
-        )
-    gain = model.blocks[layer].ffn_norm
-    return np.divide(ffn_input, gain, out=np.zeros_like(ffn_input), where=gain != 0)
+    rms = np.sqrt(np.mean(np.square(residual, dtype=np.float64), axis=-1, keepdims=True))
+    return np.divide(residual, rms, out=np.zeros_like(residual), where=rms > 0).astype(residual.dtype)
 
 
 @dataclass
@@ -194,7 +188,7 @@ class _WindowRecorder:
         self.fire_count[trace.layer] = fired.sum(axis=0)
         self.abs_sum[trace.layer] = np.abs(trace.activated).sum(axis=0, dtype=np.float64)
         if len(self.rows):
-            x = predictor_input(self.model, trace.layer, trace.ffn_input[self.rows])
+            x = predictor_input(trace.residual[self.rows])
             self.pairs[trace.layer] = (x, fired[self.rows])
 
 
@@ -221,9 +215,7 @@ class Profiler:
             )
         self.model, self.model_name, self.folder, self.settings = model, model_name, Path(folder), settings
         self.windows = windows_of(tokens, settings.seq_len)
-        # No pairs for LayerNorm models: their predictor input cannot be recovered (see predictor_input).
-        capacity = (pair_capacity(len(tokens), spec.n_layers, spec.d_model, spec.d_ff, settings.pairs_mib)
-                    if spec.norm is NormKind.RMS else 0)
+        capacity = pair_capacity(len(tokens), spec.n_layers, spec.d_model, spec.d_ff, settings.pairs_mib)
         self.sampler = PairSampler(capacity, len(tokens), settings.seed)
         self.identity = {
             "format": FORMAT,

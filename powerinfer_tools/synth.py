@@ -304,7 +304,7 @@ class PlantedActivations:
             x = rms_norm(h, block.ffn_norm, s.norm_eps)
             gate_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.gate_proj.weight").T
             up_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.up_proj.weight").T
-            self.ffn_hook(FFNTrace(i, x, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))
+            self.ffn_hook(FFNTrace(i, x, h, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))
 
 
 def dense_companion(path: Path) -> Path:

@@ -52,7 +52,7 @@ def test_oracle_equals_dense_and_selecting_nothing_does_not(sparse_tiny):
     assert oracle.perplexity == pytest.approx(dense.perplexity, rel=1e-6)
     s = oracle.selection
     assert s["recall"] == 1.0 and s["computed_density"] == s["fired_density"] < 0.2
-    nothing = perplexity(model, tokens, 100, "none", lambda layer, x: np.zeros((len(x), 160), bool), progress=False)
+    nothing = perplexity(model, tokens, 100, "none", lambda layer, x, residual: np.zeros((len(x), 160), bool), progress=False)
     assert nothing.selection["recall"] == 0.0 and nothing.selection["computed_density"] == 0.0
     assert abs(nothing.perplexity / dense.perplexity - 1) > 0.01
 
@@ -72,7 +72,7 @@ def sparse_accuracy(folder, calibration: tuple[int, int], evaluation: tuple[int,
     threshold, layers = load_predictors(work / "pred")
     return (perplexity(model, tokens, seq_len, progress=False),
             perplexity(model, tokens, seq_len, "oracle", oracle_chooser(model), progress=False),
-            perplexity(model, tokens, seq_len, "predicted", predictor_chooser(model, threshold, layers),
+            perplexity(model, tokens, seq_len, "predicted", predictor_chooser(threshold, layers),
                        progress=False))
 
 

@@ -103,7 +103,7 @@ def brute_force(model, windows):
     per_layer = [[t for t in traces if t.layer == i] for i in range(n_layers)]
     fire = np.stack([sum(t.fired.sum(0) for t in ts) for ts in per_layer])
     abs_sum = np.stack([sum(np.abs(t.activated).sum(0, dtype=np.float64) for t in ts) for ts in per_layer])
-    x = [np.concatenate([t.ffn_input for t in ts]) for ts in per_layer]
+    x = [np.concatenate([t.residual for t in ts]) for ts in per_layer]
     fired = [np.concatenate([t.fired for t in ts]) for ts in per_layer]
     return fire, abs_sum, x, fired
 
@@ -132,20 +132,24 @@ def test_stats_and_pairs_match_brute_force(tiny, tmp_path):
     assert len(kept) == capacity and len(np.unique(kept)) == capacity
     store = PairStore.open(tmp_path / PAIRS_DIR, 2)
     for layer in range(2):
-        gain = model.blocks[layer].ffn_norm
-        np.testing.assert_array_equal(store.x[layer], (x[layer][kept] / gain).astype(np.float16))
+        np.testing.assert_array_equal(store.x[layer], predictor_input(x[layer][kept]).astype(np.float16))
         np.testing.assert_array_equal(np.unpackbits(store.fired[layer], axis=1, count=160).astype(bool),
                                       fired[layer][kept])
 
 
-def test_predictor_input_is_the_residual_before_the_ffn_norm(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_predictor_input_is_the_residual_before_the_ffn_norm(tmp_path, family):
     """PowerInfer feeds its predictors ``ffn_inp``: ours must be that, up to a positive factor per token."""
-    torch_model = build(tmp_path, "llama", config_overrides=TINY_RELU_LLAMA)
-    tokens = np.random.default_rng(3).integers(0, 256, 20)
+    torch_model = build(tmp_path, family, config_overrides=TINY_RELU_LLAMA if family == "llama" else OPT)
+    tokens = np.random.default_rng(3).integers(0, 80, 20)
     residuals = {}
-    for i, layer in enumerate(torch_model.model.layers):
-        layer.post_attention_layernorm.register_forward_hook(
-            lambda module, args, out, i=i: residuals.__setitem__(i, args[0][0].double().numpy()))
+    if family == "llama":
+        layers, ffn_norm = torch_model.model.layers, "post_attention_layernorm"
+    else:
+        layers, ffn_norm = torch_model.model.decoder.layers, "final_layer_norm"
+    for i, layer in enumerate(layers):
+        getattr(layer, ffn_norm).register_forward_hook(
+            lambda module, args, out, i=i: residuals.__setitem__(i, args[0].reshape(-1, args[0].shape[-1]).double().numpy()))
     with torch.no_grad():
         torch_model(torch.tensor(tokens[None]), use_cache=False)
     model = load_model(Checkpoint(tmp_path))
@@ -153,20 +157,23 @@ def test_predictor_input_is_the_residual_before_the_ffn_norm(tmp_path):
     model.ffn_hook = traces.append
     model.forward(tokens, model.new_cache())
     for trace in traces:
-        residual = residuals[trace.layer]
-        expected = residual / np.sqrt(np.mean(residual**2, axis=1, keepdims=True) + model.spec.norm_eps)
-        ours = predictor_input(model, trace.layer, trace.ffn_input)
-        np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+        expected = residuals[trace.layer]
+        np.testing.assert_allclose(trace.residual, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+        scaled = predictor_input(trace.residual)
+        np.testing.assert_allclose(np.sqrt(np.mean(scaled.astype(np.float64) ** 2, axis=1)), 1.0, rtol=1e-5)
+        np.testing.assert_allclose(scaled * np.linalg.norm(expected, axis=1, keepdims=True),
+                                   expected * np.linalg.norm(scaled, axis=1, keepdims=True), rtol=1e-3, atol=1e-6)
 
 
-def test_layernorm_models_are_profiled_without_training_pairs(tmp_path):
+def test_layernorm_models_get_training_pairs_and_predictors(tmp_path):
     build(tmp_path, "opt", config_overrides=OPT)
     model = load_model(Checkpoint(tmp_path))
-    stats = run_profiler(model, np.arange(200) % 90, tmp_path / "prof")
-    assert stats.fire_count.sum() > 0 and not (tmp_path / "prof" / PAIRS_DIR).exists()
-    assert json.loads((tmp_path / "prof" / "profile.json").read_text())["pairs_capacity"] == 0
-    with pytest.raises(PitoolsError, match="holds no training pairs"):
-        train_predictors(tmp_path / "prof", tmp_path / "pred", TrainSettings(), device="cpu", progress=False)
+    stats = run_profiler(model, np.arange(600) % 90, tmp_path / "prof")
+    assert stats.fire_count.sum() > 0
+    assert json.loads((tmp_path / "prof" / "profile.json").read_text())["pairs_capacity"] == 600
+    fast = TrainSettings(epochs=1, min_epoch_steps=10, batch_size=64, min_precision=0.0, budget=0.5)
+    meta = train_predictors(tmp_path / "prof", tmp_path / "pred", fast, device="cpu", progress=False)
+    assert meta["complete"] and len(meta["layers"]) == 2
 
 
 def test_stats_file_is_plain_safetensors(tiny, tmp_path):

@@ -9,8 +9,7 @@ from gguf_fixtures import make_model, random_predictors, save_predictors
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.convert import convert
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
-from powerinfer_tools.models import NormKind, load_model
-from powerinfer_tools.profiling import predictor_input
+from powerinfer_tools.models import load_model
 from powerinfer_tools.runtime.ffn import FFNMode, Predictor
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -57,13 +56,12 @@ def run(model, tokens=TOKENS, prompt=4):
 def reference(folder, predictors=None):
     """The reference engine's logits; with ``predictors``, only the neurons they select are computed.
 
-    The predictors read the residual before the FFN norm (as PowerInfer's runtime does); the
-    reference engine hands its selector the normed input, which ``predictor_input`` maps back.
+    The predictors read the residual before the FFN norm, as PowerInfer's runtime does.
     """
     model = load_model(Checkpoint(folder), np.float64)
     if predictors is not None:
         selectors = [Predictor(fc1, fc2) for fc1, fc2 in predictors]
-        model.neuron_selector = lambda layer, x: selectors[layer](predictor_input(model, layer, x))
+        model.neuron_selector = lambda layer, x, residual: selectors[layer](residual)
     return model.forward(TOKENS, model.new_cache())
 
 
@@ -85,8 +83,6 @@ def test_oracle_equals_dense(converted):
 def test_sparse_equals_reference_predicted_path(converted):
     folder, predictors, files = converted
     model = load_runtime_model(files["f32"])
-    if model.spec.norm is not NormKind.RMS:
-        pytest.skip("the reference engine cannot recover a LayerNorm model's pre-norm residual")
     model.mode = FFNMode.SPARSE
     sparse = run(model)
     assert relative_error(sparse, reference(folder, predictors)) < 1e-4

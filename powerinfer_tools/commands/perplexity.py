@@ -52,6 +52,6 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
         if len(layers) != spec.n_layers or layers[0][0].shape[1] != spec.d_model or layers[0][1].shape[0] != spec.d_ff:
             raise PitoolsError(f"{predictor_dir}: predictors do not fit this model "
                                f"({spec.n_layers} layers, d_model {spec.d_model}, d_ff {spec.d_ff})")
-        choose = predictor_chooser(loaded.model, threshold, layers)
+        choose = predictor_chooser(threshold, layers)
     result = measure(loaded.model, loaded.tokens, loaded.seq_len, mode, choose, progress=not quiet)
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))

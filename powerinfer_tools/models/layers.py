@@ -148,7 +148,10 @@ class FFNTrace:
     """What a profiling hook sees of one layer's FFN for a block of tokens."""
 
     layer: int
-    ffn_input: np.ndarray  # [T, d_model], after the norm: what a predictor sees
+    ffn_input: np.ndarray  # [T, d_model], after the norm: what the FFN multiplies
+    # [T, d_model] the residual stream entering the FFN block, before its norm (the same as
+    # ffn_input for post-norm models): what PowerInfer's predictors read (``ffn_inp``)
+    residual: np.ndarray
     gate_pre: Optional[np.ndarray]  # [T, d_ff] gate projection before activation (None for OPT)
     up_pre: np.ndarray  # [T, d_ff] up projection (fc1 + bias for OPT) before activation
     activated: np.ndarray  # [T, d_ff] the values multiplied into the down projection
@@ -160,8 +163,9 @@ class FFNTrace:
 
 
 FFNHook = Callable[[FFNTrace], None]
-# Given a layer and its FFN input [T, d_model], the neurons to compute ([T, d_ff] bool), or None for all.
-NeuronSelector = Callable[[int, np.ndarray], Optional[np.ndarray]]
+# Given a layer, its FFN input and its residual (as in FFNTrace, [T, d_model] each), the neurons to
+# compute ([T, d_ff] bool), or None for all.
+NeuronSelector = Callable[[int, np.ndarray, np.ndarray], Optional[np.ndarray]]
 
 
 def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
@@ -183,8 +187,9 @@ def feed_forward(
     layer: int,
     hook: Optional[FFNHook] = None,
     selector: Optional[NeuronSelector] = None,
+    residual: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """One FFN over ``x [T, d_model]``.
+    """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``).
 
     With a ``selector``, neurons it leaves out are treated as not firing (their
     activated value is zeroed), which is what a sparse runtime computes when it
@@ -194,10 +199,11 @@ def feed_forward(
     gate_pre = linear(x, w.gate, w.gate_bias) if w.gate is not None else None
     up_pre = linear(x, w.up, w.up_bias)
     activated = activate(kind, gate_pre, up_pre)
+    residual = x if residual is None else residual
     if selector is not None:
-        mask = selector(layer, x)
+        mask = selector(layer, x, residual)
         if mask is not None:
             activated = np.where(mask, activated, 0)
     if hook is not None:
-        hook(FFNTrace(layer, x, gate_pre, up_pre, activated))
+        hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
     return linear(activated, w.down, w.down_bias)

@@ -134,6 +134,6 @@ class Model(DecoderModel):
             keys, values = cache.store(i, k, v)
             x = x + linear(attention(q, keys, values, start, s.sliding_window), b.wo, b.bo)
             h = rms_norm(x, b.ffn_norm, s.norm_eps)
-            x = x + feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector)
+            x = x + feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=x)
         cache.advance(len(tokens))
         return rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T

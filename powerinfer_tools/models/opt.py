@@ -160,7 +160,8 @@ class Model(DecoderModel):
         for i, b in enumerate(self.blocks):
             if s.pre_norm:
                 x = x + self._attention(b, ln(b.attn_norm, x), i, cache, start)
-                x = x + feed_forward(s.ffn, b.ffn, ln(b.ffn_norm, x), i, self.ffn_hook, self.neuron_selector)
+                x = x + feed_forward(s.ffn, b.ffn, ln(b.ffn_norm, x), i, self.ffn_hook, self.neuron_selector,
+                                     residual=x)
             else:
                 x = ln(b.attn_norm, x + self._attention(b, x, i, cache, start))
                 x = ln(b.ffn_norm, x + feed_forward(s.ffn, b.ffn, x, i, self.ffn_hook, self.neuron_selector))
