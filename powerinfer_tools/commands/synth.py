@@ -30,6 +30,9 @@ _DEFAULTS = Planting()
               help="Tokens profiled for predictor training.")
 @click.option("--epochs", type=click.IntRange(min=1), default=SYNTH_TRAINING.epochs, show_default=True,
               help="Predictor training epochs per candidate size (fewer: faster, for large shapes).")
+@click.option("--min-precision", type=click.FloatRange(0, 1), default=SYNTH_TRAINING.min_precision,
+              show_default=True, help="Least share of the neurons a predictor selects that must fire "
+                                      "(higher: larger predictors that compute fewer idle neurons).")
 @click.option("--seed", default=_DEFAULTS.seed, show_default=True)
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the f16 checkpoint, profile and predictors [default: OUTPUT.work].")
@@ -37,8 +40,8 @@ _DEFAULTS = Planting()
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, seed, work, keep_work, force,
-          as_json, quiet) -> None:
+def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work, keep_work,
+          force, as_json, quiet) -> None:
     """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
@@ -59,7 +62,8 @@ def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, 
     """
     planting = Planting(density=density, rank=rank, noise=noise, seed=seed)
     result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens,
-                        train=dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs), work=work,
+                        train=dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
+                                                  min_precision=min_precision), work=work,
                         keep_work=keep_work, force=force, progress=not quiet)
     summary = result.summary()
     if as_json:
