@@ -13,9 +13,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 ENGINES = {"sparse": "ours, sparse", "dense": "ours, dense", "llama.cpp": "llama.cpp, dense"}
 PANELS = {"generation_tokens_per_s": "generation (tokens/s)", "prompt_tokens_per_s": "prompt processing (tokens/s)"}
+
+
+def _settings(report: dict) -> str:
+    s = report["settings"]
+    return f"{s['prompt_tokens']}-token prompt\n{s['generate']} decoded, median of {s['runs']}"
 
 
 def main() -> None:
@@ -28,7 +34,7 @@ def main() -> None:
         shape, path = item.split("=", 1)
         reports[shape] = json.loads(Path(path).read_text())
     shapes = list(reports)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4.2))
     width = 0.8 / len(ENGINES)
     for ax, (key, title) in zip(axes, PANELS.items()):
         everything = []
@@ -40,13 +46,15 @@ def main() -> None:
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         if max(everything) > 10 * min(everything):  # shapes of very different cost: keep both readable
             ax.set_yscale("log")
-        ax.set_xticks(range(len(shapes)), shapes)
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(range(len(shapes)), [f"{s}\n{_settings(reports[s])}" for s in shapes], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    settings = reports[shapes[0]]["settings"]
-    fig.suptitle(f"q4_0, {settings['threads']} threads, {settings['prompt_tokens']}-token prompt, "
-                 f"{settings['generate']} decoded tokens; medians of {settings['runs']} runs", fontsize=9)
+    fig.suptitle(f"q4_0, {reports[shapes[0]]['settings']['threads']} threads: tokens/s by engine and model shape",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")

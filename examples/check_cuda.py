@@ -5,7 +5,7 @@ Run on a machine with a CUDA GPU and CuPy (``pip install 'powerinfer-tools[cuda]
     python examples/check_cuda.py --out docs/cuda-check.md
 
 It converts the bundled model (f16 and q4_0, with profiling and predictors),
-puts the hot half of every layer's neurons (and every dense block) on the GPU
+puts the hot half of every layer's neurons (and every dense block and the head) on the GPU
 through a split file, and compares logits over held-out text with the CPU-only
 runtime in dense and sparse mode; then it times greedy generation on both.
 The report (markdown) goes to --out and to stdout. Record it in docs/ when run.
@@ -75,7 +75,8 @@ def main() -> None:
         masks = tuple(np.arange(spec.d_ff) < spec.d_ff // 2 for _ in range(spec.n_layers))  # hot-first files
         split = work / f"m.{outtype}.gpuidx"
         write_gpu_split(split, GpuSplit(masks, vram_capacity=2**30,
-                                        extra={"pitools.dense_on_gpu": [True] * spec.n_layers}))
+                                        extra={"pitools.dense_on_gpu": [True] * spec.n_layers,
+                                               "pitools.output_on_gpu": True}))
         gpu = load_runtime_model(path, split=split, device=args.device)
         for mode in (FFNMode.DENSE, FFNMode.SPARSE):
             cpu.mode = gpu.mode = mode
