@@ -1,10 +1,12 @@
-"""Perplexity of the reference engine, dense or computing only some FFN neurons.
+"""Perplexity, dense or computing only some FFN neurons: of a checkpoint on the reference engine
+(``perplexity``) or of a GGUF file on the runtime (``runtime_perplexity``).
 
-Sparse modes restrict each FFN through the engine's ``neuron_selector``:
+On the reference engine, sparse modes restrict each FFN through its ``neuron_selector``:
 ``oracle`` computes exactly the neurons that fire (so it must equal dense up to
 rounding), ``predicted`` the neurons the trained predictors select, as the
 sparse runtime would. Both also measure, per layer, the fraction of neurons
 computed and the recall: of the neurons that truly fire, the share computed.
+On the runtime the same modes are its FFN modes (``predicted``: the file's predictors).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from .models import DecoderModel
 from .models.layers import activate, linear
 from .predictors import predict
 from .profiling import predictor_input
+from .runtime.engine import RuntimeModel, TokenStats
+from .runtime.ffn import FFNMode
 
 MODES = ("dense", "oracle", "predicted")
+RUNTIME_MODES = {"dense": FFNMode.DENSE, "oracle": FFNMode.ORACLE, "predicted": FFNMode.SPARSE}
 
 
 def true_fired(model: DecoderModel, layer: int, x: np.ndarray) -> np.ndarray:
@@ -108,36 +113,59 @@ class PerplexityResult:
 
 def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str = "dense",
                choose: Chooser | None = None, progress: bool = True) -> PerplexityResult:
-    """exp(mean next-token NLL) over windows of ``seq_len`` inputs, each starting with an empty cache.
+    """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None)."""
+    meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
+    model.neuron_selector = metered_selector(model, choose, meter) if choose is not None else None
+    try:
+        mean, scored = _mean_nll(lambda window: model.forward(window, model.new_cache()), tokens, seq_len, mode,
+                                 progress)
+    finally:
+        model.neuron_selector = None
+    return PerplexityResult(mode, math.exp(mean), mean, scored, meter.summary() if meter is not None else None)
+
+
+def runtime_perplexity(model: RuntimeModel, tokens: np.ndarray, seq_len: int, mode: str = "dense",
+                       progress: bool = True) -> PerplexityResult:
+    """Perplexity of a GGUF file on the runtime: ``predicted`` runs its own predictors (sparse mode).
+
+    The runtime reads only the rows it computes, so it cannot say which skipped neurons would have
+    fired: the sparse modes report the fraction computed, not the recall.
+    """
+    model.mode = RUNTIME_MODES[mode]
+    model.stats = TokenStats()
+    mean, scored = _mean_nll(lambda window: model.forward(window, model.new_cache()), tokens, seq_len, mode,
+                             progress)
+    selection = None if mode == "dense" else {"computed_density": model.stats.density}
+    return PerplexityResult(mode, math.exp(mean), mean, scored, selection)
+
+
+def _mean_nll(forward: Callable[[np.ndarray], np.ndarray], tokens: np.ndarray, seq_len: int, mode: str,
+              progress: bool) -> tuple[float, int]:
+    """Mean next-token NLL over windows of ``seq_len`` inputs, each run by ``forward`` from an empty cache,
+    and the number of tokens scored.
 
     Window ``k`` reads tokens ``k·L .. k·L+L-1`` and is scored on the tokens one
     further on, so every token but the first is scored exactly once.
     """
-    meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
-    model.neuron_selector = metered_selector(model, choose, meter) if choose is not None else None
     total_nll, scored = 0.0, 0
-    bar = tqdm(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
-    try:
-        with bar:
-            for start in range(0, len(tokens) - 1, seq_len):
-                targets = tokens[start + 1 : start + seq_len + 1]
-                logits = model.forward(tokens[start : start + len(targets)], model.new_cache()).astype(np.float64)
-                peak = logits.max(axis=1, keepdims=True)
-                log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-                total_nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
-                scored += len(targets)
-                bar.update(len(targets))
-    finally:
-        model.neuron_selector = None
-    mean = total_nll / scored
-    return PerplexityResult(mode, math.exp(mean), mean, scored, meter.summary() if meter is not None else None)
+    with tqdm(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:
+        for start in range(0, len(tokens) - 1, seq_len):
+            targets = tokens[start + 1 : start + seq_len + 1]
+            logits = forward(tokens[start : start + len(targets)]).astype(np.float64)
+            peak = logits.max(axis=1, keepdims=True)
+            log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+            total_nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
+            scored += len(targets)
+            bar.update(len(targets))
+    return total_nll / scored, scored
 
 
 def format_result(result: PerplexityResult) -> str:
     text = f"perplexity {result.perplexity:.4f} ({result.mode}) over {result.scored_tokens} tokens"
-    if result.selection is not None:
-        s = result.selection
-        text += (f"; computed {s['computed_density']:.1%} of FFN neurons, {s['fired_density']:.1%} fire, "
-                 f"recall {s['recall']:.2%}")
+    s = result.selection
+    if s is not None:
+        text += f"; computed {s['computed_density']:.1%} of FFN neurons"
+        if "recall" in s:
+            text += f", {s['fired_density']:.1%} fire, recall {s['recall']:.2%}"
     return text

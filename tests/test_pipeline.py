@@ -15,6 +15,7 @@ from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_g
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.split import default_split_path
 
+from powerinfer_tools import kernels
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
@@ -116,12 +117,33 @@ def test_head_on_the_device_changes_nothing(pipeline, tmp_path):
     assert on_device.device.transfers.bytes_to_host >= 4 * vocab * len(TOKENS)
 
 
-def test_run_command_with_a_vram_budget(pipeline):
+def test_run_command_with_a_vram_budget(pipeline, monkeypatch):
     _, path = pipeline
     default_split_path(path).unlink(missing_ok=True)
-    args = ["run", str(path), "-p", "def ", "-n", "4", "--device", "emulated", "--vram", "200KB"]
+    monkeypatch.setattr(kernels, "_threads", kernels.get_threads())  # restored after --threads sets it
+    args = ["run", str(path), "-p", "def ", "-n", "4", "--device", "emulated", "--vram", "200KB", "--threads", "1"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
+    assert kernels.get_threads() == 1
     assert "solved now for" in result.stderr and default_split_path(path).is_file()
     on_cpu = CliRunner().invoke(cli, ["run", str(path), "-n", "2", "--vram", "200KB"])
     assert on_cpu.exit_code == 1 and "--device cuda" in on_cpu.stderr
+
+
+def test_perplexity_of_the_gguf_on_the_runtime_equals_the_reference_engine(pipeline):
+    folder, path = pipeline
+    common = ["--corpus", str(path.parent / "corpus.txt"), "--tokens", "300", "--seq-len", "100", "--json", "-q"]
+
+    def perplexity(model: str, *extra: str) -> dict:
+        result = CliRunner().invoke(cli, ["perplexity", model, *common, *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    reference, dense = perplexity(str(folder)), perplexity(str(path))
+    assert dense["scored_tokens"] == reference["scored_tokens"] == 299
+    assert dense["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-5)
+    oracle, predicted = perplexity(str(path), "--sparse", "oracle"), perplexity(str(path), "--sparse", "predicted")
+    assert oracle["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-5)
+    assert 0 < predicted["selection"]["computed_density"] < 1 and np.isfinite(predicted["perplexity"])
+    refused = CliRunner().invoke(cli, ["perplexity", str(path), "--predictors", str(folder), *common])
+    assert refused.exit_code == 1 and "its own predictors" in refused.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gguf_fixtures import SAMPLE_TEXTS, llama, tokenizer_models
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, tokenizer_models
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
@@ -40,3 +40,17 @@ def test_decoding_matches_llamacpp_and_round_trips(models, kind):
 def test_unknown_tokenizer_kind_is_named():
     with pytest.raises(PitoolsError, match="'bert' is not supported"):
         GGUFTokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "spm"])
+def test_special_token_spellings_parse_as_llamacpp_does(models, kind):
+    _, path = models[kind]
+    metadata = open_model_file(path).metadata
+    ours, parsing = GGUFTokenizer(metadata), GGUFTokenizer(metadata, parse_special=True)
+    cpp = llama(path, vocab_only=True)
+    special = EOT if kind == "gpt2" else "</s>"
+    texts = [f"a{special}b", f"{special} x {special}{special}  y", f"def f():\n{special}\n\"\"\"doc", special, f" {special}"]
+    for text in texts:
+        assert parsing.encode(text) == cpp.tokenize(text.encode(), add_bos=True, special=True), text
+        assert ours.encode(text) == cpp.tokenize(text.encode(), add_bos=True, special=False), text
+    assert parsing.encode(texts[0], add_bos=False).count(parsing.ids[special]) == 1

@@ -8,11 +8,21 @@ from pathlib import Path
 import click
 
 from ..bundled import BUNDLED_MODEL
+from ..corpus import HELDOUT_FILE, resolve_source
 from ..errors import PitoolsError
-from ..perplexity import MODES, format_result, oracle_chooser, predictor_chooser
+from ..perplexity import (
+    MODES,
+    PerplexityResult,
+    format_result,
+    oracle_chooser,
+    predictor_chooser,
+    runtime_perplexity,
+)
 from ..perplexity import perplexity as measure
 from ..predictors import load_predictors
-from .profile import corpus_options, load_model_and_corpus
+from ..runtime.loader import load_runtime_model
+from ..runtime.tokenizer import GGUFTokenizer
+from .profile import corpus_options, corpus_tokens, load_model_and_corpus
 
 
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,19 +37,30 @@ from .profile import corpus_options, load_model_and_corpus
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
                as_json, quiet) -> None:
-    """Perplexity of MODEL on a corpus with the NumPy reference engine.
+    """Perplexity of MODEL on a corpus.
 
-    MODEL is a checkpoint folder or hub id (default: the bundled tiny ReLU
-    LLaMA, on its held-out text). The corpus is read in windows of --seq-len
-    tokens, each with a fresh cache; every token after the first is scored once.
-    With --sparse oracle or predicted, the fraction of FFN neurons computed
-    and the recall (share of truly firing neurons computed) are reported too.
+    MODEL is a GGUF file, run by the runtime, or a checkpoint folder or hub id,
+    run by the NumPy reference engine (default: the bundled tiny ReLU LLaMA, on
+    its held-out text; a GGUF defaults to a heldout.txt beside it). The corpus
+    is read in windows of --seq-len tokens, each with a fresh cache; every
+    token after the first is scored once. With --sparse oracle or predicted,
+    the fraction of FFN neurons computed is reported too, and on the reference
+    engine the recall (share of truly firing neurons computed). A GGUF file's
+    --sparse predicted uses its own predictors.
 
     \b
     Examples:
       pitools perplexity --tokens 20000
       pitools perplexity --sparse predicted --predictors pred --skip-tokens 40000
+      pitools perplexity tiny.powerinfer.gguf --sparse predicted --corpus heldout.txt
     """
+    if Path(model).suffix == ".gguf":
+        if predictor_dir is not None:
+            raise PitoolsError(f"{model}: a GGUF file runs with its own predictors; --predictors is for checkpoints")
+        result = _gguf_perplexity(Path(model), corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
+                                  mode, quiet)
+        click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
+        return
     if (mode == "predicted") != (predictor_dir is not None):
         raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
     loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
@@ -55,3 +76,18 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
         choose = predictor_chooser(threshold, layers)
     result = measure(loaded.model, loaded.tokens, loaded.seq_len, mode, choose, progress=not quiet)
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
+
+
+def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
+                     quiet) -> PerplexityResult:
+    model = load_runtime_model(path, use_split=False)
+    if mode == "predicted" and not model.has_predictors:
+        raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
+    if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():
+        raise PitoolsError(f"{path}: no {HELDOUT_FILE} beside the model to default to; pass --corpus FILE or --dataset NAME")
+    source = resolve_source(corpus, dataset, path.parent, split, text_field)
+    # Special-token spellings in the text (document separators) parse as the tokens, as the reference
+    # engine's Hugging Face tokenizer parses them: both then score the same token stream.
+    tokenizer = GGUFTokenizer(model.metadata, parse_special=True)
+    tokens, seq_len = corpus_tokens(source, tokenizer, model.spec.max_positions, n_tokens, seq_len, skip_tokens)
+    return runtime_perplexity(model, tokens, seq_len, mode, progress=not quiet)

@@ -61,15 +61,22 @@ def load_model_and_corpus(model_arg: str, corpus: tuple[Path, ...], dataset: str
     folder = resolve_checkpoint(model_arg)
     model = load_model(Checkpoint(folder))
     spec = model.spec
-    if seq_len is not None and seq_len > spec.max_positions:
-        raise PitoolsError(f"--seq-len {seq_len} exceeds the model's context length {spec.max_positions}")
     source = resolve_source(corpus, dataset, folder, split, text_field)
     tokenizer = CheckpointTokenizer(folder, spec.bos_token_id, spec.eos_token_id)
+    tokens, seq_len = corpus_tokens(source, tokenizer, spec.max_positions, n_tokens, seq_len, skip_tokens)
+    return ModelOnCorpus(folder, model, source, tokens, seq_len)
+
+
+def corpus_tokens(source: CorpusSource, tokenizer, max_positions: int, n_tokens: int, seq_len: int | None,
+                  skip_tokens: int) -> tuple[np.ndarray, int]:
+    """The corpus tokens a model reads, and the window length (checked against its context)."""
+    if seq_len is not None and seq_len > max_positions:
+        raise PitoolsError(f"--seq-len {seq_len} exceeds the model's context length {max_positions}")
     tokens = read_tokens(source, tokenizer, n_tokens, skip_tokens)
     if len(tokens) < n_tokens:
         click.echo(f"pitools: the corpus has only {len(tokens)} tokens (after skipping {skip_tokens}); "
                    "using all of them", err=True)
-    return ModelOnCorpus(folder, model, source, tokens, seq_len or min(DEFAULT_SEQ_LEN, spec.max_positions))
+    return tokens, seq_len or min(DEFAULT_SEQ_LEN, max_positions)
 
 
 @click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from .. import kernels
 from ..bundled import BUNDLED_MODEL
 from ..errors import PitoolsError
 from ..generation import SamplingConfig
@@ -28,6 +29,8 @@ from ..solver.units import parse_size
 @click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
               help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
                    "for a GPU that checks the budget and counts PCIe bytes (for testing).")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for the compiled kernels [default: all cores].")
 @click.option("--split", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="GPU split file [default: MODEL.generated.gpuidx beside the model, if present].")
 @click.option("--no-split", is_flag=True, help="Ignore any split file.")
@@ -37,7 +40,8 @@ from ..solver.units import parse_size
 @click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
               help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`.")
 def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
-        mode: str, device: str, split: Path | None, no_split: bool, vram: str | None, hardware: str) -> None:
+        mode: str, device: str, threads: int | None, split: Path | None, no_split: bool, vram: str | None,
+        hardware: str) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
@@ -52,6 +56,8 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
       pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
     """
+    if threads is not None:
+        kernels.set_threads(threads)
     if split is not None and vram is None and not split.is_file():
         raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
     llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device,

@@ -47,7 +47,11 @@ def byte_alphabet() -> dict[int, str]:
 class GGUFTokenizer:
     """Encode and decode with the vocabulary stored in GGUF metadata."""
 
-    def __init__(self, metadata: dict):
+    def __init__(self, metadata: dict, parse_special: bool = False):
+        """``parse_special``: text spelling a control token (``<|endoftext|>``, ``</s>``) encodes as that
+        token, as Hugging Face tokenizers and llama.cpp's ``special=True`` do; otherwise it is plain text,
+        as in llama.cpp's default (the prompts of ``pitools run``)."""
+        self.parse_special = parse_special
         try:
             self.kind = metadata["tokenizer.ggml.model"]
             self.tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
@@ -79,10 +83,29 @@ class GGUFTokenizer:
         return len(self.tokens)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._encode_gpt2(text) if self.kind == "gpt2" else self._encode_spm(text)
+        ids: list[int] = []
+        space_prefix = True  # SentencePiece: a text fragment at the start or after a special token gets one
+        for fragment in self._special_split.split(text) if self.parse_special else [text]:
+            special = self.ids[fragment] if self.parse_special and fragment in self._special_texts else None
+            if special is not None:
+                ids.append(special)
+                space_prefix = True
+            elif fragment:
+                ids += self._encode_gpt2(fragment) if self.kind == "gpt2" else self._encode_spm(fragment, space_prefix)
+                space_prefix = False
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @functools.cached_property
+    def _special_texts(self) -> frozenset[str]:
+        return frozenset(t for t, kind in zip(self.tokens, self.types) if kind == CONTROL and t)
+
+    @functools.cached_property
+    def _special_split(self) -> regex.Pattern:
+        """Splits text around control tokens' spellings, longest first, keeping them as fragments."""
+        spellings = sorted(self._special_texts, key=len, reverse=True)
+        return regex.compile("(" + "|".join(map(regex.escape, spellings)) + ")") if spellings else regex.compile("(?!)")
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the tokens; control tokens (BOS/EOS) print as nothing, as in llama.cpp."""
@@ -123,11 +146,11 @@ class GGUFTokenizer:
 
     # -- llama (SentencePiece BPE) ----------------------------------------------
 
-    def _encode_spm(self, text: str) -> list[int]:
+    def _encode_spm(self, text: str, space_prefix: bool = True) -> list[int]:
         if not text:
             return []
         text = text.replace(" ", SPM_SPACE)
-        if self.add_space_prefix:
+        if self.add_space_prefix and space_prefix:
             text = SPM_SPACE + text
         symbols = list(text)
         merged_from: dict[str, tuple[str, str]] = {}
