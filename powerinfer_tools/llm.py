@@ -20,6 +20,7 @@ from .checkpoint import Checkpoint
 from .errors import PitoolsError
 from .generation import Sampler, SamplingConfig, generate, stream_text
 from .models import load_model
+from .runtime.backends import require_cupy
 from .runtime.engine import RuntimeModel, TokenStats
 from .runtime.ffn import FFNMode
 from .runtime.loader import load_runtime_model
@@ -82,6 +83,8 @@ class LLM:
         if vram is not None:
             if device == "cpu" or not use_split:
                 raise PitoolsError("a VRAM budget places neurons on a GPU: use it with --device cuda (or emulated)")
+            if device == "cuda":
+                require_cupy()  # before solving: no split written for a GPU that is not there
             split = Path(split) if split is not None else default_split_path(path)
             # A CUDA device needs room for its context and scratch; the emulated one holds weights only.
             reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0

@@ -19,6 +19,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.llm import LLM
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import TrainSettings
@@ -147,3 +148,12 @@ def test_perplexity_of_the_gguf_on_the_runtime_equals_the_reference_engine(pipel
     assert 0 < predicted["selection"]["computed_density"] < 1 and np.isfinite(predicted["perplexity"])
     refused = CliRunner().invoke(cli, ["perplexity", str(path), "--predictors", str(folder), *common])
     assert refused.exit_code == 1 and "its own predictors" in refused.stderr
+
+
+def test_cuda_without_cupy_fails_before_solving(pipeline, monkeypatch):
+    _, path = pipeline
+    default_split_path(path).unlink(missing_ok=True)
+    monkeypatch.setattr("powerinfer_tools.runtime.backends.cupy_or_none", lambda: None)
+    with pytest.raises(PitoolsError, match="CuPy with a CUDA device is not available"):
+        LLM.load(path, device="cuda", vram=10**6)
+    assert not default_split_path(path).exists()

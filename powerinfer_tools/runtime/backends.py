@@ -220,15 +220,21 @@ class EmulatedDevice(DeviceBackend):
         return array
 
 
+def require_cupy() -> ModuleType:
+    """CuPy, when it sees a CUDA device; else the error ``--device cuda`` reports."""
+    cupy = cupy_or_none()
+    if cupy is None:
+        raise PitoolsError("--device cuda: CuPy with a CUDA device is not available (pip install 'powerinfer-tools[cuda]')")
+    return cupy
+
+
 class CudaDevice(DeviceBackend):
     """A CUDA GPU through CuPy (``pip install 'powerinfer-tools[cuda]'``)."""
 
     name = "cuda"
 
     def __init__(self, budget_bytes: int):
-        cupy = cupy_or_none()
-        if cupy is None:
-            raise PitoolsError("--device cuda: CuPy with a CUDA device is not available (pip install 'powerinfer-tools[cuda]')")
+        cupy = require_cupy()
         super().__init__(budget_bytes)
         self.xp = cupy
 
