@@ -1,4 +1,4 @@
-"""The ``pitools`` command line: one click group, one subcommand per pipeline step."""
+"""The ``pitools`` command line: one click group, one subcommand per pipeline step (each in ``commands/``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ import sys
 import click
 
 from . import __version__
+from .commands.bench import bench
+from .commands.convert import convert
+from .commands.inspect import inspect
+from .commands.perplexity import perplexity
+from .commands.profile import profile
+from .commands.pull import pull
+from .commands.run import run
+from .commands.solve import probe, solve
+from .commands.synth import synth
+from .commands.train_predictors import train_predictors
 from .errors import PitoolsError
 
 
@@ -40,45 +50,5 @@ def main() -> None:
     cli(prog_name="pitools")
 
 
-# Subcommands register themselves below; each lives in its own module.
-
-from .commands.pull import pull  # noqa: E402
-
-cli.add_command(pull)
-
-from .commands.run import run  # noqa: E402
-
-cli.add_command(run)
-
-from .commands.convert import convert  # noqa: E402
-
-cli.add_command(convert)
-
-from .commands.inspect import inspect  # noqa: E402
-
-cli.add_command(inspect)
-
-from .commands.profile import profile  # noqa: E402
-
-cli.add_command(profile)
-
-from .commands.train_predictors import train_predictors  # noqa: E402
-
-cli.add_command(train_predictors)
-
-from .commands.perplexity import perplexity  # noqa: E402
-
-cli.add_command(perplexity)
-
-from .commands.solve import probe, solve  # noqa: E402
-
-cli.add_command(solve)
-cli.add_command(probe)
-
-from .commands.synth import synth  # noqa: E402
-
-cli.add_command(synth)
-
-from .commands.bench import bench  # noqa: E402
-
-cli.add_command(bench)
+for command in (pull, convert, inspect, profile, train_predictors, perplexity, solve, probe, run, synth, bench):
+    cli.add_command(command)
