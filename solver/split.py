@@ -12,7 +12,13 @@ from . import ilp
 from .hardware import HardwareProfile
 from .ilp import SolveReport
 from .model_stats import read_model_stats
-from .problem import DEFAULT_RESERVE_BYTES, PlacementProblem, problem_from_stats
+from .problem import (
+    DEFAULT_RESERVE_BYTES,
+    Placement,
+    PlacementProblem,
+    predict,
+    problem_from_stats,
+)
 
 SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
 
@@ -22,15 +28,16 @@ def default_split_path(model_path: Path) -> Path:
     return model_path.with_name(model_path.name + SPLIT_SUFFIX)
 
 
-def split_file(problem: PlacementProblem, report: SolveReport) -> GpuSplit:
-    """The split file for ``report``, with our own keys beside PowerInfer's."""
-    placement, prediction = report.placement, report.prediction
+def split_file(problem: PlacementProblem, placement: Placement, objective: str) -> GpuSplit:
+    """The split file of ``placement`` (solved for ``objective``, or another name for how it was chosen),
+    with our own keys beside PowerInfer's."""
+    prediction = predict(problem, placement)
     return GpuSplit(
         masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
         # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
         vram_capacity=int(sum(layer.ffn_vram for layer in prediction.layers)),
         extra={
-            "pitools.objective": report.objective,
+            "pitools.objective": objective,
             "pitools.predicted_token_ms": prediction.token_s * 1e3,
             "pitools.gpu_neurons": list(placement.gpu_neurons),
             "pitools.dense_on_gpu": list(placement.dense_on_gpu),
@@ -70,5 +77,5 @@ def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware
         return None
     problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes)
     report = ilp.solve(problem)
-    write_gpu_split(split_path, split_file(problem, report))
+    write_gpu_split(split_path, split_file(problem, report.placement, report.objective))
     return report

@@ -27,16 +27,15 @@ from ..solver.hardware import (
 )
 from ..solver.ilp import OBJECTIVES, SOLVERS
 from ..solver.model_stats import read_model_stats
-from ..solver.split import SPLIT_SUFFIX, default_split_path, split_file
 from ..solver.problem import (
     DEFAULT_RESERVE_BYTES,
     STATS_KEYS,
     PlacementProblem,
     problem_from_stats,
 )
+from ..solver.split import SPLIT_SUFFIX, default_split_path, split_file
 from ..solver.summary import summary_dict, summary_text
 from ..solver.units import format_size, parse_size
-
 
 
 def read_stats_file(path: Path) -> dict[str, np.ndarray]:
@@ -68,7 +67,7 @@ def solve_command(
 ) -> dict[str, Any]:
     """Solve ``problem``, write the split file to ``output``, print the summary; return it."""
     report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
-    write_gpu_split(output, split_file(problem, report))
+    write_gpu_split(output, split_file(problem, report.placement, report.objective))
     summary = {**summary_dict(problem, report), "output": str(output)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
