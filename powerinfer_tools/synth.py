@@ -53,6 +53,7 @@ from .models.layers import FFNTrace, activate, rms_norm
 from .predictors import TrainSettings, train_predictors
 from .profiling import Profiler, ProfileSettings, hot_fraction, write_report
 from .solver.units import format_size
+from .sparsify import SparsifySettings
 
 # Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
 # the residual stream by ~1% of its norm, so every FFN sees (almost exactly) the token's embedding.
@@ -396,7 +397,10 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
         predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=not resumed,
                                       progress=progress)
-    convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, force=force, progress=progress)
+    # The firing frequencies go into the file (for `pitools solve`); the neurons keep their checkpoint
+    # order, so that the dense twin holds the same matrices row for row.
+    convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, profile=profile_dir,
+            sparsify=SparsifySettings(reorder=False), force=force, progress=progress)
     convert(str(checkpoint_dir), dense, outtype, dense=True, force=force, progress=progress)
     if not keep_work:
         shutil.rmtree(work)

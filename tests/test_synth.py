@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from gguf_fixtures import llama
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.solver.model_stats import read_model_stats
+
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.cli import cli
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import TrainSettings
 from powerinfer_tools.profiling import hot_fraction
@@ -98,6 +99,9 @@ def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(sy
     assert "blk.1.ffn_down.weight" in dense and "blk.0.fc1.weight" not in dense
     # Same weights in both files.
     assert np.array_equal(sparse["blk.0.ffn_gate.weight"].data, dense["blk.0.ffn_gate.weight"].data)
+    # The profiled firing frequencies are in the file, so `pitools solve` can place its neurons.
+    frequencies = read_model_stats(synthesized.powerinfer)["freqs"]
+    assert len(frequencies) == 2 and np.mean(frequencies) == pytest.approx(0.1, abs=0.02)
     assert not synthesized.powerinfer.with_name(synthesized.powerinfer.name + ".work").exists()
     summary = synthesized.summary()
     assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
