@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import PitoolsError
 from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from . import ilp
 from .hardware import HardwareProfile
@@ -51,9 +52,10 @@ def split_file(problem: PlacementProblem, placement: Placement, objective: str) 
 
 
 def model_problem(model_path: Path, budget_bytes: int, hardware: HardwareProfile, *, n_ctx: int = 2048,
-                  reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> PlacementProblem:
-    """The placement problem of a model file (sizes and firing frequencies read from it)."""
-    return problem_from_stats(**read_model_stats(model_path), n_ctx=n_ctx, budget_bytes=budget_bytes,
+                  reserve_bytes: int = DEFAULT_RESERVE_BYTES, stats: dict | None = None) -> PlacementProblem:
+    """The placement problem of a model file (sizes and firing frequencies read from it, or ``stats``
+    as ``read_model_stats`` returned them)."""
+    return problem_from_stats(**(stats or read_model_stats(model_path)), n_ctx=n_ctx, budget_bytes=budget_bytes,
                               hardware=hardware, reserve_bytes=reserve_bytes)
 
 
@@ -67,15 +69,24 @@ def fits_budget(split: GpuSplit, budget_bytes: int) -> bool:
     return split.vram_capacity <= budget_bytes
 
 
-
 def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware: HardwareProfile, *,
                  reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> SolveReport | None:
     """Make ``split_path`` a split of ``model_path`` for ``budget_bytes``: keep the file there when it
-    fits the budget (``fits_budget``), else solve and (over)write it, as PowerInfer's runtime caches
-    ``<model>.generated.gpuidx``. Returns the solve's report, or None when the cached file was kept."""
-    if split_path.is_file() and fits_budget(read_gpu_split(split_path), budget_bytes):
+    is a split of this model that fits the budget (``fits_budget``), else solve and (over)write it,
+    as PowerInfer's runtime regenerates ``<model>.generated.gpuidx``. Returns the solve's report, or
+    None when the cached file was kept."""
+    stats = read_model_stats(model_path)
+    if split_path.is_file() and _reusable(split_path, [len(f) for f in stats["freqs"]], budget_bytes):
         return None
-    problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes)
+    problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes, stats=stats)
     report = ilp.solve(problem)
     write_gpu_split(split_path, split_file(problem, report.placement, report.objective))
     return report
+
+
+def _reusable(split_path: Path, layer_sizes: list[int], budget_bytes: int) -> bool:
+    try:
+        split = read_gpu_split(split_path)
+    except PitoolsError:  # unreadable: a cache is solved again rather than trusted
+        return False
+    return [len(mask) for mask in split.masks] == layer_sizes and fits_budget(split, budget_bytes)

@@ -157,3 +157,14 @@ def test_cuda_without_cupy_fails_before_solving(pipeline, monkeypatch):
     with pytest.raises(PitoolsError, match="CuPy with a CUDA device is not available"):
         LLM.load(path, device="cuda", vram=10**6)
     assert not default_split_path(path).exists()
+
+
+def test_a_corrupt_or_foreign_cached_split_is_solved_again(pipeline):
+    _, path = pipeline
+    split = default_split_path(path)
+    split.write_bytes(b"GGUF not really")
+    assert "solved now" in LLM.load(path, mode="dense", device="emulated", vram=10**7).description
+    foreign = GpuSplit((np.ones(7, bool),), vram_capacity=10, extra={"pitools.vram_budget": 10**7})
+    write_gpu_split(split, foreign)
+    assert "solved now" in LLM.load(path, mode="dense", device="emulated", vram=10**7).description
+    assert len(read_gpu_split(split).masks) == N_LAYERS
