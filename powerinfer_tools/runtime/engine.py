@@ -98,6 +98,7 @@ class RuntimeModel:
         split_path=None,
         metadata: Optional[dict] = None,
         head_backend=None,
+        host: Optional[CpuBackend] = None,
     ):
         self.spec = spec
         self.layers = layers
@@ -108,7 +109,7 @@ class RuntimeModel:
         self.device = device  # the GPU backend holding the hot partitions, if a split is in use
         self.split_path = split_path
         self.metadata = metadata or {}  # the model file's GGUF metadata (tokenizer, hyperparameters)
-        self.host = CpuBackend()
+        self.host = host or CpuBackend()  # the backend of the CPU layers and partitions (one thread pool)
         self.head_backend = head_backend or self.host  # where the output norm and matrix live
         self.mode = FFNMode.DENSE
         self.stats = TokenStats()
@@ -262,11 +263,12 @@ class RuntimeModel:
         work = []
         for p in layer.partitions:
             mine = np.isin(active, p.neurons, assume_unique=True)
+            n_rows = int(mine.sum())
             part_mask = None if mask is None else mask[:, mine]
-            computed = len(np.flatnonzero(mine)) * n_tokens if mask is None else int(part_mask.sum())
+            computed = n_rows * n_tokens if mask is None else int(part_mask.sum())
             step.neurons_active += computed
             step.neurons_on_device += computed if p.backend.is_device else 0
-            step.bytes_read += int(mine.sum()) * p.bytes_per_neuron
+            step.bytes_read += n_rows * p.bytes_per_neuron
             work.append((p, active[mine], part_mask))
 
         def run(p: FFNPartition, ids: np.ndarray, part_mask):

@@ -70,7 +70,9 @@ class FFNPartition:
 
     def activations(self, kind: FFNKind, x, neurons: np.ndarray):
         """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""
-        rows = self.backend.xp.asarray(self.row_of[neurons])
+        return self._activations(kind, x, self.backend.xp.asarray(self.row_of[neurons]))
+
+    def _activations(self, kind: FFNKind, x, rows):
         gate_pre = None
         if self.gate is not None:
             gate_pre = self.backend.matmul(self.gate, x, rows)
@@ -88,8 +90,8 @@ class FFNPartition:
         it every active neuron counts for every token.
         """
         rows = self.row_of[active]
-        device_rows = self.backend.xp.asarray(rows)
-        activated = self.activations(kind, x, active)
+        device_rows = self.backend.xp.asarray(rows)  # one upload for the products of gate, up and down
+        activated = self._activations(kind, x, device_rows)
         if mask is not None:
             activated = activated * mask
         if self.down_t is None:

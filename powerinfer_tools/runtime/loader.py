@@ -169,4 +169,5 @@ def load_runtime_model(
         split_path=split_path if gpu_split is not None else None,
         metadata=model.metadata,
         head_backend=head,
+        host=host,
     )
