@@ -20,7 +20,6 @@ import numpy as np
 from tqdm import tqdm
 
 from .models import DecoderModel
-from .models.layers import activate, linear
 from .predictors import predict
 from .profiling import predictor_input
 from .runtime.engine import RuntimeModel, TokenStats
@@ -28,13 +27,6 @@ from .runtime.ffn import FFNMode
 
 MODES = ("dense", "oracle", "predicted")
 RUNTIME_MODES = {"dense": FFNMode.DENSE, "oracle": FFNMode.ORACLE, "predicted": FFNMode.SPARSE}
-
-
-def true_fired(model: DecoderModel, layer: int, x: np.ndarray) -> np.ndarray:
-    """Which neurons of ``layer`` fire on FFN inputs ``x [T, d_model]`` (non-zero activated value)."""
-    w = model.blocks[layer].ffn
-    gate_pre = linear(x, w.gate, w.gate_bias) if w.gate is not None else None
-    return activate(model.spec.ffn, gate_pre, linear(x, w.up, w.up_bias)) != 0
 
 
 @dataclass
@@ -72,27 +64,27 @@ class SelectionMeter:
         }
 
 
-Chooser = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, ffn_input, residual) -> neurons to compute
+Chooser = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, residual, fired) -> neurons to compute
 
 
-def oracle_chooser(model: DecoderModel) -> Chooser:
-    return lambda layer, x, residual: true_fired(model, layer, x)
+def oracle_chooser() -> Chooser:
+    return lambda layer, residual, fired: fired
 
 
 def predictor_chooser(threshold: float, predictors: list[tuple[np.ndarray, np.ndarray]]) -> Chooser:
-    def choose(layer: int, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    def choose(layer: int, residual: np.ndarray, fired: np.ndarray) -> np.ndarray:
         fc1, fc2 = predictors[layer]
         return predict(np, fc1, fc2, predictor_input(residual), threshold)
 
     return choose
 
 
-def metered_selector(model: DecoderModel, choose: Chooser, meter: SelectionMeter):
+def metered_selector(choose: Chooser, meter: SelectionMeter):
     """A ``neuron_selector`` that applies ``choose`` and records how it compares with the true firing."""
 
-    def select(layer: int, x: np.ndarray, residual: np.ndarray) -> np.ndarray:
-        selected = choose(layer, x, residual)
-        meter.add(layer, selected, true_fired(model, layer, x))
+    def select(layer: int, residual: np.ndarray, fired: np.ndarray) -> np.ndarray:
+        selected = choose(layer, residual, fired)
+        meter.add(layer, selected, fired)
         return selected
 
     return select
@@ -115,7 +107,7 @@ def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str 
                choose: Chooser | None = None, progress: bool = True) -> PerplexityResult:
     """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None)."""
     meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
-    model.neuron_selector = metered_selector(model, choose, meter) if choose is not None else None
+    model.neuron_selector = metered_selector(choose, meter) if choose is not None else None
     try:
         mean, scored = _mean_nll(lambda window: model.forward(window, model.new_cache()), tokens, seq_len, mode,
                                  progress)

@@ -48,11 +48,11 @@ def test_oracle_equals_dense_and_selecting_nothing_does_not(sparse_tiny):
     model = load_model(Checkpoint(sparse_tiny))
     tokens = np.random.default_rng(1).integers(0, 256, 300)
     dense = perplexity(model, tokens, 100, progress=False)
-    oracle = perplexity(model, tokens, 100, "oracle", oracle_chooser(model), progress=False)
+    oracle = perplexity(model, tokens, 100, "oracle", oracle_chooser(), progress=False)
     assert oracle.perplexity == pytest.approx(dense.perplexity, rel=1e-6)
     s = oracle.selection
     assert s["recall"] == 1.0 and s["computed_density"] == s["fired_density"] < 0.2
-    nothing = perplexity(model, tokens, 100, "none", lambda layer, x, residual: np.zeros((len(x), 160), bool), progress=False)
+    nothing = perplexity(model, tokens, 100, "none", lambda layer, residual, fired: np.zeros((len(residual), 160), bool), progress=False)
     assert nothing.selection["recall"] == 0.0 and nothing.selection["computed_density"] == 0.0
     assert abs(nothing.perplexity / dense.perplexity - 1) > 0.01
 
@@ -71,7 +71,7 @@ def sparse_accuracy(folder, calibration: tuple[int, int], evaluation: tuple[int,
     tokens = read_tokens(source, tokenizer, evaluation[1], skip_tokens=evaluation[0])
     threshold, layers = load_predictors(work / "pred")
     return (perplexity(model, tokens, seq_len, progress=False),
-            perplexity(model, tokens, seq_len, "oracle", oracle_chooser(model), progress=False),
+            perplexity(model, tokens, seq_len, "oracle", oracle_chooser(), progress=False),
             perplexity(model, tokens, seq_len, "predicted", predictor_chooser(threshold, layers),
                        progress=False))
 

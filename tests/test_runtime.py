@@ -61,7 +61,7 @@ def reference(folder, predictors=None):
     model = load_model(Checkpoint(folder), np.float64)
     if predictors is not None:
         selectors = [Predictor(fc1, fc2) for fc1, fc2 in predictors]
-        model.neuron_selector = lambda layer, x, residual: selectors[layer](residual)
+        model.neuron_selector = lambda layer, residual, fired: selectors[layer](residual)
     return model.forward(TOKENS, model.new_cache())
 
 

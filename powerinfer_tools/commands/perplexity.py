@@ -66,7 +66,7 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
     choose = None
     if mode == "oracle":
-        choose = oracle_chooser(loaded.model)
+        choose = oracle_chooser()
     elif mode == "predicted":
         threshold, layers = load_predictors(predictor_dir)
         spec = loaded.model.spec

@@ -163,8 +163,9 @@ class FFNTrace:
 
 
 FFNHook = Callable[[FFNTrace], None]
-# Given a layer, its FFN input and its residual (as in FFNTrace, [T, d_model] each), the neurons to
-# compute ([T, d_ff] bool), or None for all.
+# Given a layer, its residual (as in FFNTrace, [T, d_model]) and which neurons truly fire on these
+# tokens ([T, d_ff] bool, from the activations the FFN has computed), the neurons to compute
+# ([T, d_ff] bool), or None for all.
 NeuronSelector = Callable[[int, np.ndarray, np.ndarray], Optional[np.ndarray]]
 
 
@@ -201,7 +202,7 @@ def feed_forward(
     activated = activate(kind, gate_pre, up_pre)
     residual = x if residual is None else residual
     if selector is not None:
-        mask = selector(layer, x, residual)
+        mask = selector(layer, residual, activated != 0)
         if mask is not None:
             activated = np.where(mask, activated, 0)
     if hook is not None:
