@@ -16,12 +16,12 @@ are memory-mapped like a checkpoint's, so merging them streams too.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import read_json
 from powerinfer_tools.models.spec import ModelSpec
 from powerinfer_tools.predictors import FORMAT, META_FILE, WEIGHTS_FILE
 
@@ -37,10 +37,7 @@ class _PredictorTensors(Checkpoint):
             pickles = any(self.folder.glob("model_*.pt"))
             hint = " (PowerInfer's model_N.pt predictors are not supported)" if pickles else ""
             raise PitoolsError(f"{self.folder}: not a predictor folder: no {META_FILE}{hint}")
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+        meta = read_json(path)
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise PitoolsError(f"{path}: not a pitools predictor folder (format is not {FORMAT!r})")
         if not meta.get("complete"):

@@ -21,7 +21,6 @@ model's embedding size, become ``[PAD<id>]`` UNUSED tokens. Special token ids,
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 from gguf import GGUFWriter, SpecialVocab, TokenType
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import read_json
 
 SPM_SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -73,10 +73,7 @@ def _load(folder: Path) -> dict:
             else ""
         )
         raise PitoolsError(f"{folder}: no tokenizer.json; the tokenizer cannot be embedded{hint}")
-    try:
-        tokenizer = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+    tokenizer = read_json(path)
     model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
     if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
         raise PitoolsError(f"{path}: not a tokenizer.json with a model vocabulary")

@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from .errors import PitoolsError
+from .fileio import read_json
 
 # safetensors dtype names -> NumPy storage dtypes. BF16 is stored as uint16.
 _STORAGE_DTYPES = {
@@ -103,10 +104,7 @@ class Checkpoint:
         path = self.folder / "config.json"
         if not path.is_file():
             raise PitoolsError(f"{self.folder}: no config.json; is this a Hugging Face checkpoint folder?")
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+        return read_json(path)
 
     def _shard_paths(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -38,3 +39,17 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_json(path: Path):
+    """The JSON content of ``path``; a file that is not valid JSON is a one-line error naming it."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+
+
+def write_json(path: Path, content: dict) -> None:
+    """Write ``content`` as indented JSON, atomically."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")

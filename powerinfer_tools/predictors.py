@@ -23,7 +23,6 @@ per layer: the output folder is rewritten after every layer.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,8 +35,8 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from .errors import PitoolsError
-from .fileio import atomic_output
-from .profiling import PAIRS_DIR, PairStore, load_profile, write_json
+from .fileio import atomic_output, read_json, write_json
+from .profiling import PAIRS_DIR, PairStore, load_profile
 from .xp import cupy_or_none
 
 FORMAT = "pitools-predictors"
@@ -294,10 +293,7 @@ def read_predictors(folder: Path, require_complete: bool = True) -> PredictorFol
     meta_path = folder / META_FILE
     if not meta_path.is_file():
         raise PitoolsError(f"{folder}: no {META_FILE}; is this a folder written by `pitools train-predictors`?")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PitoolsError(f"{meta_path}: invalid JSON ({exc})") from None
+    meta = read_json(meta_path)
     if meta.get("format") != FORMAT:
         raise PitoolsError(f"{meta_path}: not a pitools predictor folder (format {meta.get('format')!r})")
     if require_complete and not meta.get("complete"):

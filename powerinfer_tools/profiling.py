@@ -12,7 +12,6 @@ at the last checkpoint.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import sys
 import time
@@ -25,7 +24,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from .errors import PitoolsError
-from .fileio import atomic_output
+from .fileio import atomic_output, read_json, write_json
 from .models import DecoderModel
 from .models.layers import FFNTrace
 
@@ -318,19 +317,11 @@ class Profiler:
         write_json(self.folder / PROFILE_JSON, content)
 
 
-def write_json(path: Path, content: dict) -> None:
-    with atomic_output(path) as tmp:
-        tmp.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-
-
 def read_profile_json(folder: Path) -> dict:
     path = Path(folder) / PROFILE_JSON
     if not path.is_file():
         raise PitoolsError(f"{folder}: no {PROFILE_JSON}; is this a folder written by `pitools profile`?")
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+    content = read_json(path)
     if content.get("format") != FORMAT:
         raise PitoolsError(f"{path}: not a pitools profile (format {content.get('format')!r})")
     return content

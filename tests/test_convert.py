@@ -12,19 +12,19 @@ import json
 from pathlib import Path
 
 import numpy as np
+import powerinfer_tools.formats.model_file as model_file
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
-
-import powerinfer_tools.formats.model_file as model_file
 from gguf_fixtures import make_model, random_predictors, rope_rows, save_predictors
+from powerinfer_tools.formats.model_file import open_model_file
+
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_file import open_model_file
 
 OUTTYPES = ["f32", "f16", "q8_0", "q4_0"]
 # intermediate_size 80: the dense ffn_down rows (80 wide) are no whole number of 32-blocks.

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGUFWriter
-
 from gguf_fixtures import make_model, random_predictors, save_predictors
+
 from powerinfer_tools.cli import cli
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,

@@ -7,12 +7,19 @@ from pathlib import Path
 
 import pytest
 from gguf import TokenType
-from tokenizers import Tokenizer
-
-from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, tokenizer_models, train_gpt2_tokenizer
-from powerinfer_tools.errors import PitoolsError
+from gguf_fixtures import (
+    EOT,
+    SAMPLE_TEXTS,
+    llama,
+    tokenizer_models,
+    train_gpt2_tokenizer,
+)
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.tokenizer_gguf import read_vocab
+from tokenizers import Tokenizer
+
+from powerinfer_tools.errors import PitoolsError
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

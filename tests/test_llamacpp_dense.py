@@ -7,12 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, rope_rows
+from powerinfer_tools.formats.model_file import open_model_file
 from tokenizers import Tokenizer
 
-from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, rope_rows
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.convert import convert
-from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.models import FFNKind, load_model
 
 llama_cpp = pytest.importorskip("llama_cpp")

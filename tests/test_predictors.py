@@ -12,6 +12,7 @@ from test_profiling import build_tiny_model, invoke, run_profiler
 from powerinfer_tools import predictors
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import write_json
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import (
     TrainSettings,
@@ -30,7 +31,6 @@ from powerinfer_tools.profiling import (
     STATS_FILE,
     FiringStats,
     PairStore,
-    write_json,
 )
 
 FAST = TrainSettings(budget=0.3, batch_size=128, epochs=6)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from hf_models import build, reference_logits
+
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.models import FFNKind, load_model, spec_from_config
 

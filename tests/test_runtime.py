@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gguf_fixtures import make_model, random_predictors, save_predictors
+from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
+
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.convert import convert
-from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.models import load_model
 from powerinfer_tools.runtime.ffn import FFNMode, Predictor
 from powerinfer_tools.runtime.loader import load_runtime_model

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, tokenizer_models
-from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import open_model_file
+
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
 

@@ -13,9 +13,23 @@ import pytest
 from click.testing import CliRunner
 from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from powerinfer_tools.solver import ilp
-from powerinfer_tools.solver.hardware import PRESETS, HardwareProfile, load_profile, save_profile
-from powerinfer_tools.solver.problem import Placement, PlacementProblem, predict, problem_from_stats
-from powerinfer_tools.solver.summary import layer_granular_placement, summary_dict, summary_text
+from powerinfer_tools.solver.hardware import (
+    PRESETS,
+    HardwareProfile,
+    load_profile,
+    save_profile,
+)
+from powerinfer_tools.solver.problem import (
+    Placement,
+    PlacementProblem,
+    predict,
+    problem_from_stats,
+)
+from powerinfer_tools.solver.summary import (
+    layer_granular_placement,
+    summary_dict,
+    summary_text,
+)
 from powerinfer_tools.solver.units import parse_size
 
 from powerinfer_tools.commands.solve import probe, solve

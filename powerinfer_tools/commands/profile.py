@@ -15,7 +15,13 @@ from ..corpus import CorpusSource, read_tokens, resolve_source
 from ..errors import PitoolsError
 from ..hub import resolve_checkpoint
 from ..models import DecoderModel, load_model
-from ..profiling import Profiler, ProfileSettings, export_powerinfer_activations, load_profile, write_report
+from ..profiling import (
+    Profiler,
+    ProfileSettings,
+    export_powerinfer_activations,
+    load_profile,
+    write_report,
+)
 from ..tokenizer import CheckpointTokenizer
 
 DEFAULT_SEQ_LEN = 512  # capped by the model's context length

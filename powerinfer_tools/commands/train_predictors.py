@@ -9,7 +9,12 @@ import click
 
 from .. import predictors
 from ..errors import PitoolsError
-from ..predictors import TrainSettings, format_predictor_report, predictor_report, read_predictors
+from ..predictors import (
+    TrainSettings,
+    format_predictor_report,
+    predictor_report,
+    read_predictors,
+)
 
 _DEFAULTS = TrainSettings()
 

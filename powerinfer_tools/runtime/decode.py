@@ -24,7 +24,12 @@ from numba.experimental import structref
 
 from .. import kernels
 from ..kernels import numba_kernels as nk
-from ..kernels.numba_kernels import PREFETCH_ROWS, _from_float, _prefetch_span, _vec_dot  # building blocks
+from ..kernels.numba_kernels import (  # building blocks
+    PREFETCH_ROWS,
+    _from_float,
+    _prefetch_span,
+    _vec_dot,
+)
 from ..models.layers import KVCache
 from ..models.spec import FFNKind, ModelSpec, NormKind
 from .ffn import FFNMode

@@ -21,7 +21,6 @@ from .backends import CpuBackend, move
 from .ffn import FFNMode, FFNPartition, Predictor
 from .quant import QuantMatrix
 
-
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 
 
