@@ -122,7 +122,6 @@ class StoredTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
-    offset: int  # absolute byte offset of the data in the file
 
     @property
     def nbytes(self) -> int:
@@ -170,8 +169,7 @@ def _tensors(reader: GGUFReader) -> dict[str, StoredTensor]:
     # GGUFReader has already checked that every tensor's data lies within the file.
     return {
         t.name: StoredTensor(
-            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data,
-            int(t.data_offset),
+            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data
         )
         for t in reader.tensors
     }

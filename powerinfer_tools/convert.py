@@ -162,7 +162,7 @@ def plan_conversion(
     threshold = predictors.sparse_threshold if predictors is not None else None
     frequencies = None
     if sparsity is not None and sparsity.frequencies is not None and powerinfer:
-        frequencies = [f if orders is None else f[o] for f, o in zip(sparsity.frequencies, orders or [None] * spec.n_layers)]
+        frequencies = list(sparsity.frequencies) if orders is None else [f[o] for f, o in zip(sparsity.frequencies, orders)]
     return ConversionPlan(
         name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies
     )

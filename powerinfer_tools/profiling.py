@@ -176,7 +176,6 @@ def predictor_input(residual: np.ndarray) -> np.ndarray:
 class _WindowRecorder:
     """FFN hook for one window: per-layer firing counts, absolute sums and the sampled pairs."""
 
-    model: DecoderModel
     rows: np.ndarray
     fire_count: dict[int, np.ndarray] = field(default_factory=dict)
     abs_sum: dict[int, np.ndarray] = field(default_factory=dict)
@@ -251,7 +250,7 @@ class Profiler:
 
     def _profile_window(self, w: int, start: int, stats: FiringStats, pairs: PairStore | None) -> None:
         window = self.windows[w]
-        recorder = _WindowRecorder(self.model, self.sampler.rows(w, start, len(window)))
+        recorder = _WindowRecorder(self.sampler.rows(w, start, len(window)))
         self.model.ffn_hook = recorder
         try:
             self.model.forward(window, self.model.new_cache())

@@ -45,7 +45,7 @@ from scipy.special import ndtri
 
 from .bundled import BUNDLED_MODEL
 from .checkpoint import Checkpoint
-from .convert import POWERINFER_SUFFIX, convert
+from .convert import DENSE_SUFFIX, POWERINFER_SUFFIX, convert
 from .errors import PitoolsError
 from .fileio import check_writable_output
 from .models import spec_from_config
@@ -53,7 +53,7 @@ from .models.layers import FFNTrace, activate, rms_norm
 from .predictors import TrainSettings, train_predictors
 from .profiling import Profiler, ProfileSettings, hot_fraction, write_report
 from .solver.units import format_size
-from .sparsify import SparsifySettings
+from .sparsify import SparsifySettings, work_folder
 
 # Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
 # the residual stream by ~1% of its norm, so every FFN sees (almost exactly) the token's embedding.
@@ -312,7 +312,7 @@ def dense_companion(path: Path) -> Path:
     """Where the dense GGUF of a PowerInfer file goes: ``m.powerinfer.gguf`` -> ``m.gguf``, else ``m.dense.gguf``."""
     name = path.name
     if name.endswith(POWERINFER_SUFFIX):
-        return path.with_name(name[: -len(POWERINFER_SUFFIX)] + ".gguf")
+        return path.with_name(name[: -len(POWERINFER_SUFFIX)] + DENSE_SUFFIX)
     return path.with_name(path.stem + ".dense.gguf")
 
 
@@ -369,7 +369,7 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     dense = dense_companion(output)
     for path in (output, dense):
         check_writable_output(path, force)
-    work = Path(work) if work is not None else output.with_name(output.name + ".work")
+    work = Path(work) if work is not None else work_folder(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     needed, free = _disk_needed(shape, outtype), shutil.disk_usage(output.parent).free
     if needed > free:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
@@ -30,7 +29,6 @@ from ..solver.model_stats import read_model_stats
 from ..solver.problem import (
     DEFAULT_RESERVE_BYTES,
     STATS_KEYS,
-    PlacementProblem,
     problem_from_stats,
 )
 from ..solver.split import SPLIT_SUFFIX, default_split_path, split_file
@@ -52,29 +50,6 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
     if missing:
         raise PitoolsError(f"{path}: stats file lacks {', '.join(missing)}; it needs {', '.join(STATS_KEYS)}")
     return {key: stats[key] for key in STATS_KEYS}
-
-
-def solve_command(
-    problem: PlacementProblem,
-    output: Path,
-    *,
-    objective: str = "latency",
-    batch: int = 64,
-    solver: str = "auto",
-    gap: float = 0.005,
-    time_limit: float = 60.0,
-    as_json: bool = False,
-) -> dict[str, Any]:
-    """Solve ``problem``, write the split file to ``output``, print the summary; return it."""
-    report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
-    write_gpu_split(output, split_file(problem, report.placement, report.objective))
-    summary = {**summary_dict(problem, report), "output": str(output)}
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-    else:
-        click.echo(summary_text(summary))
-        click.echo(f"wrote {output}")
-    return summary
 
 
 @click.command("solve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -139,8 +114,14 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
         reserve_bytes=parse_size(reserve, "--reserve"),
         min_gpu_share=min_share,
     )
-    solve_command(problem, output, objective=objective, batch=batch, solver=solver, gap=gap,
-                  time_limit=time_limit, as_json=as_json)
+    report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
+    write_gpu_split(output, split_file(problem, report.placement, report.objective))
+    summary = {**summary_dict(problem, report), "output": str(output)}
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(summary_text(summary))
+        click.echo(f"wrote {output}")
 
 
 @click.command("probe", context_settings={"help_option_names": ["-h", "--help"]})

@@ -75,7 +75,7 @@ def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.
     routine = ggml.routines[m.qtype]
     out = np.empty((x.shape[0], len(rows)), dtype=np.float32)
     x_encoded = np.empty((x.shape[0], routine.encoded_bytes(m.cols)), dtype=np.uint8)
-    nk.dot_rows(routine.from_float, routine.vec_dot, _weight_bytes(m), rows, x, x_encoded, out)
+    nk.dot_rows(routine.from_float, routine.vec_dot, weight_bytes(m), rows, x, x_encoded, out)
     return out
 
 
@@ -88,7 +88,7 @@ def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None)
     rows = _checked_rows(m, rows)
     coeffs = _checked_input(coeffs, len(rows), "coeffs")
     out = np.zeros((coeffs.shape[0], m.cols), dtype=np.float32)
-    nk.axpy_rows(int(m.qtype), _weight_bytes(m), rows, coeffs, out, threads)
+    nk.axpy_rows(int(m.qtype), weight_bytes(m), rows, coeffs, out, threads)
     return out
 
 
@@ -140,13 +140,10 @@ def _checked_rows(m: QuantMatrix, rows: np.ndarray | None) -> np.ndarray:
     return rows
 
 
-def _weight_bytes(m: QuantMatrix) -> np.ndarray:
-    """``m.data`` as a read-only uint8 ``[rows, row_bytes]`` view with contiguous rows: always the same
-    array type, so each kernel is compiled (and cached) once, whether the weights are a read-only
-    np.memmap or a writable array."""
-    data = np.asarray(m.data)
-    if data.strides[1] != data.itemsize:
-        data = np.ascontiguousarray(data)
-    view = data.view(np.uint8)
+def weight_bytes(m: QuantMatrix) -> np.ndarray:
+    """``m.data`` as a read-only C-contiguous uint8 ``[rows, row_bytes]`` view (a copy only if it is not
+    contiguous): always the same array type, so each kernel is compiled (and cached) once, whether the
+    weights are a read-only np.memmap or a writable array."""
+    view = np.ascontiguousarray(np.asarray(m.data)).view(np.uint8)
     view.flags.writeable = False
     return view

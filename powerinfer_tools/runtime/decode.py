@@ -24,6 +24,7 @@ from numba.experimental import structref
 
 from .. import kernels
 from ..kernels import numba_kernels as nk
+from ..kernels import weight_bytes
 from ..kernels.numba_kernels import (  # building blocks
     PREFETCH_ROWS,
     _from_float,
@@ -77,13 +78,6 @@ structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
     "all_rows",
 ])
-
-
-def _bytes(m: QuantMatrix) -> np.ndarray:
-    """The weights as the kernels take them: a read-only uint8 [rows, row_bytes] view (one compiled type)."""
-    data = np.ascontiguousarray(np.asarray(m.data)).view(np.uint8)
-    data.flags.writeable = False
-    return data
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -339,9 +333,9 @@ def _layer_weights(layer) -> LayerWeights:
     predictor = d.predictor
     no_predictor = np.zeros((1, 1), dtype=np.float32)
     return LayerWeights(
-        d.attn_norm.weight, _bytes(d.wq), _bytes(d.wk), _bytes(d.wv), _bytes(d.wo), int(d.wq.qtype),
-        d.ffn_norm.weight, _bytes(p.gate), _bytes(p.up), int(p.gate.qtype),
-        _bytes(down), int(down.qtype), p.down_t is not None,
+        d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
+        int(d.wq.qtype), d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
+        weight_bytes(down), int(down.qtype), p.down_t is not None,
         np.ascontiguousarray(predictor.fc1) if predictor is not None else no_predictor,
         np.ascontiguousarray(predictor.fc2) if predictor is not None else no_predictor,
         np.float32(predictor.threshold if predictor is not None else 0.0),
