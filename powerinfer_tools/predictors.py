@@ -98,7 +98,8 @@ def array_module(device: str) -> ModuleType:
 
 @dataclass
 class LayerPairs:
-    """One layer's training pairs (memory-mapped) and its held-out pairs (in memory, float32 / bool)."""
+    """One layer's training pairs (memory-mapped) and its held-out pairs (in memory: float32 inputs
+    divided by ``scale``, bool fired masks)."""
 
     x: np.ndarray  # [n, d_model] float16 memmap
     fired: np.ndarray  # [n, ceil(d_ff/8)] packed bits memmap
@@ -111,6 +112,7 @@ class LayerPairs:
         self.density = float(sample_y.mean())
         # Per-feature RMS of the inputs: dividing by it gives Adam equally scaled features.
         self.scale = np.maximum(np.sqrt(np.mean(sample_x * sample_x, axis=0)), 1e-6).astype(np.float32)
+        self.val_x /= self.scale  # held-out inputs as the training steps see them, once for every fit
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Inputs as float32 and fired masks as bool for the (sorted) ``rows``."""
@@ -214,7 +216,7 @@ def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, se
     w1 = xp.asarray((rng.standard_normal((hidden, d_model)) * math.sqrt(2 / d_model)).astype(np.float32))
     w2 = xp.asarray((rng.standard_normal((data.d_ff, hidden)) * math.sqrt(1 / hidden)).astype(np.float32))
     opt = Adam(xp, [w1, w2], settings.lr)
-    val_x = data.val_x / scale
+    val_x, val_y = xp.asarray(data.val_x), xp.asarray(data.val_y)  # on the device once, not every epoch
     # Start where a calibrated classifier would favour recall: positives weighted by sqrt(neg/pos).
     density = min(max(data.density, 1e-4), 0.5)
     pos_weight = math.sqrt((1 - density) / density)
@@ -226,7 +228,7 @@ def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, se
             x, y = data.batch(next(batches))
             opt.step(gradients(xp, w1, w2, xp.asarray(x / scale), xp.asarray(y), pos_weight))
         epoch += 1
-        quality = evaluate(xp, w1, w2, val_x, data.val_y)
+        quality = evaluate(xp, w1, w2, val_x, val_y)
         short = quality.recall < settings.recall
         if epoch >= settings.epochs and (not short or epoch >= settings.epochs + settings.extra_epochs):
             break
