@@ -151,3 +151,21 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
         for i in range(head_dim // 2):
             order += [h * head_dim + i, h * head_dim + head_dim // 2 + i]
     return np.array(order)
+
+
+# --- comparing logits ----------------------------------------------------------------------------
+
+TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def stepwise_logits(model, tokens=TOKENS, prompt=4) -> np.ndarray:
+    """Logits of every position, the prompt as one block and the rest one token at a time."""
+    caches = model.new_cache()
+    steps = [model.forward(tokens[:prompt], caches)]
+    steps += [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
+    return np.concatenate(steps)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf_fixtures import make_model
+from gguf_fixtures import TOKENS, make_model, relative_error, stepwise_logits
 from powerinfer_tools.formats.gguf_names import neuron_frequency_key
 from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
@@ -34,7 +34,6 @@ MODELS = {
                 word_embed_proj_dim=64, pad_token_id=1),
 }
 N_LAYERS, D_FF = 2, 256
-TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
 FAST = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
 
 
@@ -51,17 +50,6 @@ def pipeline(request, tmp_path_factory):
     return folder, path
 
 
-def logits(model, tokens=TOKENS, prompt=4):
-    caches = model.new_cache()
-    steps = [model.forward(tokens[:prompt], caches)]
-    steps += [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
-    return np.concatenate(steps)
-
-
-def relative_error(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def test_convert_profiles_trains_and_orders_neurons_hot_first(pipeline):
     folder, path = pipeline
     model = open_model_file(path)
@@ -72,15 +60,16 @@ def test_convert_profiles_trains_and_orders_neurons_hot_first(pipeline):
         assert np.all(np.diff(freq) <= 0) and 0 < freq.mean() < 1  # hot first, and a real profile
     assert (path.parent / (path.name + ".work") / "predictors" / "predictors.json").is_file()
     # Reordering neurons changes nothing: the runtime's dense result is the checkpoint's.
-    reference = load_model(Checkpoint(folder), np.float64).forward(TOKENS, load_model(Checkpoint(folder)).new_cache())
-    assert relative_error(logits(load_runtime_model(path)), reference) < 1e-4
+    engine = load_model(Checkpoint(folder), np.float64)
+    reference = engine.forward(TOKENS, engine.new_cache())
+    assert relative_error(stepwise_logits(load_runtime_model(path)), reference) < 1e-4
 
 
 def test_vram_budget_solves_a_split_caches_it_and_changes_nothing(pipeline):
     _, path = pipeline
     split = default_split_path(path)
     split.unlink(missing_ok=True)
-    expected = logits(load_runtime_model(path))
+    expected = stepwise_logits(load_runtime_model(path))
     # Part of the model: the budget also holds each GPU layer's KV cache for 2048 tokens, which in
     # these tiny models outweighs the layer.
     budget = int(1.5 * path.stat().st_size)
@@ -89,7 +78,7 @@ def test_vram_budget_solves_a_split_caches_it_and_changes_nothing(pipeline):
     assert "solved now" in first.description and split.is_file()
     solved = read_gpu_split(split)
     assert solved.extra["pitools.vram_budget"] == budget and any(m.any() for m in solved.masks)
-    assert relative_error(logits(first.engine), expected) < 1e-5
+    assert relative_error(stepwise_logits(first.engine), expected) < 1e-5
     assert first.engine.device.used_bytes <= budget
 
     again = LLM.load(path, mode="dense", device="emulated", vram=budget)
@@ -104,13 +93,13 @@ def test_head_on_the_device_changes_nothing(pipeline, tmp_path):
     _, path = pipeline
     model = load_runtime_model(path)
     model.mode = FFNMode.SPARSE
-    expected = logits(model)
+    expected = stepwise_logits(model)
     masks = tuple(np.arange(model.spec.d_ff) < 100 for _ in model.layers)
     split = tmp_path / "head.gpuidx"
     write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, extra={"pitools.output_on_gpu": True}))
     on_device = load_runtime_model(path, split=split, device="emulated")
     on_device.mode = FFNMode.SPARSE
-    assert relative_error(logits(on_device), expected) < 1e-5
+    assert relative_error(stepwise_logits(on_device), expected) < 1e-5
     assert on_device.head_backend is on_device.device
     assert on_device.device.used_bytes >= on_device.output.nbytes
     # The logits come home across PCIe: every step sends at least one row of them.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf_fixtures import relative_error
 from hf_models import build, reference_logits
 
 from powerinfer_tools.checkpoint import Checkpoint
@@ -36,10 +37,6 @@ CASES = {
 }
 EXPECTED_FFN = {"llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
                 "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU}
-
-
-def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf_fixtures import make_model, random_predictors, save_predictors
+from gguf_fixtures import (
+    TOKENS,
+    make_model,
+    random_predictors,
+    relative_error,
+    save_predictors,
+    stepwise_logits,
+)
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 
 from powerinfer_tools.checkpoint import Checkpoint
@@ -22,11 +29,6 @@ MODELS = {
     "llama-drelu": ("llama", LLAMA, dict(drelu=True)),
     "opt": ("opt", OPT, {}),
 }
-TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
-
-
-def relative_error(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -46,13 +48,6 @@ def converted(request, tmp_path_factory):
     return folder, predictors, files
 
 
-def run(model, tokens=TOKENS, prompt=4):
-    """Logits of every position, the prompt as one block and the rest one token at a time."""
-    caches = model.new_cache()
-    steps = [model.forward(tokens[:prompt], caches)] + [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
-    return np.concatenate(steps)
-
-
 def reference(folder, predictors=None):
     """The reference engine's logits; with ``predictors``, only the neurons they select are computed.
 
@@ -68,15 +63,15 @@ def reference(folder, predictors=None):
 def test_dense_f32_equals_reference_engine(converted):
     folder, _, files = converted
     model = load_runtime_model(files["f32"])
-    assert relative_error(run(model), reference(folder)) < 1e-4
+    assert relative_error(stepwise_logits(model), reference(folder)) < 1e-4
 
 
 def test_oracle_equals_dense(converted):
     _, _, files = converted
     model = load_runtime_model(files["f32"])
-    dense = run(model)
+    dense = stepwise_logits(model)
     model.mode = FFNMode.ORACLE
-    assert relative_error(run(model), dense) < 1e-5
+    assert relative_error(stepwise_logits(model), dense) < 1e-5
     assert model.stats.neurons_active < model.stats.neurons_total  # oracle skipped non-firing neurons
 
 
@@ -84,7 +79,7 @@ def test_sparse_equals_reference_predicted_path(converted):
     folder, predictors, files = converted
     model = load_runtime_model(files["f32"])
     model.mode = FFNMode.SPARSE
-    sparse = run(model)
+    sparse = stepwise_logits(model)
     assert relative_error(sparse, reference(folder, predictors)) < 1e-4
     assert relative_error(sparse, reference(folder)) > 1e-3  # the predictors really changed the result
 
@@ -95,7 +90,7 @@ def test_split_across_emulated_device_changes_nothing(converted, tmp_path, share
     _, _, files = converted
     baseline = load_runtime_model(files["f32"])
     baseline.mode = mode
-    expected = run(baseline)
+    expected = stepwise_logits(baseline)
     spec = baseline.spec
     rng = np.random.default_rng(int(share * 10))
     masks = tuple(rng.random(spec.d_ff) < share for _ in range(spec.n_layers))
@@ -103,7 +98,7 @@ def test_split_across_emulated_device_changes_nothing(converted, tmp_path, share
     write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, extra={"pitools.dense_on_gpu": [True, False]}))
     model = load_runtime_model(files["f32"], split=split, device="emulated")
     model.mode = mode
-    assert relative_error(run(model), expected) < 1e-5
+    assert relative_error(stepwise_logits(model), expected) < 1e-5
     on_device = model.stats.neurons_on_device / model.stats.neurons_active
     assert (on_device > 0) == (share > 0) and (on_device < 1) == (share < 1)
     if share > 0:
@@ -132,5 +127,5 @@ def test_q8_0_file_stays_close_to_f32(converted):
     """Random weights amplify rounding (q4_0 moves these logits by tens of percent), so this is a
     loose check; top-1 agreement of q8_0 and q4_0 on real text is measured on the bundled model."""
     _, _, files = converted
-    ref = run(load_runtime_model(files["f32"]))
-    assert relative_error(run(load_runtime_model(files["q8_0"])), ref) < 0.1
+    ref = stepwise_logits(load_runtime_model(files["f32"]))
+    assert relative_error(stepwise_logits(load_runtime_model(files["q8_0"])), ref) < 0.1
