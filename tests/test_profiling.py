@@ -80,11 +80,7 @@ def build_tiny_model(folder, seed: int = 0, sparse: bool = False):
 
 
 def invoke(*args: str):
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        runner = CliRunner()  # click >= 8.2 keeps stderr apart by default
-    return runner.invoke(cli, list(args))
+    return CliRunner().invoke(cli, list(args))
 
 
 @pytest.fixture(scope="module")

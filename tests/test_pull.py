@@ -35,11 +35,7 @@ def _hub_env(monkeypatch, tmp_path):
 
 
 def run_pull(*args: str):
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1
-    except TypeError:
-        runner = CliRunner()  # click >= 8.2 keeps stderr apart by default
-    return runner.invoke(cli, ["pull", *args])
+    return CliRunner().invoke(cli, ["pull", *args])
 
 
 def error_line(result) -> str:
