@@ -228,7 +228,6 @@ def test_cli_convert_and_inspect(tmp_path, relu_llama):
     assert "blk.1.fc2.weight" in text and "predictor" in text
 
 
-@pytest.mark.skipif(not (BUNDLED / "model.safetensors").is_file(), reason="the bundled model is not trained yet")
 @pytest.mark.parametrize("outtype", OUTTYPES)
 def test_bundled_model_converts(tmp_path, outtype):
     path, _ = convert(str(BUNDLED), tmp_path / "tiny.gguf", outtype=outtype, progress=False)

@@ -28,7 +28,6 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
 def test_llamacpp_tokenizes_like_tokenizers(converted, kind):
-    pytest.importorskip("llama_cpp")
     folder, path = converted[kind]
     reference = Tokenizer.from_file(str(folder / "tokenizer.json"))
     cpp = llama(path, vocab_only=True)
@@ -38,7 +37,6 @@ def test_llamacpp_tokenizes_like_tokenizers(converted, kind):
 
 
 def test_special_tokens_and_bos(converted):
-    pytest.importorskip("llama_cpp")
     folder, path = converted["gpt2"]
     cpp = llama(path, vocab_only=True)
     assert cpp.token_bos() == cpp.token_eos() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 
+import llama_cpp
 import numpy as np
 import pytest
 from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, rope_rows
@@ -14,8 +15,6 @@ from tokenizers import Tokenizer
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.convert import convert
 from powerinfer_tools.models import FFNKind, load_model
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, hidden_act="silu")

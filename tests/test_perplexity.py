@@ -90,7 +90,6 @@ def test_predicted_perplexity_bound_on_the_tiny_model(sparse_tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").is_file(), reason="the bundled model is not built yet")
 def test_predicted_perplexity_bound_on_the_bundled_model(tmp_path):
     """The model card's check on a slice: calibrate on 16k held-out tokens, evaluate on 4k others.
 
