@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -17,11 +18,16 @@ from .commands.run import run
 from .commands.solve import probe, solve
 from .commands.synth import synth
 from .commands.train_predictors import train_predictors
-from .errors import PitoolsError
+from .errors import Interrupted, PitoolsError
+
+
+def _interrupt_on_sigterm(signum, frame) -> None:
+    raise Interrupted(signal_number=signum)
 
 
 class _Group(click.Group):
-    """Turns PitoolsError into one line on stderr and exit status 1."""
+    """Turns PitoolsError into one line on stderr and exit status 1, and an interruption (Ctrl-C or
+    SIGTERM) into one line and the shell's 128 + signal number."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -29,6 +35,10 @@ class _Group(click.Group):
         except PitoolsError as exc:
             click.echo(f"pitools: error: {exc}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt as exc:
+            hint = getattr(exc, "hint", "")
+            click.echo(f"pitools: error: interrupted{'; ' + hint if hint else ''}", err=True)
+            sys.exit(128 + getattr(exc, "signal_number", signal.SIGINT))
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -47,6 +57,7 @@ def cli() -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     cli(prog_name="pitools")
 
 

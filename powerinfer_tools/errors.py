@@ -1,4 +1,6 @@
-"""The one exception type that the command line turns into a one-line error."""
+"""The exceptions that the command line turns into one-line errors."""
+
+import signal
 
 
 class PitoolsError(Exception):
@@ -8,3 +10,22 @@ class PitoolsError(Exception):
     process exits with status 1. It should name the file or object at fault and
     say what is wrong with it.
     """
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, as one exception.
+
+    The command line delivers SIGTERM (what ``timeout`` and service managers send) as this
+    exception, so it cleans up temporary files and checkpoints resumable work exactly as Ctrl-C
+    does. It prints ``pitools: error: interrupted`` (followed by ``hint``: how to resume) and exits
+    with the shell's status for the signal, 128 + its number.
+    """
+
+    def __init__(self, hint: str = "", signal_number: int = signal.SIGINT):
+        super().__init__(hint)
+        self.hint = hint
+        self.signal_number = signal_number
+
+    def resumable(self, hint: str) -> "Interrupted":
+        """The same interruption, telling the user how to resume."""
+        return Interrupted(hint, self.signal_number)

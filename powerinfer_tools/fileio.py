@@ -7,15 +7,34 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import PitoolsError
 
 
-def check_writable_output(path: Path, force: bool) -> None:
-    """Refuse to overwrite an existing output unless asked to."""
+def check_writable_output(path: Path, force: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse an output path that is one of the command's inputs (even with --force), or that
+    exists, unless asked to overwrite it. Called before any work, so nothing is spent in vain."""
+    path = Path(path)
+    for source in inputs:
+        if _same_file(path, Path(source)):
+            raise PitoolsError(f"{path}: output path is the input {source}; choose another output path")
     if path.exists() and not force:
         raise PitoolsError(f"{path}: output exists; pass --force to overwrite it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name the same file (the same path, a symlink to it, or a hard link)."""
+    try:
+        return a.samefile(b)
+    except OSError:  # one of them does not exist: writing ``a`` cannot destroy ``b``
+        return False
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
@@ -23,15 +42,22 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` on success.
 
     The temporary file lives in the same directory so the final rename is atomic
-    and never crosses file systems. On any exception it is removed.
+    and never crosses file systems. On any exception (Ctrl-C and SIGTERM included:
+    the command line turns SIGTERM into an interruption) it is removed. The result
+    gets the permissions of a file created under the user's umask (``mkstemp``
+    creates 0600).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
+    except OSError as exc:
+        raise PitoolsError(f"{path}: cannot write output: {exc.strerror or exc}") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

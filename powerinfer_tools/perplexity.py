@@ -12,15 +12,14 @@ On the runtime the same modes are its FFN modes (``predicted``: the file's predi
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from .models import DecoderModel
 from .predictors import predict
+from .progress import progress_bar
 from .profiling import predictor_input
 from .runtime.engine import RuntimeModel, TokenStats
 from .runtime.ffn import FFNMode
@@ -140,8 +139,7 @@ def _mean_nll(forward: Callable[[np.ndarray], np.ndarray], tokens: np.ndarray, s
     further on, so every token but the first is scored exactly once.
     """
     total_nll, scored = 0.0, 0
-    with tqdm(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", enabled=progress) as bar:
         for start in range(0, len(tokens) - 1, seq_len):
             targets = tokens[start + 1 : start + seq_len + 1]
             logits = forward(tokens[start : start + len(targets)]).astype(np.float64)
