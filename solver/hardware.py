@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -22,6 +23,8 @@ import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
+
+from .units import format_size
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,26 @@ def measure_gpu_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> float | None
     return _median_bandwidth_gbs(matrix.nbytes, timed_pass, repeats)
 
 
+# A pass over less takes tens of microseconds at memory speed, the order of the call and timer overhead,
+# and fits in any CPU's caches: the figure would not be a bandwidth.
+MIN_PROBE_BYTES = 4 * 2**20
+
+
+def check_probe_size(nbytes: int) -> int:
+    """``nbytes`` if a pass over that much measures memory bandwidth here; else PitoolsError naming --size."""
+    if nbytes < MIN_PROBE_BYTES:
+        raise PitoolsError(f"--size: {format_size(nbytes)} is too small to measure; give at least "
+                           f"{format_size(MIN_PROBE_BYTES)}: a pass over less takes about as long as timing it, "
+                           "and stays in the CPU caches")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > memory:
+        raise PitoolsError(f"--size: {format_size(nbytes)} is more than this machine's memory ({format_size(memory)})")
+    return nbytes
+
+
 def probe_profile(base: HardwareProfile, nbytes: int = 2**30, repeats: int = 7) -> HardwareProfile:
     """Measure this machine; figures that cannot be measured here are taken from ``base``."""
+    check_probe_size(nbytes)
     cpu = measure_cpu_bandwidth(nbytes, repeats)
     gpu = measure_gpu_bandwidth(nbytes, repeats)
     measured = "CPU bandwidth" + (" and GPU bandwidth" if gpu else "")

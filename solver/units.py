@@ -8,7 +8,8 @@ Rules (units are case-insensitive, so ``gb`` is ``GB``; a trailing ``b`` never m
   (GiB), llama.cpp and ``ls -h``;
 * ``B`` is bytes. A number without a unit is rejected: ``11`` could mean GB or GiB.
 
-Fractional results are rounded down to whole bytes.
+Fractional results are rounded down to whole bytes. A size is at least 1 byte (0 where an option
+allows it, e.g. ``--reserve 0B``) and below 2^63 (8 EiB): sizes are stored as 64-bit integers.
 """
 
 from __future__ import annotations
@@ -33,19 +34,32 @@ ACCEPTED_FORMS = (
 )
 
 
-def parse_size(text: str, what: str = "size") -> int:
-    """Return the number of bytes that ``text`` names; PitoolsError if it is not a size."""
+MAX_SIZE = 2**63 - 1  # split and profile files store sizes as 64-bit integers, and so do the solvers
+
+
+def parse_size(text: str, what: str = "size", minimum: int = 1) -> int:
+    """Return the number of bytes that ``text`` names; PitoolsError if it is not a size, or one
+    below ``minimum`` bytes (1 unless the option allows 0) or above ``MAX_SIZE``."""
     match = _SIZE.fullmatch(text)
     unit = match and _UNITS.get(match.group(2).lower())
     if not unit:
         raise PitoolsError(f"{what}: cannot read {text!r} as a size; write it as {ACCEPTED_FORMS}")
     # Decimal, not float: 0.3kB must be 300 bytes, not 299.
-    return int(Decimal(match.group(1)) * unit)
+    return check_size(int(Decimal(match.group(1)) * unit), what, minimum)
+
+
+def check_size(nbytes: int, what: str = "size", minimum: int = 1) -> int:
+    """``nbytes``, if it is a size from ``minimum`` to ``MAX_SIZE`` bytes; else PitoolsError naming ``what``."""
+    if nbytes < minimum:
+        raise PitoolsError(f"{what}: {nbytes} bytes is too small; it must be at least {format_size(minimum)}")
+    if nbytes > MAX_SIZE:
+        raise PitoolsError(f"{what}: {format_size(nbytes)} is too large; sizes stop below 2^63 bytes (8 EiB)")
+    return nbytes
 
 
 def format_size(nbytes: float) -> str:
     """``12345678901`` -> ``'11.50 GiB'``: binary units, as GPU tools report memory."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{int(nbytes)} B"
