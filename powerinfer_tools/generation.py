@@ -1,11 +1,38 @@
-"""Token sampling and the generation loop, shared by every engine that produces logits."""
+"""Token sampling and the generation loop, shared by every engine that produces logits.
+
+Both the command line and the Python API (``llm.LLM``) pass through here, so this is where their
+settings are checked (``SamplingConfig``, ``Generation``, ``context_window``): a bad value is a
+``SettingError`` naming the setting and its ``pitools run`` option.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
+
+from .errors import PitoolsError
+
+
+class SettingError(PitoolsError, ValueError):
+    """A setting out of its range: one line on the command line (a PitoolsError), and the
+    ValueError that Python callers expect of a bad argument."""
+
+
+def _require(valid: bool, name: str, rule: str, value: Any) -> None:
+    if not valid:
+        raise SettingError(f"{name}: must be {rule}, not {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -18,12 +45,13 @@ class SamplingConfig:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        t, p, seed = self.temperature, self.top_p, self.seed
+        _require(_is_number(t) and math.isfinite(t) and t >= 0, "temperature (--temp)", "a finite number >= 0", t)
+        _require(_is_whole(self.top_k) and self.top_k >= 0, "top_k (--top-k)", "a whole number >= 0", self.top_k)
+        _require(_is_number(p) and 0 < p <= 1, "top_p (--top-p)", "in (0, 1]", p)
+        # NumPy's generators take any non-negative integer; 64 bits is what a seed can usefully hold.
+        _require(seed is None or (_is_whole(seed) and 0 <= seed < 2**64), "seed (--seed)",
+                 "a whole number from 0 to 2^64 - 1", seed)
 
 
 class Sampler:
@@ -55,18 +83,55 @@ class Sampler:
 StepFn = Callable[[np.ndarray], np.ndarray]
 
 
-def generate(
-    step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: Iterable[int] = ()
-) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` sampled tokens; stop after a token in ``stop_ids``."""
-    stop = set(stop_ids)
-    logits = step(np.asarray(prompt, dtype=np.int64))
-    for _ in range(max_new_tokens):
-        token = sampler(logits)
-        yield token
-        if token in stop:
-            return
-        logits = step(np.asarray([token], dtype=np.int64))
+def context_window(max_positions: int, requested: Optional[int] = None) -> int:
+    """The context window: ``requested`` positions (``-c/--ctx-size``), by default and at most the
+    ``max_positions`` the model was trained for (beyond them a learned position table has no rows)."""
+    if requested is None:
+        return max_positions
+    _require(_is_whole(requested) and 1 <= requested <= max_positions, "context size (-c/--ctx-size)",
+             f"a whole number from 1 to the model's {max_positions} positions", requested)
+    return int(requested)
+
+
+class Generation:
+    """The tokens sampled after ``prompt``, as an iterator: up to ``max_new_tokens``, ending after a
+    token in ``stop_ids``, or once prompt and generated tokens fill the ``context_size`` positions of
+    the context window (then ``stopped_at_window`` becomes True).
+
+    The arguments are checked here, before ``step`` runs: a prompt that does not fit the window is
+    refused before its forward pass allocates anything (attention over a prompt grows with the
+    square of its length).
+    """
+
+    def __init__(self, step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Sampler,
+                 stop_ids: Iterable[int] = (), context_size: Optional[int] = None):
+        _require(_is_whole(max_new_tokens) and max_new_tokens >= 0, "tokens to generate (-n/--n-tokens)",
+                 "a whole number >= 0", max_new_tokens)
+        if not prompt:
+            raise SettingError("prompt: no tokens to start from (an empty prompt, and no BOS token); give some text")
+        if context_size is not None and len(prompt) > context_size:
+            raise SettingError(f"prompt is {len(prompt)} tokens; the context window holds {context_size}")
+        room = max_new_tokens if context_size is None else context_size - len(prompt)
+        self.step, self.prompt, self.sampler, self.stop = step, list(prompt), sampler, set(stop_ids)
+        self.count = min(max_new_tokens, room)
+        self.cut_by_window = room < max_new_tokens  # the window, not max_new_tokens, sets count
+        self.stopped_at_window = False
+
+    def __iter__(self) -> Iterator[int]:
+        logits = self.step(np.asarray(self.prompt, dtype=np.int64))
+        for _ in range(self.count):
+            token = self.sampler(logits)
+            yield token
+            if token in self.stop:
+                return
+            logits = self.step(np.asarray([token], dtype=np.int64))
+        self.stopped_at_window = self.cut_by_window
+
+
+def generate(step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: Iterable[int] = (),
+             context_size: Optional[int] = None) -> Generation:
+    """The tokens sampled after ``prompt`` (see ``Generation``); checked now, computed as iterated."""
+    return Generation(step, prompt, max_new_tokens, sampler, stop_ids, context_size)
 
 
 def stream_text(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:

@@ -18,7 +18,7 @@ from typing import Iterator
 
 from .checkpoint import Checkpoint
 from .errors import PitoolsError
-from .generation import Sampler, SamplingConfig, generate, stream_text
+from .generation import Generation, Sampler, SamplingConfig, SettingError, context_window, generate, stream_text
 from .models import load_model
 from .runtime.backends import require_cupy
 from .runtime.engine import RuntimeModel, TokenStats
@@ -38,22 +38,31 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
+    context_size: int = 0  # positions of the context window: prompt and generated tokens together
+    stopped_at_window: bool = False  # generation ended because the window was full, not at max_tokens or EOS
     ffn: TokenStats = field(default_factory=TokenStats)  # runtime only: neurons and bytes per step
 
     @property
-    def prompt_rate(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else float("nan")
+    def prompt_rate(self) -> float | None:
+        """Prompt tokens per second; None when nothing was timed (no tokens, or a clock too coarse)."""
+        return _rate(self.prompt_tokens, self.prompt_seconds)
 
     @property
-    def generation_rate(self) -> float:
-        return self.generated_tokens / self.generation_seconds if self.generation_seconds else float("nan")
+    def generation_rate(self) -> float | None:
+        """Generated tokens per second; None when nothing was timed."""
+        return _rate(self.generated_tokens, self.generation_seconds)
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if tokens and seconds > 0 else None
 
 
 class LLM:
-    def __init__(self, engine, tokenizer, description: str):
+    def __init__(self, engine, tokenizer, description: str, context_size: int):
         self.engine = engine
         self.tokenizer = tokenizer
         self.description = description
+        self.context_size = context_size  # positions for prompt and generated tokens together
         self.last_stats = GenerationStats()
 
     @classmethod
@@ -66,8 +75,10 @@ class LLM:
         device: str = "cpu",
         vram: int | None = None,
         hardware: str = DEFAULT_PRESET,
+        ctx_size: int | None = None,
     ) -> "LLM":
         """``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
+        ``ctx_size`` bounds the context window (default: the model's trained positions).
 
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
         budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
@@ -78,7 +89,8 @@ class LLM:
                 raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split")
             engine = load_model(Checkpoint(path))
             s = engine.spec
-            return cls(engine, CheckpointTokenizer(path, s.bos_token_id, s.eos_token_id), "reference engine (NumPy)")
+            return cls(engine, CheckpointTokenizer(path, s.bos_token_id, s.eos_token_id), "reference engine (NumPy)",
+                       context_window(s.max_positions, ctx_size))
         solved = ""
         if vram is not None:
             if device == "cpu" or not use_split:
@@ -90,13 +102,14 @@ class LLM:
             reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
             report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
             solved = f" (solved now for {format_size(vram)})" if report is not None else f" (cached, for {format_size(vram)})"
-        model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device)
+        model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device,
+                                   context_size=ctx_size)
         ffn_mode = FFNMode(mode)
         if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
             ffn_mode = FFNMode.DENSE
         model.mode = ffn_mode
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
-        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}")
+        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}", model.context_size)
 
     @property
     def mode(self) -> str:
@@ -105,26 +118,52 @@ class LLM:
     def generate(
         self, prompt: str, max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
     ) -> Iterator[str]:
-        """Yield text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends."""
-        stats = self.last_stats = GenerationStats()
-        prompt_ids = self.tokenizer.encode(prompt)
+        """Text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends.
+
+        The prompt and ``max_tokens`` are checked now, before anything is computed: SettingError
+        for text that is not valid UTF-8 or a prompt longer than the context window. Generation
+        stops early when the window is full (``last_stats.stopped_at_window``).
+        """
+        stats = self.last_stats = GenerationStats(context_size=self.context_size)
+        prompt_ids = self.tokenizer.encode(_checked_text(prompt))
         stats.prompt_tokens = len(prompt_ids)
         eos = self.engine.spec.eos_token_id
-        runtime = isinstance(self.engine, RuntimeModel)
-        if runtime:
+        if isinstance(self.engine, RuntimeModel):
             self.engine.stats = stats.ffn
-        step = self.engine.step_fn()
+        tokens = generate(_timed(self.engine.step_fn(), stats), prompt_ids, max_tokens, Sampler(sampling),
+                          [eos] if eos is not None else [], self.context_size)
+        return self._stream(tokens, stats)
 
-        def timed(tokens):
-            t0 = time.perf_counter()
-            logits = step(tokens)
-            elapsed = time.perf_counter() - t0
-            if stats.prompt_seconds == 0:
-                stats.prompt_seconds = elapsed
-            else:
-                stats.generated_tokens += 1
-                stats.generation_seconds += elapsed
-            return logits
-
-        tokens = generate(timed, prompt_ids, max_tokens, Sampler(sampling), [eos] if eos is not None else [])
+    def _stream(self, tokens: Generation, stats: GenerationStats) -> Iterator[str]:
         yield from stream_text(tokens, self.tokenizer.decode)
+        stats.stopped_at_window = tokens.stopped_at_window
+
+
+def _checked_text(prompt: str) -> str:
+    """``prompt``, refused when it cannot be UTF-8: on Linux, bytes that are not UTF-8 in a command line
+    reach Python as lone surrogates (``-p $'\\xff'`` is ``'\\udcff'``)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SettingError(f"prompt (-p/--prompt): not valid UTF-8 (at character {exc.start})") from None
+    return prompt
+
+
+def _timed(step, stats: GenerationStats):
+    """``step``, timing the prompt's forward pass and then each generated token's into ``stats``."""
+
+    prompt_done = False  # not prompt_seconds == 0: a coarse clock can time a step as 0 seconds
+
+    def timed(tokens):
+        nonlocal prompt_done
+        t0 = time.perf_counter()
+        logits = step(tokens)
+        elapsed = time.perf_counter() - t0
+        if not prompt_done:
+            stats.prompt_seconds, prompt_done = elapsed, True
+        else:
+            stats.generated_tokens += 1
+            stats.generation_seconds += elapsed
+        return logits
+
+    return timed

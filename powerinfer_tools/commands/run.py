@@ -18,12 +18,18 @@ from ..solver.units import parse_size
 
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
-@click.option("-p", "--prompt", default="def ", show_default=True, help="Text to continue.")
-@click.option("-n", "--n-tokens", default=64, show_default=True, help="Most tokens to generate.")
-@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")
+@click.option("-p", "--prompt", default="def ", show_default=True,
+              help="Text to continue; it must be valid UTF-8 (other bytes are an error, not replaced).")
+@click.option("-n", "--n-tokens", default=64, show_default=True,
+              help="Most tokens to generate (0 or more); fewer when the context window fills up.")
+@click.option("-c", "--ctx-size", type=int, default=None,
+              help="Context window: positions for prompt and generated tokens together [default: the "
+                   "model's trained positions, also the most it takes].")
+@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (>= 0); 0 is greedy.")
 @click.option("--top-k", default=40, show_default=True, help="Sample among the K likeliest tokens (0: all).")
-@click.option("--top-p", default=0.95, show_default=True, help="Sample from the smallest set with this much mass.")
-@click.option("--seed", type=int, default=None, help="Random seed for reproducible sampling.")
+@click.option("--top-p", default=0.95, show_default=True,
+              help="Sample from the smallest set with this much mass, in (0, 1].")
+@click.option("--seed", type=int, default=None, help="Random seed (0 to 2^64 - 1) for reproducible sampling.")
 @click.option("--mode", type=click.Choice(["sparse", "dense"]), default="sparse", show_default=True,
               help="sparse: compute only the FFN neurons the predictors select; dense: all of them.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
@@ -39,9 +45,9 @@ from ..solver.units import parse_size
                    "was already solved for this budget, and keep it beside the model as PowerInfer does.")
 @click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
               help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`.")
-def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
-        mode: str, device: str, threads: int | None, split: Path | None, no_split: bool, vram: str | None,
-        hardware: str) -> None:
+def run(model: Path, prompt: str, n_tokens: int, ctx_size: int | None, temp: float, top_k: int, top_p: float,
+        seed: int | None, mode: str, device: str, threads: int | None, split: Path | None, no_split: bool,
+        vram: str | None, hardware: str) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
@@ -56,26 +62,34 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
       pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
     """
+    sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
+    budget = parse_size(vram, "--vram") if vram is not None else None
     if threads is not None:
         kernels.set_threads(threads)
     if split is not None and vram is None and not split.is_file():
         raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
-    llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device,
-                   vram=parse_size(vram, "--vram") if vram is not None else None, hardware=hardware)
-    sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
+    llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
+                   hardware=hardware, ctx_size=ctx_size)
+    pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
     click.echo(prompt, nl=False)
-    for piece in llm.generate(prompt, n_tokens, sampling):
+    for piece in pieces:
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
     s = llm.last_stats
-    summary = (
-        f"prompt: {s.prompt_tokens} tokens at {s.prompt_rate:.1f} tok/s | "
-        f"generation: {s.generated_tokens} tokens at {s.generation_rate:.1f} tok/s"
-    )
+    if s.stopped_at_window:
+        click.echo(f"pitools: note: stopped at the end of the context window ({s.context_size} positions: "
+                   f"{s.prompt_tokens} of prompt, {s.generated_tokens} generated)", err=True)
+    summary = (f"{_throughput('prompt', s.prompt_tokens, s.prompt_rate)} | "
+               f"{_throughput('generation', s.generated_tokens, s.generation_rate)}")
     if s.ffn.steps:
         summary += (
             f" | FFN density {s.ffn.density:.3f} | {s.ffn.bytes_per_step / 1e6:.2f} MB read/step"
             f" | GPU share {s.ffn.device_share:.2f}"
         )
     click.echo(f"{summary} | {llm.description}", err=True)
+
+
+def _throughput(what: str, tokens: int, rate: float | None) -> str:
+    """``prompt: 5 tokens at 812.3 tok/s``; without the rate when none was measured (no tokens, no time)."""
+    return f"{what}: {tokens} tokens" + (f" at {rate:.1f} tok/s" if rate is not None else "")

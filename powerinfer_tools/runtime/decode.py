@@ -266,7 +266,7 @@ class CpuDecoder:
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
-        max_context = s.max_positions
+        max_context = model.context_size
         hidden = max((layer.dense.predictor.fc1.shape[0] for layer in model.layers if layer.dense.predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim

@@ -16,6 +16,8 @@ from ..models.layers import (
     rms_norm,
     rope_tables,
 )
+from ..errors import PitoolsError
+from ..generation import context_window
 from ..models.spec import ModelSpec, NormKind
 from .backends import CpuBackend, move
 from .ffn import FFNMode, FFNPartition, Predictor
@@ -98,8 +100,14 @@ class RuntimeModel:
         metadata: Optional[dict] = None,
         head_backend=None,
         host: Optional[CpuBackend] = None,
+        path=None,
+        context_size: Optional[int] = None,
     ):
         self.spec = spec
+        self.path = path  # the model file
+        # Positions a sequence may take (default: all the model was trained for): bounds every buffer
+        # that grows with the sequence, the KV cache, the attention scores and the decoder's scratch.
+        self.context_size = context_window(spec.max_positions, context_size)
         self.layers = layers
         self.token_embd = token_embd
         self.output_norm = output_norm
@@ -150,6 +158,9 @@ class RuntimeModel:
         """
         s = self.spec
         start = caches[0].length
+        if start + len(tokens) > self.context_size:  # before anything is allocated for them
+            raise PitoolsError(f"{self.path}: {len(tokens)} tokens after {start} do not fit the context window "
+                               f"of {self.context_size} positions")
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
         if self.positions is not None:
             x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]

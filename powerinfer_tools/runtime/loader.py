@@ -89,8 +89,10 @@ def load_runtime_model(
     split: str | Path | None = None,
     use_split: bool = True,
     device: str = "emulated",
+    context_size: Optional[int] = None,
 ) -> RuntimeModel:
-    """Open ``path`` for the runtime.
+    """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the
+    model's trained positions).
 
     With ``use_split``, the split file ``split`` (default: beside the model) places
     each layer's hot neurons, and its dense block where the solver put it, on the
@@ -170,4 +172,6 @@ def load_runtime_model(
         metadata=model.metadata,
         head_backend=head,
         host=host,
+        path=path,
+        context_size=context_size,
     )
