@@ -31,6 +31,8 @@ ARCHITECTURE = "generic.gpu_index"
 POWERINFER_VERSION = 3
 VRAM_CAPACITY_KEY = "split.vram_capacity"
 BLOCK_COUNT_KEY = f"{ARCHITECTURE}.block_count"
+# Ours: which model file the split was solved for (formats.fingerprint.model_fingerprint of it).
+MODEL_FINGERPRINT_KEY = "pitools.model_fingerprint"
 _STANDARD_KEYS = {"general.architecture", BLOCK_COUNT_KEY, VRAM_CAPACITY_KEY}
 
 

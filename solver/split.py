@@ -8,11 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import PitoolsError
-from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
+from ..formats.fingerprint import model_fingerprint
+from ..formats.gpu_split import MODEL_FINGERPRINT_KEY, GpuSplit, read_gpu_split, write_gpu_split
 from . import ilp
 from .hardware import HardwareProfile
 from .ilp import SolveReport
 from .model_stats import read_model_stats
+from .units import check_size
 from .problem import (
     DEFAULT_RESERVE_BYTES,
     Placement,
@@ -29,10 +31,13 @@ def default_split_path(model_path: Path) -> Path:
     return model_path.with_name(model_path.name + SPLIT_SUFFIX)
 
 
-def split_file(problem: PlacementProblem, placement: Placement, objective: str) -> GpuSplit:
+def split_file(problem: PlacementProblem, placement: Placement, objective: str,
+               fingerprint: str | None = None) -> GpuSplit:
     """The split file of ``placement`` (solved for ``objective``, or another name for how it was chosen),
-    with our own keys beside PowerInfer's."""
+    with our own keys beside PowerInfer's; ``fingerprint`` identifies the model file it was solved for
+    (``model_fingerprint``; None when solved from statistics alone)."""
     prediction = predict(problem, placement)
+    identity = {MODEL_FINGERPRINT_KEY: fingerprint} if fingerprint is not None else {}
     return GpuSplit(
         masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
         # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
@@ -47,6 +52,7 @@ def split_file(problem: PlacementProblem, placement: Placement, objective: str) 
             "pitools.vram_used": prediction.vram,
             "pitools.n_ctx": problem.n_ctx,
             "pitools.hardware": problem.hardware.name,
+            **identity,
         },
     )
 
@@ -59,34 +65,37 @@ def model_problem(model_path: Path, budget_bytes: int, hardware: HardwareProfile
                               hardware=hardware, reserve_bytes=reserve_bytes)
 
 
-def fits_budget(split: GpuSplit, budget_bytes: int) -> bool:
-    """Whether a cached split may serve ``budget_bytes``: ours when solved for exactly that budget
-    (a larger budget deserves a new solve); PowerInfer's when its FFN capacity fits, as its loader
-    decides."""
+def serves(split: GpuSplit, fingerprint: str, budget_bytes: int) -> bool:
+    """Whether a cached split may serve the model of ``fingerprint`` at ``budget_bytes``: ours when
+    solved for that model file and exactly that budget (a larger budget deserves a new solve; one of
+    ours without a fingerprint may be another model's of the same shape); PowerInfer's, which records
+    neither, when its FFN capacity fits, as its loader decides."""
     solved_for = split.extra.get("pitools.vram_budget")
     if solved_for is not None:
-        return int(solved_for) == budget_bytes
+        return split.extra.get(MODEL_FINGERPRINT_KEY) == fingerprint and int(solved_for) == budget_bytes
     return split.vram_capacity <= budget_bytes
 
 
 def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware: HardwareProfile, *,
                  reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> SolveReport | None:
     """Make ``split_path`` a split of ``model_path`` for ``budget_bytes``: keep the file there when it
-    is a split of this model that fits the budget (``fits_budget``), else solve and (over)write it,
+    is a split of this model that serves the budget (``serves``), else solve and (over)write it,
     as PowerInfer's runtime regenerates ``<model>.generated.gpuidx``. Returns the solve's report, or
     None when the cached file was kept."""
+    check_size(budget_bytes, "VRAM budget")
     stats = read_model_stats(model_path)
-    if split_path.is_file() and _reusable(split_path, [len(f) for f in stats["freqs"]], budget_bytes):
+    fingerprint = model_fingerprint(model_path)
+    if split_path.is_file() and _reusable(split_path, fingerprint, [len(f) for f in stats["freqs"]], budget_bytes):
         return None
     problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes, stats=stats)
     report = ilp.solve(problem)
-    write_gpu_split(split_path, split_file(problem, report.placement, report.objective))
+    write_gpu_split(split_path, split_file(problem, report.placement, report.objective, fingerprint))
     return report
 
 
-def _reusable(split_path: Path, layer_sizes: list[int], budget_bytes: int) -> bool:
+def _reusable(split_path: Path, fingerprint: str, layer_sizes: list[int], budget_bytes: int) -> bool:
     try:
         split = read_gpu_split(split_path)
     except PitoolsError:  # unreadable: a cache is solved again rather than trusted
         return False
-    return [len(mask) for mask in split.masks] == layer_sizes and fits_budget(split, budget_bytes)
+    return [len(mask) for mask in split.masks] == layer_sizes and serves(split, fingerprint, budget_bytes)

@@ -15,11 +15,14 @@ import numpy as np
 
 from ..errors import PitoolsError
 from ..fileio import check_writable_output
+from ..formats.fingerprint import model_fingerprint
 from ..formats.gpu_split import write_gpu_split
 from ..solver import ilp
 from ..solver.hardware import (
     DEFAULT_PRESET,
+    MIN_PROBE_BYTES,
     PRESETS,
+    check_probe_size,
     load_profile,
     probe_profile,
     save_profile,
@@ -60,8 +63,8 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
               help="Per-layer firing probabilities and sizes (.npz) instead of the model file: the arrays listed above.")
 @click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
               help=f"Preset ({', '.join(PRESETS)}) or profile file (.toml/.json) from `pitools probe`.")
-@click.option("--ctx", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Context length the KV cache is sized for.")
+@click.option("--ctx", type=click.IntRange(1, 2**31 - 1), default=2048, show_default=True,
+              help="Context length the KV cache is sized for (llama.cpp's n_ctx, a 32-bit integer).")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="latency: minimise predicted time per token; activations: maximise activation mass on the "
                    "GPU, as PowerInfer does.")
@@ -105,17 +108,20 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
             raise PitoolsError("--stats without MODEL: name the split file with -o")
         output = default_split_path(model)
     check_writable_output(output, force)
+    budget_bytes, reserve_bytes = parse_size(vram, "--vram"), parse_size(reserve, "--reserve", minimum=0)
     arrays = read_stats_file(stats) if stats else read_model_stats(model)
     problem = problem_from_stats(
         **arrays,
         n_ctx=ctx,
-        budget_bytes=parse_size(vram, "--vram"),
+        budget_bytes=budget_bytes,
         hardware=load_profile(hardware),
-        reserve_bytes=parse_size(reserve, "--reserve"),
+        reserve_bytes=reserve_bytes,
         min_gpu_share=min_share,
     )
     report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
-    write_gpu_split(output, split_file(problem, report.placement, report.objective))
+    # The split names its model file; with --stats, MODEL may be only the name of the split beside it.
+    fingerprint = model_fingerprint(model) if model is not None and model.is_file() else None
+    write_gpu_split(output, split_file(problem, report.placement, report.objective, fingerprint))
     summary = {**summary_dict(problem, report), "output": str(output)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -131,14 +137,15 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
               help="Preset giving what cannot be measured here: PCIe bandwidth, sync latency, and GPU "
                    "bandwidth when CuPy sees no GPU.")
 @click.option("--size", default="1GiB", show_default=True,
-              help="Bytes read per pass; must exceed the last-level cache.")
+              help=f"Bytes read per pass, from {format_size(MIN_PROBE_BYTES)} up to this machine's memory; "
+                   "must exceed the last-level cache.")
 @click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True,
               help="Passes; the median is kept.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 def probe(output: Path, base: str, size: str, repeats: int, force: bool) -> None:
     """Measure memory bandwidth (CPU; GPU too through CuPy) and write a hardware profile for --hardware."""
     check_writable_output(output, force)
-    nbytes = parse_size(size, "--size")
+    nbytes = check_probe_size(parse_size(size, "--size", minimum=0))  # which states the minimum, and why
     click.echo(f"streaming {format_size(nbytes)} x {repeats} ...", err=True)
     profile = probe_profile(PRESETS[base], nbytes, repeats)
     save_profile(profile, output)
