@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -26,8 +27,30 @@ def _interrupt_on_sigterm(signum, frame) -> None:
 
 
 class _Group(click.Group):
-    """Turns PitoolsError into one line on stderr and exit status 1, and an interruption (Ctrl-C or
-    SIGTERM) into one line and the shell's 128 + signal number."""
+    """Every failure is one ``pitools: error:`` line on stderr: a PitoolsError (exit status 1), a
+    usage error that click would print as a usage block (exit 2), an interruption by Ctrl-C or
+    SIGTERM (the shell's 128 + signal number)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            status = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:  # bare `pitools`: the help, as click shows it
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            usage = getattr(exc, "ctx", None)
+            hint = f" (see '{usage.command_path} --help')" if isinstance(exc, click.UsageError) and usage else ""
+            click.echo(f"pitools: error: {exc.format_message()}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:  # click's prompts turn Ctrl-C into Abort
+            click.echo("pitools: error: interrupted", err=True)
+            sys.exit(128 + signal.SIGINT)
+        except BrokenPipeError:  # the reader of our output went away (`pitools run | head -1`)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        sys.exit(status if isinstance(status, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
