@@ -209,14 +209,25 @@ def mutate_safetensors(rng: random.Random, folder: Path) -> str:
         path.unlink()
         path.mkdir()
         return "model.safetensors is a folder"
-    header = json.loads(body)
+    header, data = json.loads(body), bytearray(data)
     if roll < 0.52:
         header, change = rng.choice([[1, 2], 7, "header", None]), "header is not an object"
+    elif roll < 0.62:
+        change = _poison_weight(rng, header, data)
     else:
         change = _mutate_entry(rng, header, len(data))
     new_body = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(new_body)) + new_body + data)
     return change
+
+
+def _poison_weight(rng: random.Random, header: dict, data: bytearray) -> str:
+    """One weight NaN or infinite: convert must refuse it, naming the tensor (we never pass --allow-nonfinite)."""
+    name = rng.choice(sorted(k for k, entry in header.items() if k != "__metadata__" and entry["dtype"] == "F32"))
+    begin, end = header[name]["data_offsets"]
+    index, value = rng.randrange((end - begin) // 4), rng.choice(NONFINITE)
+    data[begin + 4 * index : begin + 4 * index + 4] = struct.pack("<f", value)
+    return f"{name}[{index}] = {value}"
 
 
 # --- mutations: model file (GGUF) headers, key-value section, tensor table --------------------------
@@ -447,9 +458,16 @@ def folders(tmp: Path, *names: str) -> list[Path]:
     return [tmp / name for name in names]
 
 
+def open_finite_model_file(path: Path) -> None:
+    """Opens a model file and checks that every tensor is finite, as converting without --allow-nonfinite promises."""
+    for tensor in open_model_file(path).tensors.values():
+        if not np.isfinite(tensor.dequantize()).all():
+            raise ValueError(f"tensor {tensor.name} holds NaN or inf")
+
+
 def convert_command(folder: Path, output: Path, *options: str) -> Command:
     args = ["convert", folder, "-o", output, "-q", *options]
-    return Command(args, output, open_model_file, (folder.name, output.name))
+    return Command(args, output, open_finite_model_file, (folder.name, output.name))
 
 
 def checkpoint_case(rng: random.Random, base: Base, tmp: Path, mutate) -> tuple[str, list[str]]:
