@@ -7,7 +7,7 @@ with a valid output, or fail with exactly one ``pitools: error:`` line that name
 option) at fault: no traceback, nothing at the output path, no temporary file left, no input changed.
 
 Case ``i`` is drawn from ``random.Random(SEED + i)``: the failure message prints the seed and the
-test id replays the case alone (``pytest 'tests/test_fuzz.py::test_fuzz_case[17]'``). 300 cases by
+test id replays the case alone (``pytest 'tests/test_fuzz.py::test_fuzz_case[17]'``). 400 cases by
 default; ``PITOOLS_FUZZ_CASES=N`` or ``pytest --fuzz-cases N`` runs N.
 """
 
@@ -42,7 +42,7 @@ from powerinfer_tools.solver.hardware import load_profile
 from powerinfer_tools.sparsify import SparsifySettings
 
 SEED = 20_240_000
-DEFAULT_CASES = 300
+DEFAULT_CASES = 400
 FAMILIES = {"config": 3, "safetensors": 3, "gguf": 5, "options": 1}  # relative frequencies
 # Memory the fuzzed commands may allocate beyond what the process holds: a dimension mutated to 2**40
 # must be refused, not exhaust a shared machine's memory. Past it NumPy raises MemoryError: a traceback.
@@ -408,7 +408,8 @@ def contract_problems(result: Result, command: Command, out: Path) -> list[str]:
     """How ``result`` breaks the error contract, if it does (an empty list when it keeps it)."""
     uncaught = _uncaught(result)
     if uncaught is not None:
-        problems = ["uncaught exception (a traceback for the user), ending:\n" + "\n".join(uncaught.splitlines()[-16:])]
+        frames = [line for line in uncaught.splitlines() if line.strip(" ^~")]  # without the column markers
+        problems = ["uncaught exception (a traceback for the user), ending:\n" + "\n".join(frames[-12:])]
     elif result.exit_code == 0:
         problems = _success_problems(result, command)
     else:
