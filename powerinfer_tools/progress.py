@@ -31,11 +31,11 @@ class StageLines:
         self.enabled, self.unit_scale = enabled, unit_scale
         self._started = time.monotonic()
         self._closed = False
-        resumed = f", resuming at {self._amount(initial)}" if initial else ""
-        self._line(f"{desc}: {self._amount(total)} {unit}{resumed}")
+        resumed = f", resuming at {self._quantity(initial)}" if initial else ""
+        self._line(f"{desc}: {self._quantity(total)}{resumed}")
 
-    def _amount(self, n: float) -> str:
-        return tqdm.format_sizeof(n) if self.unit_scale else str(n)
+    def _quantity(self, n: float) -> str:
+        return tqdm.format_sizeof(n, self.unit) if self.unit_scale else f"{n} {self.unit}"
 
     def _line(self, text: str) -> None:
         if self.enabled:
@@ -54,8 +54,7 @@ class StageLines:
         if not self._closed:
             self._closed = True
             elapsed = time.monotonic() - self._started
-            self._line(f"{self.desc}: {self._amount(self.n)}/{self._amount(self.total)} {self.unit} "
-                       f"in {elapsed:.1f} s")
+            self._line(f"{self.desc}: {self._quantity(self.n)} of {self._quantity(self.total)} in {elapsed:.1f} s")
 
     def __enter__(self) -> "StageLines":
         return self

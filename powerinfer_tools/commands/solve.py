@@ -107,7 +107,7 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
         if model is None:
             raise PitoolsError("--stats without MODEL: name the split file with -o")
         output = default_split_path(model)
-    check_writable_output(output, force)
+    check_writable_output(output, force, inputs=[p for p in (model, stats, Path(hardware)) if p is not None])
     budget_bytes, reserve_bytes = parse_size(vram, "--vram"), parse_size(reserve, "--reserve", minimum=0)
     arrays = read_stats_file(stats) if stats else read_model_stats(model)
     problem = problem_from_stats(
