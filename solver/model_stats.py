@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from powerinfer_tools.formats.gguf_names import neuron_frequency_key
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
+from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 
 from powerinfer_tools.errors import PitoolsError
@@ -34,17 +34,15 @@ def read_model_stats(path: str | Path) -> dict:
     """The arrays ``problem_from_stats`` takes (its ``STATS_KEYS``), for a PowerInfer model file."""
     model = open_model_file(path)
     spec = spec_from_model_file(model)
-    if "blk.0.ffn_down_t.weight" not in model:
+    if not sparse_layout(model):
         raise PitoolsError(f"{path}: a dense model file; neuron placement needs a PowerInfer file (pitools convert)")
-    freqs = []
-    for layer in range(spec.n_layers):
-        freq = model.get(neuron_frequency_key(layer))
-        if freq is None:
-            raise PitoolsError(
-                f"{path}: no neuron firing frequencies (pitools.blk.N.neuron_frequency); convert the model with "
-                "profiling (the default of pitools convert), or pass --stats FILE.npz"
-            )
-        freqs.append(np.asarray(freq, dtype=np.float64))
+    check_model_tensors(model, spec)
+    freqs = [neuron_frequencies(model, spec, layer) for layer in range(spec.n_layers)]
+    if any(freq is None for freq in freqs):
+        raise PitoolsError(
+            f"{path}: no neuron firing frequencies (pitools.blk.N.neuron_frequency); convert the model with "
+            "profiling (the default of pitools convert), or pass --stats FILE.npz"
+        )
     head = ("output.weight", "output_norm.weight", "output_norm.bias")
     if "output.weight" not in model:  # tied: the logits read the token embedding matrix
         head = ("token_embd.weight",) + head[1:]

@@ -9,13 +9,14 @@ import numpy as np
 
 from ..errors import PitoolsError
 from ..formats.gguf_spec import spec_from_model_file
+from ..formats.model_check import check_model_tensors
 from ..formats.gpu_split import GpuSplit, read_gpu_split
 from ..formats.model_file import ModelFile, open_model_file
 from ..solver.split import default_split_path
 from .backends import CpuBackend, CudaDevice, EmulatedDevice
 from .engine import DenseBlock, Norm, RuntimeLayer, RuntimeModel
 from .ffn import FFNPartition, Predictor
-from .quant import QuantMatrix
+from .quant import SUPPORTED_TYPES, QuantMatrix
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 
@@ -28,6 +29,10 @@ class _Tensors:
 
     def matrix(self, name: str, backend=None) -> QuantMatrix:
         t = self.model[name]
+        if t.qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {t.qtype.name}, which the runtime "
+                               f"cannot compute with (supported: {supported})")
         data = t.data if backend is None else backend.upload(t.data)
         return QuantMatrix(t.qtype, data)
 
@@ -102,6 +107,7 @@ def load_runtime_model(
     path = Path(path)
     model = open_model_file(path)
     spec = spec_from_model_file(model)
+    check_model_tensors(model, spec)
     tensors = _Tensors(model)
     host = CpuBackend()
 

@@ -1,0 +1,65 @@
+"""Does a model file hold the tensors its metadata promises?
+
+The metadata (``{arch}.embedding_length``, ``feed_forward_length``, ...) and the
+tensor table are written separately, and either can be damaged or edited. Every
+reader that computes with the tensors (the runtime, the solver's sizes) checks
+here first, so a mismatch is one error naming the file and the tensor instead
+of a shape error deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.models.spec import ModelSpec
+
+from .gguf_names import neuron_frequency_key, predictor_names, tensor_names
+from .model_file import ModelFile
+
+
+def sparse_layout(model: ModelFile) -> bool:
+    """Whether the file stores the down projection transposed (PowerInfer's ``ffn_down_t``)."""
+    return "blk.0.ffn_down_t.weight" in model
+
+
+def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
+    """Every tensor ``spec`` implies is present with its shape; predictors come in fc1/fc2 pairs that fit."""
+    for expected in tensor_names(spec, sparse_layout(model)):
+        if expected.target == "output.weight" and spec.tied_embeddings:
+            continue  # a tied model's head is its token embedding
+        _check_shape(model, expected.target, expected.stored_shape)
+    for layer in range(spec.n_layers):
+        fc1, fc2 = predictor_names(layer)
+        if fc1 not in model and fc2 not in model:
+            continue
+        if not sparse_layout(model):
+            raise PitoolsError(f"{model.path}: predictor {fc1} in a file without ffn_down_t: "
+                               "sparse execution needs PowerInfer's layout")
+        hidden = model[fc1].shape[0] if fc1 in model else model[fc2].shape[-1]
+        _check_shape(model, fc1, (hidden, spec.d_model))
+        _check_shape(model, fc2, (spec.d_ff, hidden))
+
+
+def _check_shape(model: ModelFile, name: str, shape: tuple[int, ...]) -> None:
+    if name not in model:
+        raise PitoolsError(f"{model.path}: tensor {name} is missing")
+    if tuple(model[name].shape) != tuple(shape):
+        raise PitoolsError(f"{model.path}: tensor {name} has shape {list(model[name].shape)}; "
+                           f"the metadata implies {list(shape)}")
+
+
+def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int) -> np.ndarray | None:
+    """A layer's recorded firing probabilities (None when the file has none), checked to be ``d_ff``
+    finite probabilities."""
+    key = neuron_frequency_key(layer)
+    raw = model.get(key)
+    if raw is None:
+        return None
+    try:
+        freq = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PitoolsError(f"{model.path}: {key} is not an array of numbers") from None
+    if freq.shape != (spec.d_ff,) or not np.all(np.isfinite(freq)) or freq.min() < 0 or freq.max() > 1:
+        raise PitoolsError(f"{model.path}: {key} must hold {spec.d_ff} firing probabilities in [0, 1]")
+    return freq
