@@ -22,9 +22,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter
-from tqdm import tqdm
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.progress import progress_bar
 
 from .quantization import decode, encode, storage_shape
 
@@ -82,7 +82,8 @@ class ModelFileWriter:
             self.gguf.write_header_to_file()
             self.gguf.write_kv_data_to_file()
             self.gguf.write_ti_data_to_file()
-            bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, disable=not progress, leave=False)
+            bar = progress_bar(total=sum(t.nbytes for t in tensors), desc="write", unit="B", unit_scale=True,
+                               enabled=progress, leave=False)
             with bar:
                 for i, t in enumerate(tensors, 1):
                     bar.set_description(f"tensor {i}/{len(tensors)} {t.name}")
@@ -99,9 +100,15 @@ class ModelFileWriter:
 
 
 class _Reader(GGUFReader):
-    """gguf-py's reader, also accepting PowerInfer's magic (the rest of the layout is GGUF's)."""
+    """gguf-py's reader, also accepting PowerInfer's magic (the rest of the layout is GGUF's), and
+    refusing any read past the end of the file: gguf-py would return a short array there, and a
+    corrupt count then loops for ever or fails somewhere far from the cause."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ValueError(f"truncated: {int(count)} x {np.dtype(dtype)} at byte {int(offset)} "
+                             f"ends past the file's {len(self.data)} bytes")
         values = super()._get(offset, dtype, count, override_order)
         if offset == 0 and count == 1 and values[0] == POWERINFER_MAGIC:
             return np.array([GGUF_MAGIC], dtype=values.dtype)
@@ -166,7 +173,10 @@ def _metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def _tensors(reader: GGUFReader) -> dict[str, StoredTensor]:
-    # GGUFReader has already checked that every tensor's data lies within the file.
+    # _Reader has checked that every tensor's data ends within the file; it must also start after the header.
+    for t in reader.tensors:
+        if t.data_offset < reader.data_offset:
+            raise ValueError(f"tensor {t.name!r} starts at byte {t.data_offset}, inside the header")
     return {
         t.name: StoredTensor(
             t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data
@@ -175,21 +185,39 @@ def _tensors(reader: GGUFReader) -> dict[str, StoredTensor]:
     }
 
 
+# What gguf-py raises on a corrupt file: bad enum values and sizes (ValueError), duplicate keys
+# (KeyError), undecodable names (UnicodeDecodeError), numbers out of range (OverflowError), deep
+# array nesting (RecursionError), arrays too long to hold (MemoryError), and the odd IndexError
+# and TypeError on malformed parts.
+_CORRUPT = (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, RecursionError, MemoryError)
+
+
+def _check_regular_file(path: Path) -> None:
+    if not path.exists():
+        raise PitoolsError(f"{path}: no such file")
+    if path.is_dir():
+        raise PitoolsError(f"{path}: is a directory, not a model file")
+    if not path.is_file():
+        raise PitoolsError(f"{path}: not a regular file (a device, pipe or socket), not a model file")
+
+
 def open_model_file(path: str | os.PathLike) -> ModelFile:
     """Open a GGUF or PowerInfer file; tensors are memory-mapped, nothing is read eagerly."""
     path = Path(path)
-    if not path.is_file():
-        raise PitoolsError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic not in (GGUF_MAGIC_BYTES, POWERINFER_MAGIC_BYTES):
-        raise PitoolsError(f"{path}: not a GGUF or PowerInfer model file (magic {magic!r})")
+    _check_regular_file(path)
     try:
-        reader = _Reader(path)
-        metadata, tensors = _metadata(reader), _tensors(reader)
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-        raise PitoolsError(f"{path}: corrupt or truncated model file ({exc})") from None
-    if "general.architecture" not in metadata:
-        raise PitoolsError(f"{path}: model file has no general.architecture")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic not in (GGUF_MAGIC_BYTES, POWERINFER_MAGIC_BYTES):
+            raise PitoolsError(f"{path}: not a GGUF or PowerInfer model file (magic {magic!r})")
+        with np.errstate(all="ignore"):  # a corrupt offset overflows in gguf-py's sums: our bounds check reports it
+            reader = _Reader(path)
+            metadata, tensors = _metadata(reader), _tensors(reader)
+    except OSError as exc:
+        raise PitoolsError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except _CORRUPT as exc:
+        raise PitoolsError(f"{path}: corrupt or truncated model file ({' '.join(str(exc).split())})") from None
+    if not isinstance(metadata.get("general.architecture"), str):
+        raise PitoolsError(f"{path}: model file has no general.architecture string")
     version = int(reader.fields["GGUF.version"].parts[0][0])
     return ModelFile(path, magic == POWERINFER_MAGIC_BYTES, version, metadata, tensors)

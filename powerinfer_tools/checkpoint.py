@@ -11,6 +11,7 @@ copies tensors instead of mapping them.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ _STORAGE_DTYPES = {
     "BOOL": np.bool_,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+_CHUNK_ELEMENTS = 1 << 22  # counted at a time, so a count never holds a whole large tensor
 
 
 @dataclass(frozen=True)
@@ -55,39 +57,79 @@ def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one .safetensors file's header and check it against the file size."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PitoolsError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, _MAX_HEADER_BYTES):
-            raise PitoolsError(f"{path}: corrupt or truncated safetensors file (header length {header_len} bytes)")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PitoolsError(f"{path}: corrupt safetensors header ({exc})") from None
-    data_start = 8 + header_len
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise PitoolsError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        if dtype not in _STORAGE_DTYPES:
-            raise PitoolsError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_STORAGE_DTYPES[dtype]).itemsize
-        if end - begin != expected or begin < 0:
-            raise PitoolsError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape {list(shape)} needs {expected}")
-        if data_start + end > size:
-            raise PitoolsError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, file has {size}"
-            )
-        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
+    """Parse one .safetensors file's header and check every entry against the file."""
+    header, data_start, size = _header_json(path)
+    tensors = {
+        name: _tensor_info(path, name, entry, data_start, size)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+    _check_disjoint(path, list(tensors.values()))
     return tensors
+
+
+def _header_json(path: Path) -> tuple[dict, int, int]:
+    """The parsed JSON header, the offset where tensor data starts, and the file size."""
+    if not path.is_file():
+        raise PitoolsError(f"{path}: not a regular file; safetensors weights must be files")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise PitoolsError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                raise PitoolsError(f"{path}: corrupt or truncated safetensors file (header length {header_len} bytes)")
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise PitoolsError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PitoolsError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise PitoolsError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
+    return header, 8 + header_len, size
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+    """One header entry, checked: known dtype, a shape and a byte range that agree, inside the file."""
+    if not isinstance(entry, dict):
+        raise PitoolsError(f"{path}: corrupt safetensors header entry for tensor {name!r} (not an object)")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _STORAGE_DTYPES:
+        raise PitoolsError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise PitoolsError(f"{path}: tensor {name!r} has shape {shape!r}; expected a list of integers >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(n) for n in offsets)
+            and offsets[0] <= offsets[1]):
+        raise PitoolsError(f"{path}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end], 0 <= begin <= end")
+    begin, end = offsets
+    expected = math.prod(shape) * np.dtype(_STORAGE_DTYPES[dtype]).itemsize
+    if end - begin != expected:
+        raise PitoolsError(f"{path}: tensor {name!r} has {end - begin} bytes, its shape {shape} needs {expected}")
+    if data_start + end > size:
+        raise PitoolsError(
+            f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, file has {size}"
+        )
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _check_disjoint(path: Path, tensors: list[TensorInfo]) -> None:
+    """No two tensors share bytes: a tensor overlapping another is a corrupt header, not two views."""
+    stored = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
+    for before, after in zip(stored, stored[1:]):
+        if after.offset < before.offset + before.nbytes:
+            raise PitoolsError(f"{path}: corrupt safetensors header: tensors {before.name!r} and {after.name!r} overlap")
+
+
+class NonFiniteTensor(PitoolsError):
+    """A tensor holding NaN or infinite values (``pitools convert --allow-nonfinite`` writes them anyway)."""
 
 
 class Checkpoint:
@@ -97,22 +139,23 @@ class Checkpoint:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise PitoolsError(f"{self.folder}: not a checkpoint folder")
+        self.config_path = self.folder / "config.json"
         self.config = self._read_config()
         self._tensors = self._index_tensors()
 
     def _read_config(self) -> dict:
-        path = self.folder / "config.json"
-        if not path.is_file():
+        """config.json as parsed; ``models.spec_from_config(config, config_path)`` checks its content."""
+        if not self.config_path.is_file():
             raise PitoolsError(f"{self.folder}: no config.json; is this a Hugging Face checkpoint folder?")
-        return read_json(path)
+        return read_json(self.config_path)
 
     def _shard_paths(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise PitoolsError(f"{index}: invalid safetensors index ({exc})") from None
+            content = read_json(index)
+            weight_map = content.get("weight_map") if isinstance(content, dict) else None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise PitoolsError(f"{index}: invalid safetensors index (weight_map must map tensor names to files)")
             paths = [self.folder / name for name in sorted(set(weight_map.values()))]
             missing = [p.name for p in paths if not p.is_file()]
             if missing:
@@ -142,6 +185,31 @@ class Checkpoint:
             return self._tensors[name]
         except KeyError:
             raise PitoolsError(f"{self.folder}: checkpoint has no tensor {name!r}") from None
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a tensor whose shape is not the one config.json implies."""
+        info = self.info(name)
+        if info.shape != tuple(shape):
+            raise PitoolsError(
+                f"{info.path}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"
+            )
+
+    def check_finite(self, name: str, values: np.ndarray) -> None:
+        """Refuse ``values`` (all or part of tensor ``name``) if any is NaN or infinite; the message
+        counts them over the whole tensor, as float32 (what conversion writes)."""
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            info = self.info(name)
+            raise NonFiniteTensor(f"{info.path}: tensor {name!r} has {self._nonfinite_count(name)} "
+                                  "non-finite values (NaN/inf)")
+
+    def _nonfinite_count(self, name: str) -> int:
+        flat = self.raw(name).reshape(-1)
+        count = 0
+        for start in range(0, flat.size, _CHUNK_ELEMENTS):
+            chunk = flat[start : start + _CHUNK_ELEMENTS]
+            chunk = bf16_to_float32(chunk) if self.info(name).dtype == "BF16" else chunk.astype(np.float32)
+            count += int(np.count_nonzero(~np.isfinite(chunk)))
+        return count
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor as stored, memory-mapped read-only (bf16 as uint16 bit patterns)."""

@@ -74,6 +74,8 @@ def looks_local(id_or_path: str) -> bool:
 
 def resolve_local(id_or_path: str) -> Path:
     """Check that ``id_or_path`` is a folder holding a config.json and return it (``~`` expanded)."""
+    if not id_or_path:  # Path("") is the current folder: never what an empty argument meant
+        raise PitoolsError("'': empty checkpoint path; give a checkpoint folder or a Hugging Face hub id")
     path = Path(id_or_path).expanduser()
     if not path.exists():
         raise PitoolsError(f"{id_or_path}: no such folder")
