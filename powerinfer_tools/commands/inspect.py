@@ -10,6 +10,7 @@ import click
 import numpy as np
 
 from ..formats.gguf_names import tensor_kind
+from ..formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
 from ..formats.model_file import ModelFile, open_model_file
 
 KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
@@ -111,7 +112,7 @@ def render(report: dict) -> str:
 
 
 @click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("file", type=click.Path(path_type=Path))  # open_model_file says what is wrong with a path
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def inspect(file: Path, as_json: bool) -> None:
     """Show what FILE, a GGUF or PowerInfer model file, holds.
@@ -120,6 +121,13 @@ def inspect(file: Path, as_json: bool) -> None:
     ffn_down_t, predictors), the metadata (long arrays such as the vocabulary cut
     to their first items), every tensor's type, shape and size, and totals per
     kind: embedding, attention, ffn, predictor, output.
+
+    A file of a supported architecture (llama, bamboo, opt) whose hyperparameters
+    are missing or invalid is reported as that one error, not shown: `pitools run`
+    would refuse it.
     """
-    report = describe(open_model_file(file))
+    model = open_model_file(file)
+    if model.architecture in SUPPORTED_ARCHITECTURES:
+        spec_from_model_file(model)  # the hyperparameter check `run` makes
+    report = describe(model)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import numpy as np
@@ -11,7 +12,7 @@ from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from . import llama, mistral, opt
 from .base import DecoderModel
-from .spec import FFNKind, ModelSpec, NormKind
+from .spec import FFNKind, ModelSpec, NormKind, spec_errors_named
 
 # config.json "model_type" -> the module that reads it.
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -24,21 +25,26 @@ ARCHITECTURES: dict[str, ModuleType] = {
 
 def _module_for(config: dict) -> ModuleType:
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise PitoolsError(f"model_type {model_type!r} is not supported (supported: {supported})")
     return ARCHITECTURES[model_type]
 
 
-def spec_from_config(config: dict) -> ModelSpec:
-    """The typed spec of a Hugging Face ``config.json`` (already parsed)."""
-    return _module_for(config).spec_from_config(config)
+def spec_from_config(config: dict, source: str | os.PathLike = "config.json") -> ModelSpec:
+    """The typed spec of a Hugging Face ``config.json`` (already parsed); errors name ``source``, its path."""
+    with spec_errors_named(source, {}):
+        if not isinstance(config, dict):
+            raise PitoolsError(f"not a JSON object but {type(config).__name__} {config!r:.40}")
+        module = _module_for(config)
+    with spec_errors_named(source, module.CONFIG_KEYS):
+        return module.spec_from_config(config)
 
 
 def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
     """The reference NumPy model of a checkpoint folder, weights converted to ``dtype``."""
-    module = _module_for(checkpoint.config)
-    return module.Model.from_checkpoint(module.spec_from_config(checkpoint.config), checkpoint, dtype)
+    spec = spec_from_config(checkpoint.config, checkpoint.config_path)
+    return _module_for(checkpoint.config).Model.from_checkpoint(spec, checkpoint, dtype)
 
 
 __all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "spec_from_config"]

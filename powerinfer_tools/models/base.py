@@ -13,22 +13,56 @@ from .spec import ModelSpec
 
 
 def require(config: dict, key: str, architecture: str) -> Any:
-    """A config field the model cannot be built without."""
+    """A config field the model cannot be built without (ModelSpec checks its type and range)."""
     if key not in config or config[key] is None:
-        raise PitoolsError(f"config.json of this {architecture} model lacks the field {key!r}")
+        raise PitoolsError(f"this {architecture} model's config lacks the field {key!r}")
     return config[key]
 
 
-def rope_settings(config: dict) -> tuple[float, float]:
+def optional(config: dict, key: str, default: Any) -> Any:
+    """A config field that may be absent or null (ModelSpec checks its type and range)."""
+    value = config.get(key)
+    return default if value is None else value
+
+
+def token_id(config: dict, key: str) -> Any:
+    """A special token id; of a list (LLaMA-3 lists several end-of-sequence ids) the first."""
+    value = config.get(key)
+    return value[0] if isinstance(value, list) and value else value
+
+
+def rope_settings(config: dict) -> tuple[Any, Any]:
     """(theta, linear scaling factor) from either transformers' v4 or v5 config layout."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise PitoolsError(f"rope_scaling must be an object, not {params!r}")
+    theta = optional(params, "rope_theta", optional(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return float(theta), 1.0
+        return theta, 1.0
     if rope_type == "linear":
-        return float(theta), float(params["factor"])
-    raise PitoolsError(f"config.json: rope scaling type {rope_type!r} is not supported (supported: default, linear)")
+        if params.get("factor") is None:
+            raise PitoolsError("linear rope scaling lacks its 'factor'")
+        return theta, params["factor"]
+    raise PitoolsError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear)")
+
+
+class CheckpointWeights:
+    """Checkpoint tensors for the reference engine, as ``dtype``: each checked against the shape
+    config.json implies, and refused when it holds NaN or infinite values (nothing computed from
+    them would mean anything, and a profile of them would be silently wrong)."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype):
+        self.checkpoint, self.dtype = checkpoint, dtype
+
+    def get(self, name: str, *shape: int) -> np.ndarray:
+        self.checkpoint.check_shape(name, shape)
+        values = np.ascontiguousarray(self.checkpoint.tensor(name, self.dtype))
+        self.checkpoint.check_finite(name, values)
+        return values
+
+    def maybe(self, name: str, *shape: int) -> np.ndarray | None:
+        return self.get(name, *shape) if name in self.checkpoint else None
 
 
 class DecoderModel:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
-from .base import DecoderModel, require, rope_settings
+from .base import CheckpointWeights, DecoderModel, optional, require, rope_settings, token_id
 from .layers import (
     FFNWeights,
     KVCache,
@@ -25,39 +25,53 @@ from .spec import FFNKind, ModelSpec, NormKind
 GATED_ACTIVATIONS = {"relu": FFNKind.REGLU, "drelu": FFNKind.DRELU, "silu": FFNKind.SWIGLU}
 
 
+# ModelSpec fields -> the config.json keys they come from, for error messages.
+CONFIG_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "d_ff": "intermediate_size",
+    "max_positions": "max_position_embeddings",
+    "norm_eps": "rms_norm_eps",
+    "rope_scaling_factor": "rope_scaling factor",
+    "tied_embeddings": "tie_word_embeddings",
+    "ffn_bias": "mlp_bias",
+}
+
+
 def gated_ffn_kind(config: dict, architecture: str) -> FFNKind:
     act = config.get("hidden_act", "silu")
-    if act not in GATED_ACTIVATIONS:
+    if not isinstance(act, str) or act not in GATED_ACTIVATIONS:
         supported = ", ".join(GATED_ACTIVATIONS)
         raise PitoolsError(f"{architecture} models with hidden_act={act!r} are not supported (supported: {supported})")
     return GATED_ACTIVATIONS[act]
 
 
 def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | None = None) -> ModelSpec:
-    d_model = require(config, "hidden_size", architecture)
     n_heads = require(config, "num_attention_heads", architecture)
     theta, scaling = rope_settings(config)
     return ModelSpec(
         architecture=architecture,
         n_layers=require(config, "num_hidden_layers", architecture),
-        d_model=d_model,
+        d_model=require(config, "hidden_size", architecture),
         n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        head_dim=config.get("head_dim") or d_model // n_heads,
+        n_kv_heads=optional(config, "num_key_value_heads", n_heads),
+        head_dim=config.get("head_dim"),  # None: derived
         d_ff=require(config, "intermediate_size", architecture),
         vocab_size=require(config, "vocab_size", architecture),
-        max_positions=config.get("max_position_embeddings", 2048),
+        max_positions=optional(config, "max_position_embeddings", 2048),
         norm=NormKind.RMS,
-        norm_eps=config.get("rms_norm_eps", 1e-6),
+        norm_eps=optional(config, "rms_norm_eps", 1e-6),
         ffn=ffn or gated_ffn_kind(config, architecture),
-        tied_embeddings=config.get("tie_word_embeddings", False),
+        tied_embeddings=optional(config, "tie_word_embeddings", False),
         rope_theta=theta,
         rope_scaling_factor=scaling,
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
-        attention_bias=config.get("attention_bias", False),
-        ffn_bias=config.get("mlp_bias", False),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id"),
+        attention_bias=optional(config, "attention_bias", False),
+        ffn_bias=optional(config, "mlp_bias", False),
+        bos_token_id=token_id(config, "bos_token_id"),
+        eos_token_id=token_id(config, "eos_token_id"),
     )
 
 
@@ -84,40 +98,38 @@ class Model(DecoderModel):
 
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
-        def get(name: str) -> np.ndarray:
-            return np.ascontiguousarray(checkpoint.tensor(name, dtype))
-
-        def maybe(name: str) -> np.ndarray | None:
-            return get(name) if name in checkpoint else None
-
+        w = CheckpointWeights(checkpoint, dtype)
+        d, d_ff, vocab = spec.d_model, spec.d_ff, spec.vocab_size
+        q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
         blocks = []
         for i in range(spec.n_layers):
             p = f"model.layers.{i}."
             blocks.append(
                 Block(
-                    attn_norm=get(p + "input_layernorm.weight"),
-                    wq=get(p + "self_attn.q_proj.weight"),
-                    wk=get(p + "self_attn.k_proj.weight"),
-                    wv=get(p + "self_attn.v_proj.weight"),
-                    wo=get(p + "self_attn.o_proj.weight"),
-                    bq=maybe(p + "self_attn.q_proj.bias"),
-                    bk=maybe(p + "self_attn.k_proj.bias"),
-                    bv=maybe(p + "self_attn.v_proj.bias"),
-                    bo=maybe(p + "self_attn.o_proj.bias"),
-                    ffn_norm=get(p + "post_attention_layernorm.weight"),
+                    attn_norm=w.get(p + "input_layernorm.weight", d),
+                    wq=w.get(p + "self_attn.q_proj.weight", q_rows, d),
+                    wk=w.get(p + "self_attn.k_proj.weight", kv_rows, d),
+                    wv=w.get(p + "self_attn.v_proj.weight", kv_rows, d),
+                    wo=w.get(p + "self_attn.o_proj.weight", d, q_rows),
+                    bq=w.maybe(p + "self_attn.q_proj.bias", q_rows),
+                    bk=w.maybe(p + "self_attn.k_proj.bias", kv_rows),
+                    bv=w.maybe(p + "self_attn.v_proj.bias", kv_rows),
+                    bo=w.maybe(p + "self_attn.o_proj.bias", d),
+                    ffn_norm=w.get(p + "post_attention_layernorm.weight", d),
                     ffn=FFNWeights(
-                        gate=get(p + "mlp.gate_proj.weight"),
-                        up=get(p + "mlp.up_proj.weight"),
-                        down=get(p + "mlp.down_proj.weight"),
-                        gate_bias=maybe(p + "mlp.gate_proj.bias"),
-                        up_bias=maybe(p + "mlp.up_proj.bias"),
-                        down_bias=maybe(p + "mlp.down_proj.bias"),
+                        gate=w.get(p + "mlp.gate_proj.weight", d_ff, d),
+                        up=w.get(p + "mlp.up_proj.weight", d_ff, d),
+                        down=w.get(p + "mlp.down_proj.weight", d, d_ff),
+                        gate_bias=w.maybe(p + "mlp.gate_proj.bias", d_ff),
+                        up_bias=w.maybe(p + "mlp.up_proj.bias", d_ff),
+                        down_bias=w.maybe(p + "mlp.down_proj.bias", d),
                     ),
                 )
             )
-        embed = get("model.embed_tokens.weight")
-        lm_head = embed if spec.tied_embeddings or "lm_head.weight" not in checkpoint else get("lm_head.weight")
-        return cls(spec, embed, blocks, get("model.norm.weight"), lm_head)
+        embed = w.get("model.embed_tokens.weight", vocab, d)
+        untied = not spec.tied_embeddings and "lm_head.weight" in checkpoint
+        lm_head = w.get("lm_head.weight", vocab, d) if untied else embed
+        return cls(spec, embed, blocks, w.get("model.norm.weight", d), lm_head)
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         s = self.spec

@@ -12,6 +12,7 @@ from . import llama
 from .spec import FFNKind, ModelSpec
 
 Model = llama.Model
+CONFIG_KEYS = llama.CONFIG_KEYS
 
 
 def spec_from_config(config: dict) -> ModelSpec:

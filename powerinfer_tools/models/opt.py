@@ -13,11 +13,27 @@ import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
-from .base import DecoderModel, require
+from .base import CheckpointWeights, DecoderModel, optional, require, token_id
 from .layers import FFNWeights, KVCache, attention, feed_forward, layer_norm, linear
 from .spec import FFNKind, ModelSpec, NormKind
 
 POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table
+
+
+# ModelSpec fields -> the config.json keys they come from, for error messages.
+CONFIG_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_attention_heads",
+    "d_ff": "ffn_dim",
+    "max_positions": "max_position_embeddings",
+    "tied_embeddings": "tie_word_embeddings",
+    "attention_bias": "enable_bias",
+    "ffn_bias": "enable_bias",
+    "pre_norm": "do_layer_norm_before",
+    "embed_dim": "word_embed_proj_dim",
+}
 
 
 def spec_from_config(config: dict) -> ModelSpec:
@@ -26,9 +42,9 @@ def spec_from_config(config: dict) -> ModelSpec:
         raise PitoolsError(f"opt models with activation_function={act!r} are not supported (supported: relu)")
     d_model = require(config, "hidden_size", "opt")
     n_heads = require(config, "num_attention_heads", "opt")
-    embed_dim = config.get("word_embed_proj_dim") or d_model
-    pre_norm = config.get("do_layer_norm_before", True)
-    bias = config.get("enable_bias", True)
+    embed_dim = optional(config, "word_embed_proj_dim", d_model)
+    pre_norm = optional(config, "do_layer_norm_before", True)
+    bias = optional(config, "enable_bias", True)
     if not config.get("layer_norm_elementwise_affine", True):
         raise PitoolsError("opt models without LayerNorm weights (layer_norm_elementwise_affine=false) are not supported")
     return ModelSpec(
@@ -37,22 +53,22 @@ def spec_from_config(config: dict) -> ModelSpec:
         d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=n_heads,
-        head_dim=d_model // n_heads,
+        head_dim=None,  # derived: d_model / n_heads
         d_ff=require(config, "ffn_dim", "opt"),
         vocab_size=require(config, "vocab_size", "opt"),
-        max_positions=config.get("max_position_embeddings", 2048),
+        max_positions=optional(config, "max_position_embeddings", 2048),
         norm=NormKind.LAYER,
         norm_eps=1e-5,  # torch.nn.LayerNorm's default, which OPT uses
         ffn=FFNKind.RELU,
-        tied_embeddings=config.get("tie_word_embeddings", True),
+        tied_embeddings=optional(config, "tie_word_embeddings", True),
         attention_bias=bias,
         ffn_bias=bias,
         pre_norm=pre_norm,
         final_norm=pre_norm and not config.get("_remove_final_layer_norm", False),
         embed_dim=embed_dim if embed_dim != d_model else None,
         position_offset=POSITION_OFFSET,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_id=config.get("eos_token_id"),
+        bos_token_id=token_id(config, "bos_token_id"),
+        eos_token_id=token_id(config, "eos_token_id"),
     )
 
 
@@ -91,50 +107,48 @@ class Model(DecoderModel):
 
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
-        def get(name: str) -> np.ndarray:
-            return np.ascontiguousarray(checkpoint.tensor(name, dtype))
-
-        def maybe(name: str) -> np.ndarray | None:
-            return get(name) if name in checkpoint else None
+        w = CheckpointWeights(checkpoint, dtype)
+        d, d_ff = spec.d_model, spec.d_ff
 
         def norm(prefix: str) -> Norm:
-            return Norm(get(prefix + ".weight"), get(prefix + ".bias"))
+            return Norm(w.get(prefix + ".weight", d), w.get(prefix + ".bias", d))
 
-        d = "model.decoder."
+        p = "model.decoder."
         blocks = []
         for i in range(spec.n_layers):
-            p = f"{d}layers.{i}."
+            layer = f"{p}layers.{i}."
             blocks.append(
                 Block(
-                    attn_norm=norm(p + "self_attn_layer_norm"),
-                    wq=get(p + "self_attn.q_proj.weight"),
-                    wk=get(p + "self_attn.k_proj.weight"),
-                    wv=get(p + "self_attn.v_proj.weight"),
-                    wo=get(p + "self_attn.out_proj.weight"),
-                    bq=maybe(p + "self_attn.q_proj.bias"),
-                    bk=maybe(p + "self_attn.k_proj.bias"),
-                    bv=maybe(p + "self_attn.v_proj.bias"),
-                    bo=maybe(p + "self_attn.out_proj.bias"),
-                    ffn_norm=norm(p + "final_layer_norm"),
+                    attn_norm=norm(layer + "self_attn_layer_norm"),
+                    wq=w.get(layer + "self_attn.q_proj.weight", d, d),
+                    wk=w.get(layer + "self_attn.k_proj.weight", d, d),
+                    wv=w.get(layer + "self_attn.v_proj.weight", d, d),
+                    wo=w.get(layer + "self_attn.out_proj.weight", d, d),
+                    bq=w.maybe(layer + "self_attn.q_proj.bias", d),
+                    bk=w.maybe(layer + "self_attn.k_proj.bias", d),
+                    bv=w.maybe(layer + "self_attn.v_proj.bias", d),
+                    bo=w.maybe(layer + "self_attn.out_proj.bias", d),
+                    ffn_norm=norm(layer + "final_layer_norm"),
                     ffn=FFNWeights(
-                        up=get(p + "fc1.weight"),
-                        down=get(p + "fc2.weight"),
-                        up_bias=maybe(p + "fc1.bias"),
-                        down_bias=maybe(p + "fc2.bias"),
+                        up=w.get(layer + "fc1.weight", d_ff, d),
+                        down=w.get(layer + "fc2.weight", d, d_ff),
+                        up_bias=w.maybe(layer + "fc1.bias", d_ff),
+                        down_bias=w.maybe(layer + "fc2.bias", d),
                     ),
                 )
             )
-        embed = get(d + "embed_tokens.weight")
+        embed = w.get(p + "embed_tokens.weight", spec.vocab_size, spec.token_embed_dim)
+        untied = not spec.tied_embeddings and "lm_head.weight" in checkpoint
         tensors = {
             "embed": embed,
-            "positions": get(d + "embed_positions.weight"),
-            "lm_head": embed if spec.tied_embeddings or "lm_head.weight" not in checkpoint else get("lm_head.weight"),
+            "positions": w.get(p + "embed_positions.weight", spec.max_positions + spec.position_offset, d),
+            "lm_head": w.get("lm_head.weight", spec.vocab_size, spec.token_embed_dim) if untied else embed,
         }
         if spec.embed_dim is not None:
-            tensors["project_in"] = get(d + "project_in.weight")
-            tensors["project_out"] = get(d + "project_out.weight")
+            tensors["project_in"] = w.get(p + "project_in.weight", d, spec.embed_dim)
+            tensors["project_out"] = w.get(p + "project_out.weight", spec.embed_dim, d)
         if spec.final_norm:
-            tensors["final_norm"] = norm(d + "final_layer_norm")
+            tensors["final_norm"] = norm(p + "final_layer_norm")
         return cls(spec, tensors, blocks)
 
     def _attention(self, b: Block, h: np.ndarray, i: int, cache: KVCache, start: int) -> np.ndarray:

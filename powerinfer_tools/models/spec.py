@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
+import numbers
+import os
 from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
+
+from ..errors import PitoolsError
+
+# Upper bounds on a model's dimensions. Released models stay far below them (LLaMA-3.1-405B:
+# width 16384, FFN 53248, 126 layers, 128256 tokens, 131072 positions); a larger value is a
+# corrupt or mistyped header, refused before anything is sized by it (the runtime allocates
+# attention scratch by the context length, the engine tables by the vocabulary).
+MAX_WIDTH = 2**20  # d_model, d_ff, head_dim, embed_dim, and heads x head_dim
+MAX_LAYERS = 1024
+MAX_VOCAB = 2**24
+MAX_POSITIONS = 2**24
 
 
 class FFNKind(str, enum.Enum):
@@ -41,7 +57,7 @@ class ModelSpec:
     d_model: int
     n_heads: int
     n_kv_heads: int
-    head_dim: int
+    head_dim: int | None  # None: d_model / n_heads, which must then divide evenly
     d_ff: int
     vocab_size: int
     max_positions: int
@@ -63,6 +79,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
     @property
     def n_kv_groups(self) -> int:
         return self.n_heads // self.n_kv_heads
@@ -70,3 +89,109 @@ class ModelSpec:
     @property
     def token_embed_dim(self) -> int:
         return self.embed_dim or self.d_model
+
+
+# --- validation: every constructor (config.json, GGUF metadata) passes through ModelSpec.__post_init__ --------
+
+
+class InvalidSpec(PitoolsError):
+    """A ModelSpec field of the wrong type or out of range.
+
+    ``describe`` writes the message given a function that names a field, so the boundary
+    that read the values (``spec_errors_named``) can say which file and which key of it.
+    """
+
+    def __init__(self, describe: Callable[[Callable[[str], str]], str]):
+        super().__init__(describe(lambda field: field))
+        self.describe = describe
+
+
+@contextlib.contextmanager
+def spec_errors_named(source: str | os.PathLike, keys: Mapping[str, str]) -> Iterator[None]:
+    """Prefix every PitoolsError raised inside with ``source``; name InvalidSpec's fields by ``keys``."""
+    try:
+        yield
+    except InvalidSpec as exc:
+        raise PitoolsError(f"{source}: {exc.describe(lambda field: keys.get(field, field))}") from None
+    except PitoolsError as exc:
+        raise PitoolsError(f"{source}: {exc}") from None
+
+
+def _shown(value) -> str:
+    """A value for a message: its repr, cut short (a file may hold a whole array where a number is due)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(spec: ModelSpec, field: str, low: int, high: int, optional: bool = False) -> None:
+    value = getattr(spec, field)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidSpec(lambda name: f"{name(field)} must be an integer, not {_shown(value)}")
+    if value < low:
+        raise InvalidSpec(lambda name: f"{name(field)} is {value}; it must be at least {low}")
+    if value > high:
+        raise InvalidSpec(lambda name: f"{name(field)} is {value}; it must be at most {high}")
+    object.__setattr__(spec, field, int(value))  # a NumPy integer from a file becomes a plain int
+
+
+def _as_float(value) -> float:
+    """``value`` as a float: NaN when it is no number (a bool included), inf beyond float's range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _positive_real(spec: ModelSpec, field: str, optional: bool = False) -> None:
+    value = getattr(spec, field)
+    if value is None and optional:
+        return
+    number = _as_float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise InvalidSpec(lambda name: f"{name(field)} must be a finite number above 0, not {_shown(value)}")
+    object.__setattr__(spec, field, number)
+
+
+def _flag(spec: ModelSpec, field: str) -> None:
+    value = getattr(spec, field)
+    if not isinstance(value, bool):
+        raise InvalidSpec(lambda name: f"{name(field)} must be true or false, not {_shown(value)}")
+
+
+def _token_id(spec: ModelSpec, field: str) -> None:
+    _integer(spec, field, 0, MAX_VOCAB, optional=True)
+    value, vocab = getattr(spec, field), spec.vocab_size
+    if value is not None and value >= vocab:
+        raise InvalidSpec(lambda name: f"{name(field)} is {value}; it must be below {name('vocab_size')} ({vocab})")
+
+
+def _divides(spec: ModelSpec, whole: str, part: str) -> None:
+    w, p = getattr(spec, whole), getattr(spec, part)
+    if w % p:
+        raise InvalidSpec(lambda name: f"{name(whole)} ({w}) is not a multiple of {name(part)} ({p})")
+
+
+def _validate(spec: ModelSpec) -> None:
+    """Types and ranges of every field a file supplies; derives head_dim when it is None."""
+    for field, high in (("n_layers", MAX_LAYERS), ("d_model", MAX_WIDTH), ("n_heads", MAX_WIDTH),
+                        ("n_kv_heads", MAX_WIDTH), ("d_ff", MAX_WIDTH), ("vocab_size", MAX_VOCAB),
+                        ("max_positions", MAX_POSITIONS)):
+        _integer(spec, field, 1, high)
+    _divides(spec, "n_heads", "n_kv_heads")
+    if spec.head_dim is None:
+        _divides(spec, "d_model", "n_heads")
+        object.__setattr__(spec, "head_dim", spec.d_model // spec.n_heads)
+    _integer(spec, "head_dim", 1, MAX_WIDTH // spec.n_heads)  # the query width stays within MAX_WIDTH
+    _integer(spec, "embed_dim", 1, MAX_WIDTH, optional=True)
+    _integer(spec, "sliding_window", 1, MAX_POSITIONS, optional=True)
+    for field in ("bos_token_id", "eos_token_id"):
+        _token_id(spec, field)
+    _positive_real(spec, "norm_eps")
+    _positive_real(spec, "rope_theta", optional=True)
+    _positive_real(spec, "rope_scaling_factor")
+    for field in ("tied_embeddings", "attention_bias", "ffn_bias", "pre_norm", "final_norm"):
+        _flag(spec, field)
