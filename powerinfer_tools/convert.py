@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFWriter
 
-from .checkpoint import Checkpoint, bf16_to_float32
+from .checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
 from .errors import PitoolsError
 from .fileio import atomic_output, check_writable_output
 from .formats.gguf_names import (
@@ -52,13 +52,15 @@ class CheckpointRows:
     """Rows of one checkpoint tensor as they are stored: optionally transposed, then reordered.
 
     The memory map is opened per call and dropped afterwards, so only the rows being
-    converted are ever resident.
+    converted are ever resident. Unless ``allow_nonfinite``, rows holding NaN or inf are
+    refused as they stream past (``NonFiniteTensor``): no second pass over the weights.
     """
 
     checkpoint: Checkpoint
     name: str
     transpose: bool = False
     row_order: np.ndarray | None = None
+    allow_nonfinite: bool = False
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.checkpoint.raw(self.name)
@@ -67,7 +69,10 @@ class CheckpointRows:
         rows = raw[start:stop] if self.row_order is None else raw[self.row_order[start:stop]]
         if self.checkpoint.info(self.name).dtype == "BF16":
             rows = bf16_to_float32(rows)
-        return np.ascontiguousarray(rows, dtype=np.float32)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if not self.allow_nonfinite:
+            self.checkpoint.check_finite(self.name, rows)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -104,28 +109,27 @@ def _layer_of(gguf_name: str) -> int:
     return int(gguf_name.split(".")[1])
 
 
-def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None) -> list[_Source]:
+def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None,
+                   allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
-        found = checkpoint.info(t.source).shape
-        if found != t.shape:
-            raise PitoolsError(
-                f"{checkpoint.folder}: tensor {t.source!r} has shape {list(found)}, config.json implies {list(t.shape)}"
-            )
+        checkpoint.check_shape(t.source, t.shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
             order = orders[_layer_of(t.target)]
-        sources.append(_Source(t.target, t.stored_shape, CheckpointRows(checkpoint, t.source, t.transpose, order)))
+        rows = CheckpointRows(checkpoint, t.source, t.transpose, order, allow_nonfinite)
+        sources.append(_Source(t.target, t.stored_shape, rows))
     return sources
 
 
-def _predictor_tensors(predictors: PredictorFolder, n_layers: int, orders: list | None) -> list[_Source]:
+def _predictor_tensors(predictors: PredictorFolder, n_layers: int, orders: list | None,
+                       allow_nonfinite: bool) -> list[_Source]:
     """fc1 and fc2 of every layer; fc2's rows follow the neuron order."""
     sources = []
     for layer in range(n_layers):
         for name in predictor_names(layer):
             order = orders[layer] if orders is not None and gguf_neuron_axis(name) == 0 else None
-            rows = CheckpointRows(predictors.tensors, name, row_order=order)
+            rows = CheckpointRows(predictors.tensors, name, row_order=order, allow_nonfinite=allow_nonfinite)
             sources.append(_Source(name, predictors.tensors.info(name).shape, rows))
     return sources
 
@@ -137,21 +141,23 @@ def plan_conversion(
     dense: bool = False,
     predictors: PredictorFolder | None = None,
     sparsity: SparsityArtifacts | None = None,
+    allow_nonfinite: bool = False,
 ) -> ConversionPlan:
     """Decide the layout, names and types of every output tensor; read headers only.
 
     With ``sparsity``, FFN neurons are stored hot-first (its ``orders``) and their
-    firing frequencies go into the metadata for ``pitools solve``.
+    firing frequencies go into the metadata for ``pitools solve``. Writing the plan
+    refuses NaN/inf weights unless ``allow_nonfinite``.
     """
     if outtype not in OUTTYPES:
         raise PitoolsError(f"unknown output type {outtype!r} (supported: {', '.join(OUTTYPES)})")
-    spec = spec_from_config(checkpoint.config)
+    spec = spec_from_config(checkpoint.config, checkpoint.config_path)
     powerinfer = _choose_layout(spec, dense, predictors)
     vocab = read_vocab(checkpoint.folder, spec.vocab_size)
     orders = sparsity.orders if sparsity is not None and powerinfer else None
-    sources = _model_tensors(checkpoint, spec, powerinfer, orders)
+    sources = _model_tensors(checkpoint, spec, powerinfer, orders, allow_nonfinite)
     if predictors is not None:
-        sources += _predictor_tensors(predictors, spec.n_layers, orders)
+        sources += _predictor_tensors(predictors, spec.n_layers, orders, allow_nonfinite)
     # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
     logits = "output.weight" if any(s.target == "output.weight" for s in sources) else "token_embd.weight"
     kind = OUTTYPES[outtype]
@@ -209,6 +215,7 @@ def convert(
     sparsify: SparsifySettings | None = None,
     force: bool = False,
     progress: bool = True,
+    allow_nonfinite: bool = False,
 ) -> tuple[Path, ConversionPlan]:
     """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written.
 
@@ -216,27 +223,39 @@ def convert(
     PowerInfer file gets predictors, hot-first neurons and firing frequencies:
     ``profile``/``predictors`` folders are reused when given, else made in the
     work folder beside the output. Without it, ``predictors`` are merged as given.
+    NaN/inf weights are refused unless ``allow_nonfinite`` (profiling refuses them always).
     """
     folder = resolve_checkpoint(source, progress=progress)
     checkpoint = Checkpoint(folder)
-    spec = spec_from_config(checkpoint.config)
+    spec = spec_from_config(checkpoint.config, checkpoint.config_path)
     name = _model_name(source, folder)
     sparse_layout = spec.ffn.sparse and not dense
     path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
     check_writable_output(path, force)
     plan_conversion(checkpoint, name, outtype, dense)  # every input check before the long sparsity steps
-    sparsity = None
-    if sparsify is not None and sparse_layout:
-        sparsity = prepare_sparsity(
-            folder,
-            work_folder(path),
-            sparsify,
-            Path(profile) if profile is not None else None,
-            Path(predictors) if predictors is not None else None,
-            progress,
-        )
-        predictors = sparsity.predictors
-    predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
-    plan = plan_conversion(checkpoint, name, outtype, dense, predictor_folder, sparsity)
-    write_model(plan, path, progress)
+    try:
+        sparsity = None
+        if sparsify is not None and sparse_layout:
+            sparsity = prepare_sparsity(
+                folder,
+                work_folder(path),
+                sparsify,
+                Path(profile) if profile is not None else None,
+                Path(predictors) if predictors is not None else None,
+                progress,
+            )
+            predictors = sparsity.predictors
+        predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
+        plan = plan_conversion(checkpoint, name, outtype, dense, predictor_folder, sparsity, allow_nonfinite)
+        write_model(plan, path, progress)
+    except NonFiniteTensor as exc:
+        raise NonFiniteTensor(f"{exc}; {_NONFINITE_HINTS[allow_nonfinite]}") from None
     return path, plan
+
+
+# What to do about NaN/inf weights: without --allow-nonfinite they stop any step; with it
+# only profiling (the reference engine) still refuses them.
+_NONFINITE_HINTS = {
+    False: "pass --allow-nonfinite to convert anyway",
+    True: "profiling needs finite weights; convert with --no-sparsity (or --dense) to write them as they are",
+}

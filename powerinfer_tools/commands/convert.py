@@ -66,11 +66,13 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
               help="Store each FFN's neurons hot-first, so the GPU's share is a contiguous prefix.")
 @click.option("--no-sparsity", is_flag=True,
               help="PowerInfer layout without profiling, predictors or reordering (our runtime runs it dense).")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Write weights holding NaN or inf as they are instead of refusing them (not with profiling).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
 def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,
             corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool, no_sparsity: bool,
-            force: bool, quiet: bool):
+            allow_nonfinite: bool, force: bool, quiet: bool):
     """Convert SRC, a checkpoint folder or a Hugging Face hub id, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
@@ -99,7 +101,7 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     )
     path, plan = convert_checkpoint(
         source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,
-        force=force, progress=not quiet,
+        force=force, progress=not quiet, allow_nonfinite=allow_nonfinite,
     )
     if not quiet:
         layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
