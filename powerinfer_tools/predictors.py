@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from .errors import PitoolsError
 from .fileio import atomic_output, read_json, write_json
-from .profiling import PAIRS_DIR, PairStore, load_profile
+from .profiling import PAIRS_DIR, PairStore, check_fields, check_format, load_profile
 from .xp import cupy_or_none
 
 FORMAT = "pitools-predictors"
@@ -120,15 +120,18 @@ class LayerPairs:
                 np.unpackbits(self.fired[rows], axis=1, count=self.d_ff).view(bool))
 
 
-def layer_pairs(profile_dir: Path, meta: dict, layer: int, settings: TrainSettings) -> LayerPairs:
-    store = PairStore.open(Path(profile_dir) / PAIRS_DIR, meta["n_layers"])
-    n = len(store.x[layer])
+def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[PairStore, int]:
+    """The profile's training pairs, checked against ``meta`` (its profile.json), and how many of
+    each layer's train (the rest are held out)."""
+    shape = (meta["pairs_capacity"], meta["d_model"], meta["d_ff"])
+    store = PairStore.open(Path(profile_dir) / PAIRS_DIR, meta["n_layers"], shape)
+    n = meta["pairs_capacity"]
     n_val = min(settings.max_val_pairs, int(n * settings.val_fraction))
     if n_val < 1 or n - n_val < settings.batch_size:
         raise PitoolsError(
             f"{profile_dir}: only {n} training pairs per layer; profile more tokens (or raise --pairs-mib)"
         )
-    return LayerPairs(store.x[layer], store.fired[layer], n - n_val, meta["d_ff"])
+    return store, n - n_val
 
 
 # --- model and training ------------------------------------------------------------------------
@@ -295,22 +298,47 @@ def read_predictors(folder: Path, require_complete: bool = True) -> PredictorFol
     meta_path = folder / META_FILE
     if not meta_path.is_file():
         raise PitoolsError(f"{folder}: no {META_FILE}; is this a folder written by `pitools train-predictors`?")
-    meta = read_json(meta_path)
-    if meta.get("format") != FORMAT:
-        raise PitoolsError(f"{meta_path}: not a pitools predictor folder (format {meta.get('format')!r})")
-    if require_complete and not meta.get("complete"):
+    meta = _checked_meta(meta_path, read_json(meta_path))
+    if require_complete and not meta["complete"]:
         raise PitoolsError(
             f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; "
             "run `pitools train-predictors` again to finish"
         )
     weights = {}
-    if meta["layers"]:
-        with safe_open(str(folder / WEIGHTS_FILE), "np") as f:
-            for entry in meta["layers"]:
-                for part in ("fc1", "fc2"):
-                    name = f"blk.{entry['layer']}.{part}.weight"
-                    weights[name] = f.get_tensor(name)
+    try:
+        if meta["layers"]:
+            with safe_open(str(folder / WEIGHTS_FILE), "np") as f:
+                for entry in meta["layers"]:
+                    for part in ("fc1", "fc2"):
+                        name = f"blk.{entry['layer']}.{part}.weight"
+                        weights[name] = f.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise PitoolsError(f"{folder / WEIGHTS_FILE}: not readable predictor weights ({exc!r})") from None
     return PredictorFolder(meta, weights)
+
+
+# What readers of predictors.json rely on: key -> (type, least value or None); float: any number.
+_META_FIELDS = {"n_layers": (int, 1), "complete": (bool, None), "layers": (list, None), "ffn_params": (int, 1),
+                "sparse_threshold": (float, None), "settings": (dict, None)}
+_SETTINGS_FIELDS = {"recall": (float, None), "budget": (float, None)}
+_LAYER_FIELDS = {"layer": (int, 0), "hidden": (int, 1), "recall": (float, None), "precision": (float, None),
+                 "predicted_density": (float, None), "true_density": (float, None), "bytes": (int, 0)}
+
+
+def _checked_meta(path: Path, meta) -> dict:
+    """predictors.json, checked to hold what its readers use, its finished layers in order."""
+    check_format(path, meta, FORMAT, "a pitools predictor folder")
+    check_fields(path, meta, _META_FIELDS)
+    check_fields(path, meta["settings"], _SETTINGS_FIELDS, "settings.")
+    layers = meta["layers"]
+    for i, entry in enumerate(layers):
+        check_fields(path, entry if isinstance(entry, dict) else {}, _LAYER_FIELDS, f"layers[{i}].")
+        if entry["layer"] != i:
+            raise PitoolsError(f"{path}: layers[{i}] is layer {entry['layer']}; finished layers must be in order")
+    if len(layers) > meta["n_layers"] or meta["complete"] != (len(layers) == meta["n_layers"]):
+        raise PitoolsError(f"{path}: {len(layers)} of {meta['n_layers']} layers finished, "
+                           f"yet complete is {str(meta['complete']).lower()}")
+    return meta
 
 
 def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndarray]]]:
@@ -347,6 +375,7 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
         "settings": asdict(settings),
     }
     state = _resume(out, identity, force)
+    store, n_train = open_pairs(profile_dir, profile, settings)  # every input check before the output exists
     ladder = hidden_ladder(d_ff)
     bar = tqdm(total=n_layers, initial=len(state.meta["layers"]), unit="layer", desc="predictors",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
@@ -363,7 +392,7 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
                     f"{max(allowed, 0):.0f} parameters, less than the smallest predictor "
                     f"({predictor_params(ladder[0], d_model, d_ff)}); raise --budget"
                 )
-            data = layer_pairs(profile_dir, profile, layer, settings)
+            data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
             fit, tried = choose_predictor(data, sizes, settings, xp, layer, log)
             state.weights[f"blk.{layer}.fc1.weight"] = fit.fc1
             state.weights[f"blk.{layer}.fc2.weight"] = fit.fc2
