@@ -31,6 +31,7 @@ from .quantization import decode, encode, storage_shape
 GGUF_MAGIC_BYTES = b"GGUF"
 POWERINFER_MAGIC_BYTES = b"PWRI"
 POWERINFER_MAGIC = int.from_bytes(POWERINFER_MAGIC_BYTES, "little")
+_F16_MAX = float(np.finfo(np.float16).max)
 _CHUNK_BYTES = 16 << 20  # float32 rows encoded at a time
 
 
@@ -63,8 +64,18 @@ class OutputTensor:
         step = max(1, _CHUNK_BYTES // row_bytes)
         for start in range(0, self.shape[0], step):
             stop = min(start + step, self.shape[0])
-            out[start:stop] = encode(self.rows(start, stop), self.qtype)
+            rows = self.rows(start, stop)
+            if self.qtype == GGMLQuantizationType.F16 and _beyond_f16(rows):
+                raise PitoolsError(f"tensor {self.name} holds values beyond float16's range (+-{_F16_MAX:g}); "
+                                   "write it with --outtype f32")
+            out[start:stop] = encode(rows, self.qtype)
         return out
+
+
+def _beyond_f16(rows: np.ndarray) -> bool:
+    """Whether a finite value would become infinite in float16 (inf stays inf: --allow-nonfinite)."""
+    big = np.abs(rows) > _F16_MAX
+    return bool(big.any() and np.isfinite(rows[big]).any())
 
 
 class ModelFileWriter:

@@ -35,6 +35,7 @@ _STORAGE_DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _CHUNK_ELEMENTS = 1 << 22  # counted at a time, so a count never holds a whole large tensor
 
@@ -186,9 +187,12 @@ class Checkpoint:
         except KeyError:
             raise PitoolsError(f"{self.folder}: checkpoint has no tensor {name!r}") from None
 
-    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
-        """Refuse a tensor whose shape is not the one config.json implies."""
+    def check_weight(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a tensor that is not a floating-point weight of the shape config.json implies."""
         info = self.info(name)
+        if info.dtype not in _FLOAT_DTYPES:
+            raise PitoolsError(f"{info.path}: tensor {name!r} is stored as {info.dtype}; weights must be "
+                               f"floating point ({', '.join(_FLOAT_DTYPES)})")
         if info.shape != tuple(shape):
             raise PitoolsError(
                 f"{info.path}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"

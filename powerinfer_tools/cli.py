@@ -56,7 +56,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except PitoolsError as exc:
-            click.echo(f"pitools: error: {exc}", err=True)
+            # One line whatever the message quotes (a file's text, an exception's).
+            click.echo(f"pitools: error: {' '.join(str(exc).split())}", err=True)
             sys.exit(1)
         except KeyboardInterrupt as exc:
             hint = getattr(exc, "hint", "")

@@ -113,7 +113,7 @@ def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, or
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
-        checkpoint.check_shape(t.source, t.shape)
+        checkpoint.check_weight(t.source, t.shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
             order = orders[_layer_of(t.target)]
@@ -205,6 +205,12 @@ def default_output(source: str, folder: Path, name: str, powerinfer: bool) -> Pa
     return where / f"{name}{POWERINFER_SUFFIX if powerinfer else DENSE_SUFFIX}"
 
 
+def _input_files(folder: Path, *extra_folders) -> list[Path]:
+    """Every file conversion reads: the checkpoint's and those of the given profile/predictor folders."""
+    folders = [folder] + [Path(f) for f in extra_folders if f is not None]
+    return [p for f in folders if Path(f).is_dir() for p in Path(f).iterdir() if p.is_file()]
+
+
 def convert(
     source: str,
     output: str | Path | None = None,
@@ -231,7 +237,7 @@ def convert(
     name = _model_name(source, folder)
     sparse_layout = spec.ffn.sparse and not dense
     path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
-    check_writable_output(path, force)
+    check_writable_output(path, force, inputs=_input_files(folder, profile, predictors))
     plan_conversion(checkpoint, name, outtype, dense)  # every input check before the long sparsity steps
     try:
         sparsity = None

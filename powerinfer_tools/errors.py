@@ -26,6 +26,11 @@ class Interrupted(KeyboardInterrupt):
         self.hint = hint
         self.signal_number = signal_number
 
+    @classmethod
+    def of(cls, exc: KeyboardInterrupt) -> "Interrupted":
+        """A plain KeyboardInterrupt (Ctrl-C) as an Interrupted; an Interrupted as itself."""
+        return exc if isinstance(exc, Interrupted) else cls()
+
     def resumable(self, hint: str) -> "Interrupted":
         """The same interruption, telling the user how to resume."""
         return Interrupted(hint, self.signal_number)

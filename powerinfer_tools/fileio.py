@@ -73,6 +73,10 @@ def read_json(path: Path):
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PitoolsError(f"{path}: invalid JSON ({exc})") from None
+    except RecursionError:
+        raise PitoolsError(f"{path}: invalid JSON (nested too deeply)") from None
+    except OSError as exc:
+        raise PitoolsError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
 def write_json(path: Path, content: dict) -> None:

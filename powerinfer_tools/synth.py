@@ -290,7 +290,7 @@ class PlantedActivations:
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
-        self.spec = spec_from_config(checkpoint.config)
+        self.spec = spec_from_config(checkpoint.config, checkpoint.config_path)
         self.blocks = [_Block(checkpoint.tensor(f"model.layers.{i}.post_attention_layernorm.weight"))
                        for i in range(self.spec.n_layers)]
         self.ffn_hook = None

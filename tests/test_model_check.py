@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf_fixtures import make_model
+from safetensors.numpy import load_file, save_file
 
 from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
@@ -78,3 +79,32 @@ def test_frequencies_outside_0_1_name_the_key(model_file, tmp_path):
     bad = patched(model_file, tmp_path, "pitools.blk.1.neuron_frequency", struct.pack("<f", 1.5), nth=3)
     fails(["solve", bad, "--vram", "1MB", "--reserve", "0B", "--force"],
           match="pitools.blk.1.neuron_frequency must hold 64 firing probabilities in [0, 1]")
+
+
+def test_weights_beyond_float16_are_refused_for_an_f16_output(tmp_path):
+    make_model(tmp_path / "model", "llama", **SMALL)
+    weights = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = 1e6
+    save_file(tensors, weights)
+    out = tmp_path / "out"
+    fails(["convert", tmp_path / "model", "-o", out / "m.gguf", "--no-sparsity", "--outtype", "f16", "-q"],
+          match="blk.1.ffn_up.weight holds values beyond float16's range")
+    assert not out.exists() or list(out.iterdir()) == []
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "model"), "-o", str(out / "m.gguf"), "--no-sparsity",
+                                      "--outtype", "f32", "-q"])
+    assert result.exit_code == 0, result.stderr
+
+
+def test_integer_weights_are_refused(tmp_path):
+    make_model(tmp_path / "model", "llama", **SMALL)
+    weights = tmp_path / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    assert header["model.norm.weight"]["dtype"] == "F32"
+    header["model.norm.weight"]["dtype"] = "I32"  # same width: the file stays consistent
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    weights.write_bytes(data[:8] + text + data[8 + length :])
+    fails(["convert", tmp_path / "model", "-o", tmp_path / "m.gguf", "--no-sparsity", "-q"],
+          match="tensor 'model.norm.weight' is stored as I32; weights must be floating point")

@@ -288,8 +288,9 @@ def test_cli_interrupt_says_how_to_resume(tiny, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Profiler, "run", interrupted)
     result = invoke("profile", str(tiny), "--tokens", "100", "-o", str(tmp_path), "-q")
-    assert result.exit_code == 1
-    assert f"interrupted; run the same command again to resume from the last checkpoint in {tmp_path}" in result.stderr
+    assert result.exit_code == 130  # interrupted, as for every command: 128 + SIGINT
+    assert result.stderr.count("\n") == 1
+    assert f"pitools: error: interrupted; run the same command again to resume from the last checkpoint in {tmp_path}" in result.stderr
 
 
 # --- corpus ----------------------------------------------------------------------------------------

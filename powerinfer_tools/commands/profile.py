@@ -12,7 +12,7 @@ import numpy as np
 from ..bundled import BUNDLED_MODEL
 from ..checkpoint import Checkpoint
 from ..corpus import CorpusSource, read_tokens, resolve_source
-from ..errors import PitoolsError
+from ..errors import Interrupted, PitoolsError
 from ..hub import resolve_checkpoint
 from ..models import DecoderModel, load_model
 from ..profiling import (
@@ -132,9 +132,9 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
                             settings)
         try:
             profiler.run(force=force, progress=not quiet)
-        except KeyboardInterrupt:
-            raise PitoolsError(f"interrupted; run the same command again to resume from the last checkpoint "
-                               f"in {output}") from None
+        except KeyboardInterrupt as exc:
+            raise Interrupted.of(exc).resumable(
+                f"run the same command again to resume from the last checkpoint in {output}") from None
         report_dir = output
     report, text = write_report(report_dir)
     if export_powerinfer is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .. import predictors
-from ..errors import PitoolsError
+from ..errors import Interrupted, PitoolsError
 from ..predictors import (
     TrainSettings,
     format_predictor_report,
@@ -73,9 +73,9 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
         try:
             meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,
                                                progress=not quiet)
-        except KeyboardInterrupt:
-            raise PitoolsError(f"interrupted; run the same command again to resume after the last layer "
-                               f"saved in {output}") from None
+        except KeyboardInterrupt as exc:
+            raise Interrupted.of(exc).resumable(
+                f"run the same command again to resume after the last layer saved in {output}") from None
     else:
         meta = read_predictors(report_dir, require_complete=False).meta
     report = predictor_report(meta)

@@ -56,7 +56,7 @@ class CheckpointWeights:
         self.checkpoint, self.dtype = checkpoint, dtype
 
     def get(self, name: str, *shape: int) -> np.ndarray:
-        self.checkpoint.check_shape(name, shape)
+        self.checkpoint.check_weight(name, shape)
         values = np.ascontiguousarray(self.checkpoint.tensor(name, self.dtype))
         self.checkpoint.check_finite(name, values)
         return values
