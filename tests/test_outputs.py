@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf_fixtures import make_model
@@ -75,6 +76,11 @@ def test_an_output_folder_that_cannot_be_written_is_one_error_line(checkpoint, t
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     fails("convert", checkpoint, "-o", not_a_folder / "m.gguf", "--no-sparsity", "-q", match="cannot write output")
+    stats = tmp_path / "stats.npz"
+    np.savez(stats, freqs=np.full((2, 64), 0.1), neuron_bytes=96, dense_bytes=4096, predictor_bytes=0,
+             kv_bytes_per_token=128, head_bytes=8192, hidden_bytes=128)
+    fails("solve", "--stats", stats, "--vram", "1MB", "--reserve", "0B", "-o", not_a_folder / "m.gpuidx",
+          match="cannot write output")
 
 
 def test_a_denied_temporary_file_is_one_error(tmp_path, monkeypatch):
