@@ -25,7 +25,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from powerinfer_tools import kernels
-from powerinfer_tools.runtime.quant import QuantMatrix
+from powerinfer_tools.kernels.quant import QuantMatrix
 
 SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096)}
 

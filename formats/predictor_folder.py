@@ -1,4 +1,5 @@
-"""A predictor folder (written by ``pitools train-predictors``), opened for merging into a PowerInfer file.
+"""The predictor folder (written by ``pitools train-predictors``): its files, its one class, its
+readers and writer, and the rule its predictors are applied with.
 
 Layout (ours: PowerInfer's own converter reads one ``model_N.pt`` torch pickle
 per layer instead)::
@@ -10,26 +11,130 @@ per layer instead)::
                                 blk.N.fc2.weight  [n_ff, hidden_N]     for N = 0 .. n_layers-1
 
 Tensors are float32, float16 or bfloat16 in ``torch.nn.Linear`` orientation
-``[out, in]``, which is also how PowerInfer's runtime expects them. The weights
-are memory-mapped like a checkpoint's, so merging them streams too.
+``[out, in]``, which is also how PowerInfer's runtime expects them. predictors.json
+is written after the weights: it is what says which layers are finished, so a
+training run resumes from it. Merged into a model file, the weights are
+memory-mapped like a checkpoint's, so merging them streams too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.fileio import read_json
+from powerinfer_tools.fileio import atomic_output, read_json, write_json
 from powerinfer_tools.models.spec import ModelSpec
-from powerinfer_tools.predictors import FORMAT, META_FILE, WEIGHTS_FILE
 
-from .gguf_names import predictor_names
+from .constants import predictor_names
+from .json_fields import check_fields, check_format
+
+FORMAT = "pitools-predictors"
+VERSION = 1
+WEIGHTS_FILE = "predictors.safetensors"
+META_FILE = "predictors.json"
+SPARSE_THRESHOLD = 0.0  # GGUF key powerinfer.sparse_threshold; PowerInfer's default
 
 
-class _PredictorTensors(Checkpoint):
-    """The folder's tensors, memory-mapped; its "config" is predictors.json."""
+def predict(xp, fc1, fc2, x, threshold: float = SPARSE_THRESHOLD):
+    """Which neurons the runtime computes: ``fc2 · relu(fc1 · x) >= threshold``, with array module ``xp``.
+
+    PowerInfer's sparse kernels skip rows with ``out < threshold``; the runtime's compiled decoder
+    (``runtime.decode``) has its own loop of this rule."""
+    return (xp.maximum(x @ fc1.T, 0) @ fc2.T) >= threshold
+
+
+@dataclass
+class PredictorFolder:
+    """What ``predictors.json`` records (``meta``) and the finished layers' tensors by their GGUF
+    names: a dict in memory (training, evaluation), or memory-mapped (merging into a model file)."""
+
+    meta: dict
+    tensors: dict[str, np.ndarray] | Checkpoint = field(default_factory=dict)
+
+    @property
+    def sparse_threshold(self) -> float | None:
+        threshold = self.meta.get("sparse_threshold")
+        return None if threshold is None else float(threshold)
+
+    def layer(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer ``index``'s (fc1, fc2), from tensors held in memory."""
+        fc1, fc2 = predictor_names(index)
+        return self.tensors[fc1], self.tensors[fc2]
+
+    def set_layer(self, index: int, fc1: np.ndarray, fc2: np.ndarray) -> None:
+        for name, weight in zip(predictor_names(index), (fc1, fc2)):
+            self.tensors[name] = weight
+
+    def save(self, folder: Path) -> None:
+        # Weights first: predictors.json, written last, is what says which layers are finished.
+        with atomic_output(folder / WEIGHTS_FILE) as tmp:
+            save_file(self.tensors, str(tmp), metadata={"format": FORMAT})
+        write_json(folder / META_FILE, self.meta)
+
+
+def read_predictors(folder: Path, require_complete: bool = True) -> PredictorFolder:
+    """The folder with its finished layers' weights in memory, predictors.json checked in full."""
+    folder = Path(folder)
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        raise PitoolsError(f"{folder}: no {META_FILE}; is this a folder written by `pitools train-predictors`?")
+    meta = _checked_meta(meta_path, read_json(meta_path))
+    if require_complete and not meta["complete"]:
+        raise PitoolsError(
+            f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; "
+            "run `pitools train-predictors` again to finish"
+        )
+    tensors = {}
+    try:
+        if meta["layers"]:
+            with safe_open(str(folder / WEIGHTS_FILE), "np") as f:
+                for entry in meta["layers"]:
+                    for name in predictor_names(entry["layer"]):
+                        tensors[name] = f.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise PitoolsError(f"{folder / WEIGHTS_FILE}: not readable predictor weights ({exc!r})") from None
+    return PredictorFolder(meta, tensors)
+
+
+def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndarray]]]:
+    """The sparse threshold and every layer's (fc1, fc2) of a finished predictor folder."""
+    predictors = read_predictors(folder)
+    return predictors.sparse_threshold, [predictors.layer(i) for i in range(predictors.meta["n_layers"])]
+
+
+# What readers of predictors.json rely on: key -> (type, least value or None); float: any number.
+_META_FIELDS = {"n_layers": (int, 1), "complete": (bool, None), "layers": (list, None), "ffn_params": (int, 1),
+                "sparse_threshold": (float, None), "settings": (dict, None)}
+_SETTINGS_FIELDS = {"recall": (float, None), "budget": (float, None)}
+_LAYER_FIELDS = {"layer": (int, 0), "hidden": (int, 1), "recall": (float, None), "precision": (float, None),
+                 "predicted_density": (float, None), "true_density": (float, None), "bytes": (int, 0)}
+
+
+def _checked_meta(path: Path, meta) -> dict:
+    """predictors.json, checked to hold what its readers use, its finished layers in order."""
+    check_format(path, meta, FORMAT, "a pitools predictor folder")
+    check_fields(path, meta, _META_FIELDS)
+    check_fields(path, meta["settings"], _SETTINGS_FIELDS, "settings.")
+    layers = meta["layers"]
+    for i, entry in enumerate(layers):
+        check_fields(path, entry if isinstance(entry, dict) else {}, _LAYER_FIELDS, f"layers[{i}].")
+        if entry["layer"] != i:
+            raise PitoolsError(f"{path}: layers[{i}] is layer {entry['layer']}; finished layers must be in order")
+    if len(layers) > meta["n_layers"] or meta["complete"] != (len(layers) == meta["n_layers"]):
+        raise PitoolsError(f"{path}: {len(layers)} of {meta['n_layers']} layers finished, "
+                           f"yet complete is {str(meta['complete']).lower()}")
+    return meta
+
+
+class _MappedTensors(Checkpoint):
+    """The folder's tensors, memory-mapped; its "config" is predictors.json, checked for merging:
+    complete, with its weights file (the training provenance is not needed there)."""
 
     def _read_config(self) -> dict:
         path = self.folder / META_FILE
@@ -47,17 +152,10 @@ class _PredictorTensors(Checkpoint):
         return meta
 
 
-@dataclass(frozen=True)
-class PredictorFolder:
-    """Validated predictors: tensors by their GGUF names, and the firing threshold if one is set."""
-
-    tensors: Checkpoint
-    sparse_threshold: float | None
-
-
 def read_predictor_folder(folder: str | Path, spec: ModelSpec) -> PredictorFolder:
-    """Open ``folder`` and check it has one fc1/fc2 pair per layer of ``spec``, shaped to fit."""
-    tensors = _PredictorTensors(folder)
+    """The folder with its weights memory-mapped, checked to hold one fc1/fc2 pair per layer of
+    ``spec``, shaped to fit: what merging it into a model file needs."""
+    tensors = _MappedTensors(folder)
     where = tensors.folder / WEIGHTS_FILE
     threshold = tensors.config.get("sparse_threshold")
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
@@ -74,4 +172,4 @@ def read_predictor_folder(folder: str | Path, spec: ModelSpec) -> PredictorFolde
                 f"{where}: layer {layer} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
                 f"expected [hidden, {spec.d_model}] and [{spec.d_ff}, hidden]"
             )
-    return PredictorFolder(tensors, None if threshold is None else float(threshold))
+    return PredictorFolder(tensors.config, tensors)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .models import DecoderModel
-from .predictors import predict
+from .formats.predictor_folder import predict
+from .formats.profile_folder import predictor_input
 from .progress import progress_bar
-from .profiling import predictor_input
 from .runtime.engine import RuntimeModel, TokenStats
 from .runtime.ffn import FFNMode
 

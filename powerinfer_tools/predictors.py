@@ -25,25 +25,26 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from .errors import PitoolsError
-from .fileio import atomic_output, read_json, write_json
-from .profiling import PAIRS_DIR, PairStore, check_fields, check_format, load_profile
+from .formats.predictor_folder import (
+    FORMAT,
+    META_FILE,
+    SPARSE_THRESHOLD,
+    VERSION,
+    PredictorFolder,
+    predict,
+    read_predictors,
+)
+from .formats.profile_folder import PAIRS_DIR, PairStore, load_profile
 from .xp import cupy_or_none
 
-FORMAT = "pitools-predictors"
-VERSION = 1
-WEIGHTS_FILE = "predictors.safetensors"
-META_FILE = "predictors.json"
-SPARSE_THRESHOLD = 0.0  # GGUF key powerinfer.sparse_threshold; PowerInfer's default
 EVAL_BATCH = 4096  # rows per step when scoring the held-out pairs
 
 
@@ -145,11 +146,6 @@ class Quality:
     precision: float
     predicted_density: float
     true_density: float
-
-
-def predict(xp, fc1, fc2, x, threshold: float = SPARSE_THRESHOLD):
-    """Which neurons the runtime computes: ``fc2 · relu(fc1 · x) >= threshold``."""
-    return (xp.maximum(x @ fc1.T, 0) @ fc2.T) >= threshold
 
 
 def evaluate(xp, fc1, fc2, val_x: np.ndarray, val_y: np.ndarray) -> Quality:
@@ -276,79 +272,6 @@ def choose_predictor(data: LayerPairs, sizes: list[int], settings: TrainSettings
     return best, tried
 
 
-# --- the predictor folder ----------------------------------------------------------------------
-
-
-@dataclass
-class PredictorFolder:
-    """What ``predictors.json`` records, plus the weights of the finished layers."""
-
-    meta: dict
-    weights: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def save(self, folder: Path) -> None:
-        # Weights first: predictors.json, written last, is what says which layers are finished.
-        with atomic_output(folder / WEIGHTS_FILE) as tmp:
-            save_file(self.weights, str(tmp), metadata={"format": FORMAT})
-        write_json(folder / META_FILE, self.meta)
-
-
-def read_predictors(folder: Path, require_complete: bool = True) -> PredictorFolder:
-    folder = Path(folder)
-    meta_path = folder / META_FILE
-    if not meta_path.is_file():
-        raise PitoolsError(f"{folder}: no {META_FILE}; is this a folder written by `pitools train-predictors`?")
-    meta = _checked_meta(meta_path, read_json(meta_path))
-    if require_complete and not meta["complete"]:
-        raise PitoolsError(
-            f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; "
-            "run `pitools train-predictors` again to finish"
-        )
-    weights = {}
-    try:
-        if meta["layers"]:
-            with safe_open(str(folder / WEIGHTS_FILE), "np") as f:
-                for entry in meta["layers"]:
-                    for part in ("fc1", "fc2"):
-                        name = f"blk.{entry['layer']}.{part}.weight"
-                        weights[name] = f.get_tensor(name)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
-        raise PitoolsError(f"{folder / WEIGHTS_FILE}: not readable predictor weights ({exc!r})") from None
-    return PredictorFolder(meta, weights)
-
-
-# What readers of predictors.json rely on: key -> (type, least value or None); float: any number.
-_META_FIELDS = {"n_layers": (int, 1), "complete": (bool, None), "layers": (list, None), "ffn_params": (int, 1),
-                "sparse_threshold": (float, None), "settings": (dict, None)}
-_SETTINGS_FIELDS = {"recall": (float, None), "budget": (float, None)}
-_LAYER_FIELDS = {"layer": (int, 0), "hidden": (int, 1), "recall": (float, None), "precision": (float, None),
-                 "predicted_density": (float, None), "true_density": (float, None), "bytes": (int, 0)}
-
-
-def _checked_meta(path: Path, meta) -> dict:
-    """predictors.json, checked to hold what its readers use, its finished layers in order."""
-    check_format(path, meta, FORMAT, "a pitools predictor folder")
-    check_fields(path, meta, _META_FIELDS)
-    check_fields(path, meta["settings"], _SETTINGS_FIELDS, "settings.")
-    layers = meta["layers"]
-    for i, entry in enumerate(layers):
-        check_fields(path, entry if isinstance(entry, dict) else {}, _LAYER_FIELDS, f"layers[{i}].")
-        if entry["layer"] != i:
-            raise PitoolsError(f"{path}: layers[{i}] is layer {entry['layer']}; finished layers must be in order")
-    if len(layers) > meta["n_layers"] or meta["complete"] != (len(layers) == meta["n_layers"]):
-        raise PitoolsError(f"{path}: {len(layers)} of {meta['n_layers']} layers finished, "
-                           f"yet complete is {str(meta['complete']).lower()}")
-    return meta
-
-
-def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndarray]]]:
-    """The sparse threshold and every layer's (fc1, fc2) of a finished predictor folder."""
-    pred = read_predictors(folder)
-    layers = [(pred.weights[f"blk.{i}.fc1.weight"], pred.weights[f"blk.{i}.fc2.weight"])
-              for i in range(pred.meta["n_layers"])]
-    return float(pred.meta["sparse_threshold"]), layers
-
-
 def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, device: str = "auto",
                      force: bool = False, progress: bool = True) -> dict:
     """Train (or finish training) every layer's predictor from a complete profile; return predictors.json."""
@@ -394,8 +317,7 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
                 )
             data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
             fit, tried = choose_predictor(data, sizes, settings, xp, layer, log)
-            state.weights[f"blk.{layer}.fc1.weight"] = fit.fc1
-            state.weights[f"blk.{layer}.fc2.weight"] = fit.fc2
+            state.set_layer(layer, fit.fc1, fit.fc2)
             state.meta["layers"].append(_layer_entry(layer, fit, tried, d_model, d_ff))
             state.meta["complete"] = layer + 1 == n_layers
             state.save(out)

@@ -15,9 +15,10 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .corpus import read_tokens, resolve_source
+from .formats.profile_folder import load_profile
 from .models import load_model
 from .predictors import TrainSettings, train_predictors
-from .profiling import Profiler, ProfileSettings, load_profile
+from .profiling import Profiler, ProfileSettings
 from .reorder import profile_permutations
 from .tokenizer import CheckpointTokenizer
 

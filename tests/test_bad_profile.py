@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from test_bad_config import cli_error, snapshot, tiny_checkpoint
 
-from powerinfer_tools import profiling
+from powerinfer_tools.formats import profile_folder as profiling
 from powerinfer_tools.cli import cli
 
 PROFILE = ("--tokens", "2000", "--seq-len", "64", "-q")  # 32 windows, every token's pairs kept

@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from powerinfer_tools import kernels
 from powerinfer_tools.kernels import ggml_ops
-from powerinfer_tools.runtime.quant import QuantMatrix
+from powerinfer_tools.kernels.quant import QuantMatrix
 
 TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
 SHAPES = [(1, 32), (7, 64), (33, 96), (130, 2048)]  # one block wide; 3 blocks for 2 threads; a model row

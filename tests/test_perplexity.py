@@ -16,7 +16,8 @@ from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.corpus import CorpusSource, read_tokens
 from powerinfer_tools.models import load_model
 from powerinfer_tools.perplexity import oracle_chooser, perplexity, predictor_chooser
-from powerinfer_tools.predictors import TrainSettings, load_predictors, train_predictors
+from powerinfer_tools.formats.predictor_folder import load_predictors
+from powerinfer_tools.predictors import TrainSettings, train_predictors
 from powerinfer_tools.profiling import Profiler, ProfileSettings
 from powerinfer_tools.tokenizer import CheckpointTokenizer
 

@@ -18,17 +18,8 @@ from powerinfer_tools.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import TrainSettings, train_predictors
-from powerinfer_tools.profiling import (
-    PAIRS_DIR,
-    PairSampler,
-    PairStore,
-    Profiler,
-    ProfileSettings,
-    hot_fraction,
-    pair_capacity,
-    predictor_input,
-    windows_of,
-)
+from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, pair_capacity, predictor_input
+from powerinfer_tools.profiling import PairSampler, Profiler, ProfileSettings, hot_fraction, windows_of
 from powerinfer_tools.tokenizer import CheckpointTokenizer
 
 OPT = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4, vocab_size=90,

@@ -9,7 +9,7 @@ from test_profiling import OPT, TINY_RELU_LLAMA, run_profiler
 
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.models import load_model
-from powerinfer_tools.predictors import predict
+from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.reorder import (
     gguf_neuron_axis,
     hot_first_permutation,

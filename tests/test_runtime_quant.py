@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from powerinfer_tools.runtime.quant import QuantMatrix
+from powerinfer_tools.kernels.quant import QuantMatrix
 
 TYPES = [T.F32, T.F16, T.Q8_0, T.Q4_0]
 

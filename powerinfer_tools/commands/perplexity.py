@@ -19,7 +19,7 @@ from ..perplexity import (
     runtime_perplexity,
 )
 from ..perplexity import perplexity as measure
-from ..predictors import load_predictors
+from ..formats.predictor_folder import load_predictors
 from ..runtime.loader import load_runtime_model
 from ..runtime.tokenizer import GGUFTokenizer
 from .profile import corpus_options, corpus_tokens, load_model_and_corpus

@@ -13,13 +13,13 @@ from ..bundled import BUNDLED_MODEL
 from ..checkpoint import Checkpoint
 from ..corpus import CorpusSource, read_tokens, resolve_source
 from ..errors import Interrupted, PitoolsError
+from ..formats.profile_folder import load_profile
 from ..hub import resolve_checkpoint
 from ..models import DecoderModel, load_model
 from ..profiling import (
     Profiler,
     ProfileSettings,
     export_powerinfer_activations,
-    load_profile,
     write_report,
 )
 from ..tokenizer import CheckpointTokenizer

@@ -23,7 +23,7 @@ import warnings
 
 import numpy as np
 
-from ..runtime.quant import QuantMatrix
+from .quant import QuantMatrix
 from . import ggml_ops
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
@@ -50,6 +50,12 @@ def describe() -> str:
     ggml = backend[1]
     return (f"compiled: numba loops + ggml vec_dot from {ggml.library} (llama-cpp-python {ggml.version}), "
             f"{_threads} threads")
+
+
+def ggml_routines() -> ggml_ops.GgmlCpu | None:
+    """The checked ggml routines the compiled kernels call, or None when they cannot load."""
+    backend = _backend()
+    return None if isinstance(backend, str) else backend[1]
 
 
 def set_threads(n: int) -> None:

@@ -48,7 +48,7 @@ def use_threads(n: int) -> int:
 
 
 @intrinsic
-def _from_float(typingctx, fn, x, y, k):
+def ggml_from_float(typingctx, fn, x, y, k):
     """Call ggml's ``void from_float(const float *x, void *y, int64_t k)`` at address ``fn``."""
     sig = types.void(types.intp, types.intp, types.intp, types.int64)
 
@@ -63,7 +63,7 @@ def _from_float(typingctx, fn, x, y, k):
 
 
 @intrinsic
-def _vec_dot(typingctx, fn, n, s, x, y):
+def ggml_vec_dot(typingctx, fn, n, s, x, y):
     """Call ggml's ``vec_dot(n, s, 0, x, 0, y, 0, 1)`` at address ``fn``: ``*s = x · y`` for one row."""
     sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
 
@@ -97,7 +97,7 @@ def _prefetch(typingctx, addr):
 
 
 @njit(inline="always")
-def _prefetch_span(addr, nbytes):
+def prefetch_span(addr, nbytes):
     for offset in range(0, nbytes, 64):
         _prefetch(addr + offset)
 
@@ -107,17 +107,17 @@ def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
     """``out[t, i] = weights[rows[i]] · x[t]``; ``x_encoded`` is scratch for x in vec_dot's encoding."""
     n_tokens, cols = x.shape
     for t in range(n_tokens):
-        _from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
+        ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
     w_addr, row_bytes = weights.ctypes.data, weights.strides[0]
     xe_addr, xe_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     out_addr, out_stride = out.ctypes.data, out.strides[0]
     n_rows = rows.shape[0]
     for i in prange(n_rows):
         if i + PREFETCH_ROWS < n_rows:
-            _prefetch_span(w_addr + rows[i + PREFETCH_ROWS] * row_bytes, weights.shape[1])
+            prefetch_span(w_addr + rows[i + PREFETCH_ROWS] * row_bytes, weights.shape[1])
         row_addr = w_addr + rows[i] * row_bytes
         for t in range(n_tokens):  # tokens innermost: the weight row comes from memory once
-            _vec_dot(vec_dot, cols, out_addr + t * out_stride + i * 4, row_addr, xe_addr + t * xe_stride)
+            ggml_vec_dot(vec_dot, cols, out_addr + t * out_stride + i * 4, row_addr, xe_addr + t * xe_stride)
 
 
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
@@ -210,7 +210,7 @@ def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
         first, stop = chunk * n_blocks // n_chunks, (chunk + 1) * n_blocks // n_chunks
         for j in range(n_rows):
             if j + PREFETCH_ROWS < n_rows:  # only this thread's share of that row
-                _prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
+                prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
                                (stop - first) * block_bytes)
             row_addr = w_addr + rows[j] * row_stride
             coeff_addr = c_addr + j * 4

@@ -18,8 +18,8 @@ import numpy as np
 
 from .. import kernels
 from ..errors import PitoolsError
+from ..kernels.quant import QuantMatrix
 from ..xp import cupy_or_none
-from .quant import QuantMatrix
 
 
 @dataclass

@@ -25,16 +25,11 @@ from numba.experimental import structref
 from .. import kernels
 from ..kernels import numba_kernels as nk
 from ..kernels import weight_bytes
-from ..kernels.numba_kernels import (  # building blocks
-    PREFETCH_ROWS,
-    _from_float,
-    _prefetch_span,
-    _vec_dot,
-)
+from ..kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
+from ..kernels.quant import QuantMatrix
 from ..models.layers import KVCache
 from ..models.spec import FFNKind, ModelSpec, NormKind
 from .ffn import FFNMode
-from .quant import QuantMatrix
 
 # FFN kinds as integers for the compiled code.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
@@ -101,20 +96,20 @@ def _qkv(vec_dot, wq, wk, wv, x_encoded, cols, q, k, v):
     xe = x_encoded.ctypes.data
     for i in prange(n_q + 2 * n_kv):
         if i < n_q:
-            _vec_dot(vec_dot, cols, q.ctypes.data + 4 * i, wq.ctypes.data + i * row_bytes, xe)
+            ggml_vec_dot(vec_dot, cols, q.ctypes.data + 4 * i, wq.ctypes.data + i * row_bytes, xe)
         elif i < n_q + n_kv:
             j = i - n_q
-            _vec_dot(vec_dot, cols, k.ctypes.data + 4 * j, wk.ctypes.data + j * row_bytes, xe)
+            ggml_vec_dot(vec_dot, cols, k.ctypes.data + 4 * j, wk.ctypes.data + j * row_bytes, xe)
         else:
             j = i - n_q - n_kv
-            _vec_dot(vec_dot, cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * row_bytes, xe)
+            ggml_vec_dot(vec_dot, cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * row_bytes, xe)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _matvec(vec_dot, w, x_encoded, cols, out):
     """``out = W · x`` over all rows of ``w``."""
     for i in prange(w.shape[0]):
-        _vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
+        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
 
 
 @njit(inline="always")
@@ -133,11 +128,11 @@ def _gate_up(vec_dot, gate, up, rows, x_encoded, cols, kind, gate_out, up_out, a
     for i in prange(n):
         if i + PREFETCH_ROWS < n:  # scattered rows: the hardware prefetcher cannot guess the next one
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
-            _prefetch_span(gate.ctypes.data + ahead, row_bytes)
-            _prefetch_span(up.ctypes.data + ahead, row_bytes)
+            prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            prefetch_span(up.ctypes.data + ahead, row_bytes)
         row = rows[i] * row_bytes
-        _vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * i, gate.ctypes.data + row, xe)
-        _vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * i, up.ctypes.data + row, xe)
+        ggml_vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * i, gate.ctypes.data + row, xe)
+        ggml_vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * i, up.ctypes.data + row, xe)
         act[i] = _activation(kind, gate_out[i], up_out[i])
 
 
@@ -209,14 +204,14 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     token's key and value into ``keys[pos]`` / ``values[pos]``; returns the number of neurons computed."""
     n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
     _rms_norm(x, w.attn_norm, eps, s.h)
-    _from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    ggml_from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
     _rope(s.q, n_heads, head_dim, cos, sin)
     _rope(s.k, n_kv_heads, head_dim, cos, sin)
     keys[pos] = s.k.reshape((n_kv_heads, head_dim))
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
     _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
-    _from_float(fns[w.attn_type, 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
+    ggml_from_float(fns[w.attn_type, 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
     _matvec(fns[w.attn_type, 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
     x += s.o
 
@@ -228,12 +223,12 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
         n = w.up.shape[0]
         rows = s.all_rows[:n]
     act = s.act[:n]
-    _from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, s.x_encoded, d_model, kind, s.gate_out, s.up_out, act)
     if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
         nk.axpy_rows(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
-        _from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
+        ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
         _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
     return n
@@ -260,7 +255,7 @@ class CpuDecoder:
                 or model.positions is not None or not kernels.available()
                 or not all(_supported(layer) for layer in model.layers)):
             return None
-        ggml = kernels._backend()[1]  # noqa: SLF001 - the checked ggml routines the kernels call
+        ggml = kernels.ggml_routines()
         matrices = [m for layer in model.layers for m in _layer_matrices(layer)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
         for m in matrices:

@@ -18,10 +18,10 @@ from ..models.layers import (
 )
 from ..errors import PitoolsError
 from ..generation import context_window
+from ..kernels.quant import QuantMatrix
 from ..models.spec import ModelSpec, NormKind
 from .backends import CpuBackend, move
 from .ffn import FFNMode, FFNPartition, Predictor
-from .quant import QuantMatrix
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 

@@ -16,9 +16,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..models.layers import activate, relu
+from ..formats.predictor_folder import predict
+from ..kernels.quant import QuantMatrix
+from ..models.layers import activate
 from ..models.spec import FFNKind
-from .quant import QuantMatrix
+from ..xp import array_module
 
 
 class FFNMode(str, enum.Enum):
@@ -36,7 +38,7 @@ class Predictor:
     threshold: float = 0.0
 
     def __call__(self, x):
-        return relu(x @ self.fc1.T) @ self.fc2.T >= self.threshold
+        return predict(array_module(x), self.fc1, self.fc2, x, self.threshold)
 
     @property
     def nbytes(self) -> int:

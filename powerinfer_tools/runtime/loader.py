@@ -12,11 +12,11 @@ from ..formats.gguf_spec import spec_from_model_file
 from ..formats.model_check import check_model_tensors
 from ..formats.gpu_split import GpuSplit, read_gpu_split
 from ..formats.model_file import ModelFile, open_model_file
+from ..kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from ..solver.split import default_split_path
 from .backends import CpuBackend, CudaDevice, EmulatedDevice
 from .engine import DenseBlock, Norm, RuntimeLayer, RuntimeModel
 from .ffn import FFNPartition, Predictor
-from .quant import SUPPORTED_TYPES, QuantMatrix
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 
