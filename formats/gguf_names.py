@@ -13,23 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGUFWriter, RopeScalingType
+from gguf import MODEL_TENSOR, GGUFWriter, RopeScalingType
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models.spec import FFNKind, ModelSpec, NormKind
 
+from .constants import FFN_ACTIVATION_KEY, PowerInferTensor, tensor_name
+from .tensor_table import TABLES, TensorRow
+
+T = MODEL_TENSOR
 LLAMA, BAMBOO, OPT = "llama", "bamboo", "opt"
-
-# Our one metadata addition for the model itself: llama.cpp infers the FFN
-# activation from the architecture (SiLU for dense "llama"), which is wrong for
-# a ReLU model written in dense mode; our runtime reads the true one here.
-FFN_ACTIVATION_KEY = "pitools.ffn_activation"
-
-
-def neuron_frequency_key(layer: int) -> str:
-    """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
-    which ``pitools solve`` places neurons by. PowerInfer ignores it."""
-    return f"pitools.blk.{layer}.neuron_frequency"
+_NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM)
+_ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
+_FFN = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
 
 
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
@@ -54,6 +50,7 @@ class TensorName:
     shape: tuple[int, ...]  # shape in the checkpoint, as config.json implies it
     transpose: bool = False  # stored transposed: PowerInfer's neuron-major ffn_down_t
     rope_heads: int = 0  # > 0: rows regrouped per head into llama.cpp's rotary pair order
+    layer: int | None = None  # the block it belongs to; None: a global tensor
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -73,83 +70,64 @@ def check_supported(spec: ModelSpec) -> None:
         raise PitoolsError("OPT with an untied lm_head has no GGUF layout (PowerInfer's OPT reuses token_embd)")
 
 
-def _linear(
-    source: str, target: str, shape: tuple[int, int], bias: bool, *, transpose: bool = False, rope_heads: int = 0
-) -> list[TensorName]:
-    names = [TensorName(f"{source}.weight", f"{target}.weight", shape, transpose, rope_heads)]
-    if bias:  # a bias follows its weight's output rows: regrouped with them, never transposed
-        names.append(TensorName(f"{source}.bias", f"{target}.bias", (shape[0],), rope_heads=rope_heads))
-    return names
-
-
-def _norm(source: str, target: str, width: int, bias: bool) -> list[TensorName]:
-    names = [TensorName(f"{source}.weight", f"{target}.weight", (width,))]
-    if bias:
-        names.append(TensorName(f"{source}.bias", f"{target}.bias", (width,)))
-    return names
-
-
-def _down(source: str, block: str, spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
-    """The down projection: as is in dense mode, transposed to ``ffn_down_t`` for PowerInfer's sparse axpy."""
-    target = f"{block}.ffn_down_t" if powerinfer else f"{block}.ffn_down"
-    return _linear(source, target, (spec.d_model, spec.d_ff), spec.ffn_bias, transpose=powerinfer)
-
-
-def _llama_tensors(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
-    d, d_ff = spec.d_model, spec.d_ff
+def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
+    """Each tensor's shape in the checkpoint, as config.json implies it."""
+    d, d_ff, vocab = spec.d_model, spec.d_ff, spec.vocab_size
     q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    names = [TensorName("model.embed_tokens.weight", "token_embd.weight", (spec.vocab_size, d))]
-    bias = spec.attention_bias
-    for i in range(spec.n_layers):
-        src, dst = f"model.layers.{i}", f"blk.{i}"
-        names += _norm(f"{src}.input_layernorm", f"{dst}.attn_norm", d, bias=False)
-        names += _linear(f"{src}.self_attn.q_proj", f"{dst}.attn_q", (q_rows, d), bias, rope_heads=spec.n_heads)
-        names += _linear(f"{src}.self_attn.k_proj", f"{dst}.attn_k", (kv_rows, d), bias, rope_heads=spec.n_kv_heads)
-        names += _linear(f"{src}.self_attn.v_proj", f"{dst}.attn_v", (kv_rows, d), bias)
-        names += _linear(f"{src}.self_attn.o_proj", f"{dst}.attn_output", (d, q_rows), bias)
-        names += _norm(f"{src}.post_attention_layernorm", f"{dst}.ffn_norm", d, bias=False)
-        names += _linear(f"{src}.mlp.gate_proj", f"{dst}.ffn_gate", (d_ff, d), spec.ffn_bias)
-        names += _linear(f"{src}.mlp.up_proj", f"{dst}.ffn_up", (d_ff, d), spec.ffn_bias)
-        names += _down(f"{src}.mlp.down_proj", dst, spec, powerinfer)
-    names += _norm("model.norm", "output_norm", d, bias=False)
-    # PowerInfer's loader requires output.weight, so tied models get a copy of the embedding.
-    head = "model.embed_tokens.weight" if spec.tied_embeddings else "lm_head.weight"
-    names.append(TensorName(head, "output.weight", (spec.vocab_size, d)))
+    return {
+        T.TOKEN_EMBD: (vocab, d), T.POS_EMBD: (spec.max_positions + spec.position_offset, d),
+        T.ATTN_NORM: (d,), T.ATTN_Q: (q_rows, d), T.ATTN_K: (kv_rows, d), T.ATTN_V: (kv_rows, d),
+        T.ATTN_OUT: (d, q_rows), T.FFN_NORM: (d,), T.FFN_GATE: (d_ff, d), T.FFN_UP: (d_ff, d),
+        T.FFN_DOWN: (d, d_ff), T.OUTPUT_NORM: (d,), T.OUTPUT: (vocab, d),
+    }
+
+
+def _has_bias(spec: ModelSpec, tensor: MODEL_TENSOR) -> bool:
+    if tensor in _NORMS:
+        return spec.norm is NormKind.LAYER  # LayerNorm has a bias, RMSNorm none
+    if tensor in _ATTENTION:
+        return spec.attention_bias
+    return tensor in _FFN and spec.ffn_bias
+
+
+def _rope_heads(spec: ModelSpec, tensor: MODEL_TENSOR) -> int:
+    if spec.rope_theta is None:
+        return 0
+    return {T.ATTN_Q: spec.n_heads, T.ATTN_K: spec.n_kv_heads}.get(tensor, 0)
+
+
+def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
+    """The weight (and bias) of one table row. PowerInfer's sparse axpy wants the down projection
+    transposed, as ffn_down_t; a bias follows its weight's output rows (regrouped, never transposed)."""
+    shape, rope_heads = _shapes(spec)[row.tensor], _rope_heads(spec, row.tensor)
+    transpose = powerinfer and row.tensor is T.FFN_DOWN
+    target = PowerInferTensor.FFN_DOWN_T if transpose else row.tensor
+    source = row.hf_name(layer)
+    if row.tensor is T.OUTPUT and spec.tied_embeddings:
+        # PowerInfer's loader requires output.weight, so tied models get a copy of the embedding.
+        source = row_of(spec, T.TOKEN_EMBD).hf_name()
+    names = [TensorName(source, tensor_name(target, layer), shape, transpose, rope_heads, layer)]
+    if _has_bias(spec, row.tensor):
+        names.append(TensorName(row.hf_name(layer, "bias"), tensor_name(target, layer, "bias"), shape[:1],
+                                rope_heads=rope_heads, layer=layer))
     return names
 
 
-def _opt_tensors(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
-    d, bias = spec.d_model, spec.attention_bias
-    names = [
-        TensorName("model.decoder.embed_tokens.weight", "token_embd.weight", (spec.vocab_size, d)),
-        # The whole learned table, including OPT's two leading offset rows.
-        TensorName(
-            "model.decoder.embed_positions.weight", "position_embd.weight", (spec.max_positions + spec.position_offset, d)
-        ),
-    ]
-    for i in range(spec.n_layers):
-        src, dst = f"model.decoder.layers.{i}", f"blk.{i}"
-        names += _norm(f"{src}.self_attn_layer_norm", f"{dst}.attn_norm", d, bias=True)
-        names += _linear(f"{src}.self_attn.q_proj", f"{dst}.attn_q", (d, d), bias)
-        names += _linear(f"{src}.self_attn.k_proj", f"{dst}.attn_k", (d, d), bias)
-        names += _linear(f"{src}.self_attn.v_proj", f"{dst}.attn_v", (d, d), bias)
-        names += _linear(f"{src}.self_attn.out_proj", f"{dst}.attn_output", (d, d), bias)
-        names += _norm(f"{src}.final_layer_norm", f"{dst}.ffn_norm", d, bias=True)
-        names += _linear(f"{src}.fc1", f"{dst}.ffn_up", (spec.d_ff, d), spec.ffn_bias)
-        names += _down(f"{src}.fc2", dst, spec, powerinfer)
-    names += _norm("model.decoder.final_layer_norm", "output_norm", d, bias=True)
-    return names
+def row_of(spec: ModelSpec, tensor: MODEL_TENSOR) -> TensorRow:
+    """The table row of ``tensor`` in ``spec``'s architecture."""
+    return TABLES[spec.architecture].row(tensor)
 
 
 def tensor_names(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
     """Every model tensor of ``spec`` in file order (predictors come from elsewhere)."""
     check_supported(spec)
-    return _opt_tensors(spec, powerinfer) if spec.architecture == "opt" else _llama_tensors(spec, powerinfer)
-
-
-def predictor_names(layer: int) -> tuple[str, str]:
-    """PowerInfer's predictor tensors of one layer: fc1 [hidden, n_embd] and fc2 [n_ff, hidden]."""
-    return f"blk.{layer}.fc1.weight", f"blk.{layer}.fc2.weight"
+    table = TABLES[spec.architecture]
+    names = []
+    for layer, rows in [(None, table.before)] + [(i, table.block) for i in range(spec.n_layers)] + [(None, table.after)]:
+        for row in rows:
+            if row.tensor is not None:  # a Hugging Face tensor without GGUF layout (refused above)
+                names += _row_names(row, layer, spec, powerinfer)
+    return names
 
 
 def rope_row_order(n_rows: int, n_heads: int) -> np.ndarray:

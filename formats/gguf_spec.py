@@ -14,38 +14,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models.opt import POSITION_OFFSET
-from powerinfer_tools.models.spec import FFNKind, ModelSpec, NormKind, spec_errors_named
+from gguf import MODEL_TENSOR, Keys
 
-from .gguf_names import BAMBOO, FFN_ACTIVATION_KEY, LLAMA, OPT
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.models.spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
+
+from .constants import FFN_ACTIVATION_KEY, tensor_name
+from .gguf_names import BAMBOO, LLAMA, OPT
 from .model_file import ModelFile
 
 SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, OPT)
 
 # ModelSpec fields -> the metadata keys they are read from ({arch}: the architecture).
 METADATA_KEYS = {
-    "n_layers": "{arch}.block_count",
-    "d_model": "{arch}.embedding_length",
-    "n_heads": "{arch}.attention.head_count",
-    "n_kv_heads": "{arch}.attention.head_count_kv",
-    "head_dim": "{arch}.attention.key_length",
-    "d_ff": "{arch}.feed_forward_length",
-    "vocab_size": "{arch}.vocab_size",
-    "max_positions": "{arch}.context_length",
-    "rope_theta": "{arch}.rope.freq_base",
-    "rope_scaling_factor": "{arch}.rope.scaling.factor",
-    "sliding_window": "{arch}.attention.sliding_window",
-    "bos_token_id": "tokenizer.ggml.bos_token_id",
-    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "n_layers": Keys.LLM.BLOCK_COUNT,
+    "d_model": Keys.LLM.EMBEDDING_LENGTH,
+    "n_heads": Keys.Attention.HEAD_COUNT,
+    "n_kv_heads": Keys.Attention.HEAD_COUNT_KV,
+    "head_dim": Keys.Attention.KEY_LENGTH,
+    "d_ff": Keys.LLM.FEED_FORWARD_LENGTH,
+    "vocab_size": Keys.LLM.VOCAB_SIZE,
+    "max_positions": Keys.LLM.CONTEXT_LENGTH,
+    "rope_theta": Keys.Rope.FREQ_BASE,
+    "rope_scaling_factor": Keys.Rope.SCALING_FACTOR,
+    "sliding_window": Keys.Attention.SLIDING_WINDOW,
+    "bos_token_id": Keys.Tokenizer.BOS_ID,
+    "eos_token_id": Keys.Tokenizer.EOS_ID,
     "ffn": FFN_ACTIVATION_KEY,
 }
-TOKENS_KEY = "tokenizer.ggml.tokens"
+TOKENS_KEY = Keys.Tokenizer.LIST
 
 
 def _metadata_keys(arch: str) -> dict[str, str]:
     keys = {field: key.format(arch=arch) for field, key in METADATA_KEYS.items()}
-    keys["norm_eps"] = f"{arch}.attention.layer_norm_epsilon" if arch == OPT else f"{arch}.attention.layer_norm_rms_epsilon"
+    norm_eps = Keys.Attention.LAYERNORM_EPS if arch == OPT else Keys.Attention.LAYERNORM_RMS_EPS
+    keys["norm_eps"] = norm_eps.format(arch=arch)
     return keys
 
 
@@ -88,7 +91,7 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
     is_opt = arch == OPT
     n_heads = need("n_heads")
     vocab_size = value("vocab_size")
-    linear_rope = model.get("{arch}.rope.scaling.type", "none") == "linear"
+    linear_rope = model.get(Keys.Rope.SCALING_TYPE, "none") == "linear"
     return ModelSpec(
         architecture="opt" if is_opt else ("mistral" if arch == BAMBOO else "llama"),
         n_layers=need("n_layers"),
@@ -102,13 +105,13 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
         norm=NormKind.LAYER if is_opt else NormKind.RMS,
         norm_eps=need("norm_eps"),
         ffn=_ffn_kind(model),
-        tied_embeddings="output.weight" not in model,
+        tied_embeddings=tensor_name(MODEL_TENSOR.OUTPUT) not in model,
         rope_theta=None if is_opt else value("rope_theta", 10000.0),
         rope_scaling_factor=value("rope_scaling_factor", 1.0) if linear_rope else 1.0,
         sliding_window=value("sliding_window"),
-        attention_bias="blk.0.attn_q.bias" in model,
-        ffn_bias="blk.0.ffn_up.bias" in model,
-        position_offset=POSITION_OFFSET if is_opt else 0,
+        attention_bias=tensor_name(MODEL_TENSOR.ATTN_Q, 0, "bias") in model,
+        ffn_bias=tensor_name(MODEL_TENSOR.FFN_UP, 0, "bias") in model,
+        position_offset=OPT_POSITION_OFFSET if is_opt else 0,
         bos_token_id=value("bos_token_id"),
         eos_token_id=value("eos_token_id"),
     )

@@ -7,7 +7,8 @@ version 3; per layer ``l``, in this order, tensors ``blk.l.gpu_idx`` (int32 0/1 
 layer's neurons) and ``blk.l.gpu_bucket`` (sorted int32 ids of the GPU neurons); keys
 ``generic.gpu_index.block_count`` and ``split.vram_capacity`` (uint64). The runtime finds the
 tensors by position (``2l`` and ``2l + 1``), so the order matters, and it refuses a file
-with other tensors. Extra keys are ignored by it, which is where ours go (``pitools.*``).
+with other tensors. Extra keys are ignored by it, which is where ours go (``pitools.*``):
+those our runtime acts on are ``GpuSplit``'s typed fields, the rest its ``notes``.
 See formats/README.md.
 """
 
@@ -25,26 +26,69 @@ import numpy as np
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
 
-from .model_file import POWERINFER_MAGIC_BYTES, open_model_file
+from .constants import (
+    DENSE_ON_GPU_KEY,
+    GPU_INDEX_ARCHITECTURE,
+    MODEL_FINGERPRINT_KEY,
+    OUTPUT_ON_GPU_KEY,
+    POWERINFER_MAGIC_BYTES,
+    VRAM_BUDGET_KEY,
+    VRAM_CAPACITY_KEY,
+    PowerInferTensor,
+    tensor_base_name,
+)
+from .model_file import open_model_file
 
-ARCHITECTURE = "generic.gpu_index"
 POWERINFER_VERSION = 3
-VRAM_CAPACITY_KEY = "split.vram_capacity"
-BLOCK_COUNT_KEY = f"{ARCHITECTURE}.block_count"
-# Ours: which model file the split was solved for (formats.fingerprint.model_fingerprint of it).
-MODEL_FINGERPRINT_KEY = "pitools.model_fingerprint"
-_STANDARD_KEYS = {"general.architecture", BLOCK_COUNT_KEY, VRAM_CAPACITY_KEY}
+BLOCK_COUNT_KEY = gguf.Keys.LLM.BLOCK_COUNT.format(arch=GPU_INDEX_ARCHITECTURE)
+_STANDARD_KEYS = {gguf.Keys.General.ARCHITECTURE, BLOCK_COUNT_KEY, VRAM_CAPACITY_KEY}
+SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
+
+
+def default_split_path(model_path: Path) -> Path:
+    """Where PowerInfer looks for a model's split file: beside it, ``.generated.gpuidx`` appended."""
+    return model_path.with_name(model_path.name + SPLIT_SUFFIX)
 
 
 @dataclass(frozen=True, eq=False)
 class GpuSplit:
     masks: tuple[np.ndarray, ...]  # per layer: bool over its FFN neurons, True = on the GPU
     vram_capacity: int  # bytes the runtime must have free for the FFN rows of this split
-    extra: Mapping[str, Any] = field(default_factory=dict)  # keys outside PowerInfer's format
+    # Ours, absent (None) in PowerInfer's files: what the solver decided beyond the masks.
+    vram_budget: int | None = None  # the whole VRAM budget the split was solved for
+    dense_on_gpu: tuple[bool, ...] | None = None  # per layer: its dense block (attention, norms) on the GPU
+    output_on_gpu: bool | None = None  # the head (output norm and matrix) on the GPU
+    model_fingerprint: str | None = None  # formats.fingerprint.model_fingerprint of the model solved for
+    notes: Mapping[str, Any] = field(default_factory=dict)  # other keys, for people: objective, predictions
 
     def bucket(self, layer: int) -> np.ndarray:
         """Sorted ids of the GPU neurons of ``layer``, as the file stores them."""
         return np.flatnonzero(self.masks[layer]).astype(np.int32)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """Every key outside PowerInfer's format, as the file stores it: the typed fields and the notes."""
+        typed = {
+            VRAM_BUDGET_KEY: self.vram_budget,
+            DENSE_ON_GPU_KEY: None if self.dense_on_gpu is None else list(self.dense_on_gpu),
+            OUTPUT_ON_GPU_KEY: self.output_on_gpu,
+            MODEL_FINGERPRINT_KEY: self.model_fingerprint,
+        }
+        return {**self.notes, **{key: value for key, value in typed.items() if value is not None}}
+
+
+def _from_extra(masks: tuple[np.ndarray, ...], vram_capacity: int, extra: dict[str, Any]) -> GpuSplit:
+    """The split of a file's keys: ours that the runtime acts on become typed fields, the rest notes."""
+    budget, dense, head = (extra.pop(key, None) for key in (VRAM_BUDGET_KEY, DENSE_ON_GPU_KEY, OUTPUT_ON_GPU_KEY))
+    return GpuSplit(
+        masks,
+        vram_capacity,
+        vram_budget=None if budget is None else int(budget),
+        dense_on_gpu=None if dense is None else tuple(bool(on) for on in dense),
+        output_on_gpu=None if head is None else bool(head),
+        model_fingerprint=extra.pop(MODEL_FINGERPRINT_KEY, None),
+        notes=extra,
+    )
 
 
 def _add_extra(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
@@ -69,10 +113,10 @@ def _add_extra(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 def write_gpu_split(path: str | Path, split: GpuSplit) -> None:
     """Write ``split`` atomically: a crash never leaves a half-written file for the runtime."""
     with atomic_output(path) as tmp:
-        writer = gguf.GGUFWriter(tmp, ARCHITECTURE)
+        writer = gguf.GGUFWriter(tmp, GPU_INDEX_ARCHITECTURE)
         for layer, mask in enumerate(split.masks):
-            writer.add_tensor(f"blk.{layer}.gpu_idx", mask.astype(np.int32))
-            writer.add_tensor(f"blk.{layer}.gpu_bucket", split.bucket(layer))
+            writer.add_tensor(_idx_name(layer), mask.astype(np.int32))
+            writer.add_tensor(_bucket_name(layer), split.bucket(layer))
         writer.add_block_count(len(split.masks))
         writer.add_uint64(VRAM_CAPACITY_KEY, split.vram_capacity)
         for key, value in split.extra.items():
@@ -89,8 +133,10 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
     """Read a split file written by us or by PowerInfer (magic ``PWRI`` or plain ``GGUF``)."""
     file = open_model_file(path)
     fields = file.metadata
-    if file.architecture != ARCHITECTURE:
-        raise PitoolsError(f"{path}: architecture {file.architecture!r}, expected {ARCHITECTURE!r} (a GPU split file)")
+    if file.architecture != GPU_INDEX_ARCHITECTURE:
+        raise PitoolsError(
+            f"{path}: architecture {file.architecture!r}, expected {GPU_INDEX_ARCHITECTURE!r} (a GPU split file)"
+        )
     if VRAM_CAPACITY_KEY not in fields:
         raise PitoolsError(f"{path}: no {VRAM_CAPACITY_KEY} key, which PowerInfer's loader requires")
     tensors = list(file.tensors.values())  # in file order: the runtime reads them by position
@@ -100,7 +146,7 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
     masks = []
     for layer in range(n_layers):
         idx, bucket = tensors[2 * layer], tensors[2 * layer + 1]
-        if (idx.name, bucket.name) != (f"blk.{layer}.gpu_idx", f"blk.{layer}.gpu_bucket"):
+        if (idx.name, bucket.name) != (_idx_name(layer), _bucket_name(layer)):
             raise PitoolsError(f"{path}: tensors {2 * layer} and {2 * layer + 1} are {idx.name}, {bucket.name}")
         mask = np.asarray(idx.data)
         if not np.isin(mask, (0, 1)).all():
@@ -108,8 +154,13 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
         if not np.array_equal(np.flatnonzero(mask), np.asarray(bucket.data)):
             raise PitoolsError(f"{path}: {bucket.name} is not the sorted list of the neurons {idx.name} marks")
         masks.append(mask.astype(bool))
-    return GpuSplit(
-        masks=tuple(masks),
-        vram_capacity=int(fields[VRAM_CAPACITY_KEY]),
-        extra={key: value for key, value in fields.items() if key not in _STANDARD_KEYS},
-    )
+    ours = {key: value for key, value in fields.items() if key not in _STANDARD_KEYS}
+    return _from_extra(tuple(masks), int(fields[VRAM_CAPACITY_KEY]), ours)
+
+
+def _idx_name(layer: int) -> str:
+    return tensor_base_name(PowerInferTensor.GPU_IDX, layer)  # no .weight: the split file names them so
+
+
+def _bucket_name(layer: int) -> str:
+    return tensor_base_name(PowerInferTensor.GPU_BUCKET, layer)

@@ -10,23 +10,25 @@ of a shape error deep inside a kernel.
 from __future__ import annotations
 
 import numpy as np
+from gguf import MODEL_TENSOR
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models.spec import ModelSpec
 
-from .gguf_names import neuron_frequency_key, predictor_names, tensor_names
+from .constants import PowerInferTensor, neuron_frequency_key, predictor_names, tensor_name
+from .gguf_names import tensor_names
 from .model_file import ModelFile
 
 
 def sparse_layout(model: ModelFile) -> bool:
     """Whether the file stores the down projection transposed (PowerInfer's ``ffn_down_t``)."""
-    return "blk.0.ffn_down_t.weight" in model
+    return tensor_name(PowerInferTensor.FFN_DOWN_T, 0) in model
 
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     """Every tensor ``spec`` implies is present with its shape; predictors come in fc1/fc2 pairs that fit."""
     for expected in tensor_names(spec, sparse_layout(model)):
-        if expected.target == "output.weight" and spec.tied_embeddings:
+        if expected.target == tensor_name(MODEL_TENSOR.OUTPUT) and spec.tied_embeddings:
             continue  # a tied model's head is its token embedding
         _check_shape(model, expected.target, expected.stored_shape)
     for layer in range(spec.n_layers):

@@ -26,10 +26,10 @@ from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.progress import progress_bar
 
+from .constants import POWERINFER_MAGIC_BYTES
 from .quantization import decode, encode, storage_shape
 
 GGUF_MAGIC_BYTES = b"GGUF"
-POWERINFER_MAGIC_BYTES = b"PWRI"
 POWERINFER_MAGIC = int.from_bytes(POWERINFER_MAGIC_BYTES, "little")
 _F16_MAX = float(np.finfo(np.float16).max)
 _CHUNK_BYTES = 16 << 20  # float32 rows encoded at a time

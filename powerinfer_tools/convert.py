@@ -21,29 +21,22 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGUFWriter
+from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
 from .checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
 from .errors import PitoolsError
 from .fileio import atomic_output, check_writable_output
-from .formats.gguf_names import (
-    add_hyperparameters,
-    gguf_architecture,
-    neuron_frequency_key,
-    predictor_names,
-    rope_row_order,
-    tensor_names,
-)
+from .formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
+from .formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
 from .formats.model_file import ModelFileWriter, OutputTensor
 from .formats.predictor_folder import PredictorFolder, read_predictor_folder
 from .formats.quantization import OUTTYPES, OutType, tensor_type
+from .formats.tensor_table import gguf_neuron_axis
 from .formats.tokenizer_gguf import GGUFVocab, read_vocab
 from .hub import looks_local, resolve_checkpoint
 from .models import ModelSpec, spec_from_config
-from .reorder import gguf_neuron_axis
 from .sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 
-SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
 
 
@@ -105,10 +98,6 @@ class _Source(NamedTuple):
     rows: CheckpointRows
 
 
-def _layer_of(gguf_name: str) -> int:
-    return int(gguf_name.split(".")[1])
-
-
 def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None,
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
@@ -116,7 +105,7 @@ def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, or
         checkpoint.check_weight(t.source, t.shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
-            order = orders[_layer_of(t.target)]
+            order = orders[t.layer]
         rows = CheckpointRows(checkpoint, t.source, t.transpose, order, allow_nonfinite)
         sources.append(_Source(t.target, t.stored_shape, rows))
     return sources
@@ -159,7 +148,8 @@ def plan_conversion(
     if predictors is not None:
         sources += _predictor_tensors(predictors, spec.n_layers, orders, allow_nonfinite)
     # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
-    logits = "output.weight" if any(s.target == "output.weight" for s in sources) else "token_embd.weight"
+    output = tensor_name(MODEL_TENSOR.OUTPUT)
+    logits = output if any(s.target == output for s in sources) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
     kind = OUTTYPES[outtype]
     tensors = [
         OutputTensor(s.target, s.shape, tensor_type(s.target, s.shape, kind, is_output=s.target == logits), s.rows)

@@ -12,13 +12,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from .formats.constants import PowerInferTensor
+from .formats.tensor_table import stored_neuron_axis
 from .models.layers import FFNWeights
 
 # The axis that indexes the neurons in each FFNWeights field ([out_features, in_features] layout).
 _FFN_NEURON_AXIS = {"gate": 0, "up": 0, "gate_bias": 0, "up_bias": 0, "down": 1}
-# The same for a layer's GGUF tensors (blk.N.<name>.weight, NumPy shapes): ffn_down is [d, d_ff],
-# PowerInfer's ffn_down_t [d_ff, d], the predictor's fc2 [d_ff, hidden].
-_GGUF_NEURON_AXIS = {"ffn_gate": 0, "ffn_up": 0, "ffn_down": 1, "ffn_down_t": 0, "fc2": 0}
 
 
 def hot_first_permutation(fire_count: np.ndarray) -> np.ndarray:
@@ -33,19 +32,6 @@ def permute_neurons(tensor: np.ndarray, perm: np.ndarray, axis: int) -> np.ndarr
     return np.take(tensor, perm, axis=axis)
 
 
-def gguf_neuron_axis(name: str) -> int | None:
-    """The neuron axis of a per-layer GGUF tensor (``blk.N.ffn_up.weight`` ...), None if it has none.
-
-    Only gate and up biases are per neuron; ``ffn_down``'s bias (either layout) is per output.
-    """
-    parts = name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_NEURON_AXIS:
-        return None
-    if parts[3] == "bias":
-        return 0 if parts[2] in ("ffn_gate", "ffn_up") else None
-    return _GGUF_NEURON_AXIS[parts[2]]
-
-
 def permute_ffn(ffn: FFNWeights, perm: np.ndarray) -> FFNWeights:
     """The same FFN with its neurons renumbered by ``perm`` (down's bias is per output, untouched)."""
     changes = {
@@ -58,7 +44,7 @@ def permute_ffn(ffn: FFNWeights, perm: np.ndarray) -> FFNWeights:
 
 def permute_predictor(fc1: np.ndarray, fc2: np.ndarray, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A predictor for the permuted layer: its outputs (fc2 rows) follow the neurons; fc1 is unchanged."""
-    return fc1, permute_neurons(fc2, perm, _GGUF_NEURON_AXIS["fc2"])
+    return fc1, permute_neurons(fc2, perm, stored_neuron_axis(PowerInferTensor.PREDICTOR_FC2))
 
 
 def profile_permutations(fire_count: np.ndarray) -> list[np.ndarray]:

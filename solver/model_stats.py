@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
+from powerinfer_tools.formats.constants import PowerInferTensor, TensorKind, tensor_name
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
@@ -19,14 +21,14 @@ from powerinfer_tools.errors import PitoolsError
 from .problem import kv_cache_bytes_per_token
 
 # Tensors of a layer's dense block: attention and both norms (read every token, wherever the block runs).
-_DENSE_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
-_NEURON_PARTS = ("ffn_gate", "ffn_up", "ffn_down_t")
-_PREDICTOR_PARTS = ("fc1", "fc2")
+_DENSE_PARTS = (T.ATTN_NORM, T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_NORM)
+_NEURON_PARTS = (T.FFN_GATE, T.FFN_UP, PowerInferTensor.FFN_DOWN_T)
+_PREDICTOR_PARTS = (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)
 
 
-def _bytes(model: ModelFile, layer: int, parts: tuple[str, ...]) -> int:
-    """Bytes of a layer's tensors named ``blk.N.<part>.weight/.bias`` (those present)."""
-    names = (f"blk.{layer}.{part}.{kind}" for part in parts for kind in ("weight", "bias"))
+def _bytes(model: ModelFile, layer: int | None, parts: tuple[TensorKind, ...]) -> int:
+    """Bytes of the weights and biases of ``parts`` (those present) of a layer, or global ones."""
+    names = (tensor_name(part, layer, kind) for part in parts for kind in ("weight", "bias"))
     return sum(model[name].nbytes for name in names if name in model)
 
 
@@ -43,9 +45,8 @@ def read_model_stats(path: str | Path) -> dict:
             f"{path}: no neuron firing frequencies (pitools.blk.N.neuron_frequency); convert the model with "
             "profiling (the default of pitools convert), or pass --stats FILE.npz"
         )
-    head = ("output.weight", "output_norm.weight", "output_norm.bias")
-    if "output.weight" not in model:  # tied: the logits read the token embedding matrix
-        head = ("token_embd.weight",) + head[1:]
+    # Tied: the logits read the token embedding matrix.
+    logits = T.OUTPUT if tensor_name(T.OUTPUT) in model else T.TOKEN_EMBD
     layers = range(spec.n_layers)
     return {
         "freqs": freqs,
@@ -53,6 +54,6 @@ def read_model_stats(path: str | Path) -> dict:
         "dense_bytes": [_bytes(model, i, _DENSE_PARTS) for i in layers],
         "predictor_bytes": [_bytes(model, i, _PREDICTOR_PARTS) for i in layers],
         "kv_bytes_per_token": kv_cache_bytes_per_token(spec.n_kv_heads * spec.head_dim),
-        "head_bytes": sum(model[name].nbytes for name in head if name in model),
+        "head_bytes": _bytes(model, None, (T.OUTPUT_NORM,)) + model[tensor_name(logits)].nbytes,
         "hidden_bytes": spec.d_model * 4,
     }

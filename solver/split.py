@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import PitoolsError
 from ..formats.fingerprint import model_fingerprint
-from ..formats.gpu_split import MODEL_FINGERPRINT_KEY, GpuSplit, read_gpu_split, write_gpu_split
+from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from . import ilp
 from .hardware import HardwareProfile
 from .ilp import SolveReport
@@ -23,36 +23,27 @@ from .problem import (
     problem_from_stats,
 )
 
-SPLIT_SUFFIX = ".generated.gpuidx"  # PowerInfer's runtime looks for <model>.generated.gpuidx
-
-
-def default_split_path(model_path: Path) -> Path:
-    """Where PowerInfer looks for a model's split file: beside it, ``.generated.gpuidx`` appended."""
-    return model_path.with_name(model_path.name + SPLIT_SUFFIX)
-
-
 def split_file(problem: PlacementProblem, placement: Placement, objective: str,
                fingerprint: str | None = None) -> GpuSplit:
     """The split file of ``placement`` (solved for ``objective``, or another name for how it was chosen),
     with our own keys beside PowerInfer's; ``fingerprint`` identifies the model file it was solved for
     (``model_fingerprint``; None when solved from statistics alone)."""
     prediction = predict(problem, placement)
-    identity = {MODEL_FINGERPRINT_KEY: fingerprint} if fingerprint is not None else {}
     return GpuSplit(
         masks=tuple(placement.gpu_mask(problem, index) for index in range(len(problem.layers))),
         # What PowerInfer's loader checks against the VRAM it has left after the dense tensors.
         vram_capacity=int(sum(layer.ffn_vram for layer in prediction.layers)),
-        extra={
+        vram_budget=problem.budget_bytes,
+        dense_on_gpu=tuple(placement.dense_on_gpu),
+        output_on_gpu=placement.head_on_gpu,
+        model_fingerprint=fingerprint,
+        notes={
             "pitools.objective": objective,
             "pitools.predicted_token_ms": prediction.token_s * 1e3,
             "pitools.gpu_neurons": list(placement.gpu_neurons),
-            "pitools.dense_on_gpu": list(placement.dense_on_gpu),
-            "pitools.output_on_gpu": placement.head_on_gpu,
-            "pitools.vram_budget": problem.budget_bytes,
             "pitools.vram_used": prediction.vram,
             "pitools.n_ctx": problem.n_ctx,
             "pitools.hardware": problem.hardware.name,
-            **identity,
         },
     )
 
@@ -70,9 +61,8 @@ def serves(split: GpuSplit, fingerprint: str, budget_bytes: int) -> bool:
     solved for that model file and exactly that budget (a larger budget deserves a new solve; one of
     ours without a fingerprint may be another model's of the same shape); PowerInfer's, which records
     neither, when its FFN capacity fits, as its loader decides."""
-    solved_for = split.extra.get("pitools.vram_budget")
-    if solved_for is not None:
-        return split.extra.get(MODEL_FINGERPRINT_KEY) == fingerprint and int(solved_for) == budget_bytes
+    if split.vram_budget is not None:
+        return split.model_fingerprint == fingerprint and split.vram_budget == budget_bytes
     return split.vram_capacity <= budget_bytes
 
 

@@ -251,10 +251,12 @@ def test_layer_granular_baseline_takes_whole_layers_from_the_end():
 
 def test_split_file_round_trip(tmp_path):
     masks = (np.zeros(6, bool), np.array([1, 0, 1, 1, 0, 0], bool), np.ones(6, bool))
-    extra = {"pitools.objective": "latency", "pitools.gpu_neurons": [0, 3, 6], "pitools.dense_on_gpu": [False, True, True],
-             "pitools.predicted_token_ms": 1.25, "pitools.output_on_gpu": True, "pitools.vram_used": 123}
+    notes = {"pitools.objective": "latency", "pitools.gpu_neurons": [0, 3, 6], "pitools.predicted_token_ms": 1.25,
+             "pitools.vram_used": 123}
+    extra = {**notes, "pitools.dense_on_gpu": [False, True, True], "pitools.output_on_gpu": True}
     path = tmp_path / "m.gguf.generated.gpuidx"
-    write_gpu_split(path, GpuSplit(masks, vram_capacity=4096, extra=extra))
+    write_gpu_split(path, GpuSplit(masks, vram_capacity=4096, dense_on_gpu=(False, True, True), output_on_gpu=True,
+                                   notes=notes))
     assert path.read_bytes()[:8] == b"PWRI" + struct.pack("<I", 3)
     back = read_gpu_split(path)
     assert back.vram_capacity == 4096 and back.extra == extra

@@ -16,9 +16,10 @@ from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.fingerprint import model_fingerprint
-from powerinfer_tools.formats.gpu_split import MODEL_FINGERPRINT_KEY, GpuSplit, read_gpu_split, write_gpu_split
+from powerinfer_tools.formats.constants import MODEL_FINGERPRINT_KEY
+from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
 from powerinfer_tools.solver.hardware import load_profile
-from powerinfer_tools.solver.split import default_split_path, ensure_split
+from powerinfer_tools.solver.split import ensure_split
 from powerinfer_tools.sparsify import SparsifySettings, profile_checkpoint
 
 N_LAYERS, D_MODEL, D_FF = 6, 256, 1024  # the bundled model
@@ -107,7 +108,7 @@ def test_our_split_without_a_fingerprint_is_solved_again_powerinfers_is_kept(mod
     a, _ = models
     masks = tuple(np.arange(D_FF) < 64 for _ in range(N_LAYERS))
     split = tmp_path / "s.gpuidx"
-    write_gpu_split(split, GpuSplit(masks, vram_capacity=1000, extra={"pitools.vram_budget": BUDGET}))
+    write_gpu_split(split, GpuSplit(masks, vram_capacity=1000, vram_budget=BUDGET))
     assert solve(a, split) is not None  # ours from before fingerprints: for which model is unknown
     write_gpu_split(split, GpuSplit(masks, vram_capacity=1000))  # PowerInfer's: fits the budget, kept
     assert solve(a, split) is None

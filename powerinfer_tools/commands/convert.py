@@ -8,6 +8,7 @@ import click
 
 from ..convert import ConversionPlan
 from ..convert import convert as convert_checkpoint
+from ..formats.constants import PowerInferTensor, block_part
 from ..formats.quantization import F16, OUTTYPES, Q4_0
 from ..predictors import TrainSettings
 from ..sparsify import SparsifySettings
@@ -20,8 +21,9 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
     notes = []
     if not has_predictors:
         notes.append("no --predictors: PowerInfer's own runtime needs blk.N.fc1/fc2 predictor tensors to load this file")
-    if any(t.name.endswith("ffn_down_t.weight") and t.qtype not in (F16, Q4_0) for t in plan.tensors):
-        notes.append("PowerInfer's CPU runtime reads ffn_down_t only as f16 or q4_0; use --outtype f16 or q4_0 for it")
+    down_t = block_part(PowerInferTensor.FFN_DOWN_T)
+    if any(t.name.endswith(f".{down_t}.weight") and t.qtype not in (F16, Q4_0) for t in plan.tensors):
+        notes.append(f"PowerInfer's CPU runtime reads {down_t} only as f16 or q4_0; use --outtype f16 or q4_0 for it")
     return notes
 
 

@@ -8,9 +8,12 @@ from typing import Any
 
 import click
 import numpy as np
+from gguf import Keys
 
+from ..formats.constants import PowerInferTensor, block_part
 from ..formats.gguf_names import tensor_kind
 from ..formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
+from ..formats.model_check import sparse_layout
 from ..formats.model_file import ModelFile, open_model_file
 
 KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
@@ -48,9 +51,9 @@ def describe(model: ModelFile) -> dict:
         "layout": "powerinfer" if model.powerinfer else "dense",
         "gguf_version": model.version,
         "architecture": model.architecture,
-        "block_count": model.get("{arch}.block_count"),
+        "block_count": model.get(Keys.LLM.BLOCK_COUNT),
         "predictor_layers": len(predictor_layers),
-        "sparse_ffn": any(t["name"].endswith("ffn_down_t.weight") for t in tensors),
+        "sparse_ffn": sparse_layout(model),
         "metadata": {key: _summary(value) for key, value in model.metadata.items()},
         "tensors": tensors,
         "totals": {kind: total for kind, total in totals.items() if total["tensors"]},
@@ -72,7 +75,7 @@ def _layout_line(report: dict) -> str:
         return f"dense GGUF v{report['gguf_version']}"
     parts = [f"PowerInfer (PWRI magic, GGUF v{report['gguf_version']})"]
     if report["sparse_ffn"]:
-        parts.append("ffn_down_t for sparse axpy")
+        parts.append(f"{block_part(PowerInferTensor.FFN_DOWN_T)} for sparse axpy")
     parts.append(f"predictors in {report['predictor_layers']} of {report['block_count']} layers")
     return ", ".join(parts)
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import PitoolsError
 from ..fileio import check_writable_output
 from ..formats.fingerprint import model_fingerprint
-from ..formats.gpu_split import write_gpu_split
+from ..formats.gpu_split import SPLIT_SUFFIX, default_split_path, write_gpu_split
 from ..solver import ilp
 from ..solver.hardware import (
     DEFAULT_PRESET,
@@ -34,7 +34,7 @@ from ..solver.problem import (
     STATS_KEYS,
     problem_from_stats,
 )
-from ..solver.split import SPLIT_SUFFIX, default_split_path, split_file
+from ..solver.split import split_file
 from ..solver.summary import summary_dict, summary_text
 from ..solver.units import format_size, parse_size
 

@@ -6,19 +6,27 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
 
 from ..errors import PitoolsError
+from ..formats.constants import (
+    SPARSE_THRESHOLD_KEY,
+    PowerInferTensor,
+    TensorKind,
+    block_part,
+    predictor_names,
+    tensor_name,
+)
 from ..formats.gguf_spec import spec_from_model_file
 from ..formats.model_check import check_model_tensors
-from ..formats.gpu_split import GpuSplit, read_gpu_split
+from ..formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
 from ..formats.model_file import ModelFile, open_model_file
 from ..kernels.quant import SUPPORTED_TYPES, QuantMatrix
-from ..solver.split import default_split_path
 from .backends import CpuBackend, CudaDevice, EmulatedDevice
 from .engine import DenseBlock, Norm, RuntimeLayer, RuntimeModel
 from .ffn import FFNPartition, Predictor
 
-SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
+DOWN_T = PowerInferTensor.FFN_DOWN_T
 
 
 class _Tensors:
@@ -42,8 +50,9 @@ class _Tensors:
         v = np.ascontiguousarray(self.model[name].dequantize(), dtype=np.float32)
         return v if backend is None else backend.upload(v)
 
-    def norm(self, prefix: str, backend) -> Norm:
-        return Norm(self.array(f"{prefix}.weight", backend), self.array(f"{prefix}.bias", backend))
+    def norm(self, tensor: TensorKind, layer: int | None, backend) -> Norm:
+        weight, bias = (self.array(tensor_name(tensor, layer, part), backend) for part in ("weight", "bias"))
+        return Norm(weight, bias)
 
 
 def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, d_ff: int, split_path: Path) -> None:
@@ -54,17 +63,17 @@ def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, d_ff: int, sp
             raise PitoolsError(f"{split_path}: layer {i} splits {len(mask)} neurons, the model's FFN has {d_ff}")
 
 
-def _partition(tensors: _Tensors, block: str, neurons: np.ndarray, d_ff: int, backend) -> FFNPartition:
+def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend) -> FFNPartition:
     """The rows of ``neurons`` of one layer's FFN on ``backend``: copied to a device, in place on the host."""
-    has_gate = f"{block}.ffn_gate.weight" in tensors.model
-    sparse_layout = f"{block}.ffn_down_t.weight" in tensors.model
+    has_gate = tensor_name(T.FFN_GATE, layer) in tensors.model
+    sparse_layout = tensor_name(DOWN_T, layer) in tensors.model
     if not backend.is_device:
         rows = np.arange(d_ff)
         pick = lambda name: tensors.matrix(name)  # noqa: E731
         pick_bias = tensors.array
     else:
         if not sparse_layout:
-            raise PitoolsError(f"{tensors.model.path}: a dense file (no ffn_down_t) cannot be split across devices")
+            raise PitoolsError(f"{tensors.model.path}: a dense file (no {block_part(DOWN_T)}) cannot be split across devices")
         rows = np.full(d_ff, -1, dtype=np.int64)
         rows[neurons] = np.arange(len(neurons))
 
@@ -80,13 +89,56 @@ def _partition(tensors: _Tensors, block: str, neurons: np.ndarray, d_ff: int, ba
         backend=backend,
         neurons=neurons,
         row_of=rows,
-        up=pick(f"{block}.ffn_up.weight"),
-        down_t=pick(f"{block}.ffn_down_t.weight") if sparse_layout else None,
-        down=None if sparse_layout else tensors.matrix(f"{block}.ffn_down.weight"),
-        gate=pick(f"{block}.ffn_gate.weight") if has_gate else None,
-        gate_bias=pick_bias(f"{block}.ffn_gate.bias"),
-        up_bias=pick_bias(f"{block}.ffn_up.bias"),
+        up=pick(tensor_name(T.FFN_UP, layer)),
+        down_t=pick(tensor_name(DOWN_T, layer)) if sparse_layout else None,
+        down=None if sparse_layout else tensors.matrix(tensor_name(T.FFN_DOWN, layer)),
+        gate=pick(tensor_name(T.FFN_GATE, layer)) if has_gate else None,
+        gate_bias=pick_bias(tensor_name(T.FFN_GATE, layer, "bias")),
+        up_bias=pick_bias(tensor_name(T.FFN_UP, layer, "bias")),
     )
+
+
+def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float) -> DenseBlock:
+    """A layer's attention, norms, biases and predictor on ``backend`` (matrices uploaded only to a device)."""
+    biases = {
+        key: tensors.array(tensor_name(tensor, layer, "bias"), backend)
+        for key, tensor in (("q", T.ATTN_Q), ("k", T.ATTN_K), ("v", T.ATTN_V), ("o", T.ATTN_OUT))
+    }
+    down_bias = tensors.array(tensor_name(DOWN_T, layer, "bias"), backend)
+    if down_bias is None:
+        down_bias = tensors.array(tensor_name(T.FFN_DOWN, layer, "bias"), backend)
+    biases["down"] = down_bias
+    predictor = None
+    fc1_name, fc2_name = predictor_names(layer)
+    if fc1_name in tensors.model:
+        predictor = Predictor(tensors.array(fc1_name, backend), tensors.array(fc2_name, backend), threshold)
+    matrix_backend = backend if on_device else None
+    return DenseBlock(
+        backend=backend,
+        attn_norm=tensors.norm(T.ATTN_NORM, layer, backend),
+        wq=tensors.matrix(tensor_name(T.ATTN_Q, layer), matrix_backend),
+        wk=tensors.matrix(tensor_name(T.ATTN_K, layer), matrix_backend),
+        wv=tensors.matrix(tensor_name(T.ATTN_V, layer), matrix_backend),
+        wo=tensors.matrix(tensor_name(T.ATTN_OUT, layer), matrix_backend),
+        ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
+        biases={k: v for k, v in biases.items() if v is not None},
+        predictor=predictor,
+    )
+
+
+def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | None, device, host) -> list:
+    """A layer's FFN: the split's hot neurons on the device, the rest (all without a split) on the host."""
+    partitions = []
+    all_neurons = np.arange(d_ff)
+    if gpu_split is not None and gpu_split.masks[layer].any():
+        hot = gpu_split.bucket(layer).astype(np.int64)
+        partitions.append(_partition(tensors, layer, hot, d_ff, device))
+        cold = all_neurons[~gpu_split.masks[layer]]
+    else:
+        cold = all_neurons
+    if len(cold):
+        partitions.append(_partition(tensors, layer, cold, d_ff, host))
+    return partitions
 
 
 def load_runtime_model(
@@ -116,63 +168,33 @@ def load_runtime_model(
     if use_split and (split is not None or split_path.is_file()):
         gpu_split = read_gpu_split(split_path)
         _check_split(gpu_split, model, spec.n_layers, spec.d_ff, split_path)
-        budget = int(gpu_split.extra.get("pitools.vram_budget", gpu_split.vram_capacity))
+        budget = gpu_split.vram_budget if gpu_split.vram_budget is not None else gpu_split.vram_capacity
         device_backend = CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
-    dense_on_gpu = list(gpu_split.extra.get("pitools.dense_on_gpu", [])) if gpu_split else []
 
     threshold = float(model.get(SPARSE_THRESHOLD_KEY, 0.0))
     layers = []
     for i in range(spec.n_layers):
-        block = f"blk.{i}"
-        on_device = gpu_split is not None and (bool(dense_on_gpu[i]) if dense_on_gpu else gpu_split.masks[i].any())
-        backend = device_backend if on_device else host
-        biases = {
-            key: tensors.array(f"{block}.{name}.bias", backend)
-            for key, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output"))
-        }
-        down_bias = tensors.array(f"{block}.ffn_down_t.bias", backend)
-        if down_bias is None:
-            down_bias = tensors.array(f"{block}.ffn_down.bias", backend)
-        biases["down"] = down_bias
-        predictor = None
-        if f"{block}.fc1.weight" in model:
-            fc1, fc2 = (tensors.array(f"{block}.{n}.weight", backend) for n in ("fc1", "fc2"))
-            predictor = Predictor(fc1, fc2, threshold)
-        dense = DenseBlock(
-            backend=backend,
-            attn_norm=tensors.norm(f"{block}.attn_norm", backend),
-            wq=tensors.matrix(f"{block}.attn_q.weight", backend if on_device else None),
-            wk=tensors.matrix(f"{block}.attn_k.weight", backend if on_device else None),
-            wv=tensors.matrix(f"{block}.attn_v.weight", backend if on_device else None),
-            wo=tensors.matrix(f"{block}.attn_output.weight", backend if on_device else None),
-            ffn_norm=tensors.norm(f"{block}.ffn_norm", backend),
-            biases={k: v for k, v in biases.items() if v is not None},
-            predictor=predictor,
+        on_device = gpu_split is not None and (
+            gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
         )
-        partitions = []
-        all_neurons = np.arange(spec.d_ff)
-        if gpu_split is not None and gpu_split.masks[i].any():
-            hot = gpu_split.bucket(i).astype(np.int64)
-            partitions.append(_partition(tensors, block, hot, spec.d_ff, device_backend))
-            cold = all_neurons[~gpu_split.masks[i]]
-        else:
-            cold = all_neurons
-        if len(cold):
-            partitions.append(_partition(tensors, block, cold, spec.d_ff, host))
-        layers.append(RuntimeLayer(dense, partitions, spec.d_ff))
+        backend = device_backend if on_device else host
+        dense = _dense_block(tensors, i, backend, on_device, threshold)
+        layers.append(RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host), spec.d_ff))
 
     # The solver may place the head (output norm and matrix) on the device: then the last hidden
     # state crosses PCIe instead of the logits being computed from host memory.
-    head = device_backend if gpu_split is not None and gpu_split.extra.get("pitools.output_on_gpu") else host
-    output_name = "output.weight" if "output.weight" in model else "token_embd.weight"  # tied: the embedding
+    head = device_backend if gpu_split is not None and gpu_split.output_on_gpu else host
+    output_name = tensor_name(T.OUTPUT)
+    if output_name not in model:  # tied: the embedding
+        output_name = tensor_name(T.TOKEN_EMBD)
     output = tensors.matrix(output_name, None if head is host else head)
     return RuntimeModel(
         spec,
         layers,
-        token_embd=tensors.matrix("token_embd.weight"),
-        output_norm=tensors.norm("output_norm", head) if "output_norm.weight" in model else None,
+        token_embd=tensors.matrix(tensor_name(T.TOKEN_EMBD)),
+        output_norm=tensors.norm(T.OUTPUT_NORM, None, head) if tensor_name(T.OUTPUT_NORM) in model else None,
         output=output,
-        positions=tensors.array("position_embd.weight"),
+        positions=tensors.array(tensor_name(T.POS_EMBD)),
         device=device_backend,
         split_path=split_path if gpu_split is not None else None,
         metadata=model.metadata,

@@ -1,0 +1,88 @@
+"""The names and keys that are ours or PowerInfer's, in one place.
+
+gguf-py's ``gguf.constants`` is the source for everything llama.cpp knows
+(``Keys``, ``MODEL_TENSOR``, ``TENSOR_NAMES``); this module holds only what it
+lacks: PowerInfer's sparse-layout tensors and keys, its split file's names, and
+our own ``pitools.*`` keys. ``tensor_name`` spells either kind of tensor.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from gguf import MODEL_TENSOR, TENSOR_NAMES
+
+# --- PowerInfer's model files ----------------------------------------------------------------------
+
+POWERINFER_MAGIC_BYTES = b"PWRI"  # replaces "GGUF" at the start of a file meant for sparse inference
+SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # the predictors' firing threshold (float32)
+
+
+class PowerInferTensor(Enum):
+    """Tensors of PowerInfer's layouts that llama.cpp's ``MODEL_TENSOR`` has no member for."""
+
+    FFN_DOWN_T = auto()  # the down projection stored neuron-major, [d_ff, d_model], for the sparse axpy
+    PREDICTOR_FC1 = auto()  # a layer's activation predictor: fc1 [hidden, d_model] ...
+    PREDICTOR_FC2 = auto()  # ... and fc2 [d_ff, hidden], one output per FFN neuron
+    GPU_IDX = auto()  # split file: int32 0/1 per neuron of a layer, 1 = on the GPU
+    GPU_BUCKET = auto()  # split file: sorted int32 ids of a layer's GPU neurons
+
+
+POWERINFER_TENSOR_NAMES: dict[PowerInferTensor, str] = {
+    PowerInferTensor.FFN_DOWN_T: "blk.{bid}.ffn_down_t",
+    PowerInferTensor.PREDICTOR_FC1: "blk.{bid}.fc1",
+    PowerInferTensor.PREDICTOR_FC2: "blk.{bid}.fc2",
+    PowerInferTensor.GPU_IDX: "blk.{bid}.gpu_idx",
+    PowerInferTensor.GPU_BUCKET: "blk.{bid}.gpu_bucket",
+}
+
+# --- PowerInfer's split file -----------------------------------------------------------------------
+
+GPU_INDEX_ARCHITECTURE = "generic.gpu_index"
+VRAM_CAPACITY_KEY = "split.vram_capacity"
+
+# --- ours (PowerInfer and llama.cpp ignore them) ---------------------------------------------------
+
+# llama.cpp infers the FFN activation from the architecture (SiLU for dense "llama"), which is wrong
+# for a ReLU model written in dense mode; our runtime reads the true one here.
+FFN_ACTIVATION_KEY = "pitools.ffn_activation"
+# In a split file: what the solver placed beyond PowerInfer's masks, and for which model file.
+VRAM_BUDGET_KEY = "pitools.vram_budget"
+DENSE_ON_GPU_KEY = "pitools.dense_on_gpu"
+OUTPUT_ON_GPU_KEY = "pitools.output_on_gpu"
+MODEL_FINGERPRINT_KEY = "pitools.model_fingerprint"
+
+
+def neuron_frequency_key(layer: int) -> str:
+    """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
+    which ``pitools solve`` places neurons by. PowerInfer ignores it."""
+    return f"pitools.blk.{layer}.neuron_frequency"
+
+
+# --- spelling a tensor's name ----------------------------------------------------------------------
+
+TensorKind = MODEL_TENSOR | PowerInferTensor
+
+
+def tensor_base_name(tensor: TensorKind, layer: int | None = None) -> str:
+    """The GGUF name of ``tensor`` without its ``.weight``/``.bias``: ``blk.3.ffn_up``, ``token_embd``."""
+    template = POWERINFER_TENSOR_NAMES[tensor] if isinstance(tensor, PowerInferTensor) else TENSOR_NAMES[tensor]
+    if ("{bid}" in template) != (layer is not None):
+        raise ValueError(f"{template}: a block tensor needs a layer, a global one takes none")
+    return template.format(bid=layer)
+
+
+def block_part(tensor: TensorKind) -> str:
+    """A block tensor's name within its block, for messages and suffix tests: ``ffn_down_t``."""
+    return tensor_base_name(tensor, 0).split(".", 2)[2]  # blk.0.<part>
+
+
+def tensor_name(tensor: TensorKind, layer: int | None = None, part: str = "weight") -> str:
+    """The GGUF name of one of ``tensor``'s parts: ``tensor_name(MODEL_TENSOR.FFN_UP, 3)`` is
+    ``blk.3.ffn_up.weight``, with ``part="bias"`` its bias."""
+    return f"{tensor_base_name(tensor, layer)}.{part}"
+
+
+def predictor_names(layer: int) -> tuple[str, str]:
+    """PowerInfer's predictor tensors of one layer: fc1 [hidden, n_embd] and fc2 [n_ff, hidden]."""
+    return tensor_name(PowerInferTensor.PREDICTOR_FC1, layer), tensor_name(PowerInferTensor.PREDICTOR_FC2, layer)

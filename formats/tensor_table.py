@@ -1,0 +1,144 @@
+"""One table per architecture: which Hugging Face tensor is which GGUF tensor, and its neuron axis.
+
+In the spirit of gguf-py's ``tensor_mapping.py``: each row pairs a GGUF tensor
+(``gguf.MODEL_TENSOR``, spelled by ``gguf.TENSOR_NAMES``) with the checkpoint's
+name for it (``{bid}``: the block). The reference engine's loader, the
+converter, the runtime's loader, the solver's statistics, the neuron reorder
+and the synthetic checkpoints all name tensors through these rows, so adding an
+architecture is one model module plus one entry in ``TABLES``.
+
+A mixture-of-experts family fits the same shape: a row for the router
+(``MODEL_TENSOR.FFN_GATE_INP``) and rows whose Hugging Face name also has an
+``{xid}`` (the expert) for ``MODEL_TENSOR.FFN_GATE_EXP`` and friends, which GGUF
+stores stacked as ``blk.N.ffn_gate_exps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import MODEL_TENSOR
+
+from .constants import PowerInferTensor, TensorKind, tensor_name
+
+T = MODEL_TENSOR
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """A tensor of the architecture: its GGUF kind and its Hugging Face name."""
+
+    tensor: MODEL_TENSOR | None  # None: a Hugging Face tensor that has no GGUF layout (OPT-350m's projections)
+    hf: str  # the checkpoint's name without ".weight"/".bias"; "{bid}" stands for the block
+    neuron_axis: int | None = None  # the axis of the checkpoint weight that indexes FFN neurons
+
+    def hf_name(self, layer: int | None = None, part: str = "weight") -> str:
+        return f"{self.hf.format(bid=layer)}.{part}"
+
+
+@dataclass(frozen=True)
+class ArchitectureTable:
+    """The rows of one architecture in GGUF file order: before the blocks, per block, after them."""
+
+    before: tuple[TensorRow, ...]
+    block: tuple[TensorRow, ...]
+    after: tuple[TensorRow, ...]
+
+    def row(self, tensor: MODEL_TENSOR | None, hf: str | None = None) -> TensorRow:
+        """The row of ``tensor`` (for a tensor with no GGUF layout, the one whose name ends in ``hf``)."""
+        for row in self.before + self.block + self.after:
+            if row.tensor is tensor and (hf is None or row.hf.endswith(hf)):
+                return row
+        raise KeyError(f"the architecture has no tensor {tensor.name if tensor else hf}")
+
+    def hf_name(self, tensor: MODEL_TENSOR, layer: int | None = None, part: str = "weight") -> str:
+        """The checkpoint's name for ``tensor``: ``hf_name(FFN_UP, 3)`` is ``model.layers.3.mlp.up_proj.weight``."""
+        return self.row(tensor).hf_name(layer, part)
+
+    def neuron_rows(self) -> tuple[TensorRow, ...]:
+        """The block's FFN tensors, which are indexed by neuron along their ``neuron_axis``."""
+        return tuple(row for row in self.block if row.neuron_axis is not None)
+
+
+_LLAMA_BLOCK = "model.layers.{bid}."
+LLAMA = ArchitectureTable(
+    before=(TensorRow(T.TOKEN_EMBD, "model.embed_tokens"),),
+    block=tuple(
+        TensorRow(tensor, _LLAMA_BLOCK + hf, axis)
+        for tensor, hf, axis in (
+            (T.ATTN_NORM, "input_layernorm", None),
+            (T.ATTN_Q, "self_attn.q_proj", None),
+            (T.ATTN_K, "self_attn.k_proj", None),
+            (T.ATTN_V, "self_attn.v_proj", None),
+            (T.ATTN_OUT, "self_attn.o_proj", None),
+            (T.FFN_NORM, "post_attention_layernorm", None),
+            (T.FFN_GATE, "mlp.gate_proj", 0),
+            (T.FFN_UP, "mlp.up_proj", 0),
+            (T.FFN_DOWN, "mlp.down_proj", 1),
+        )
+    ),
+    after=(TensorRow(T.OUTPUT_NORM, "model.norm"), TensorRow(T.OUTPUT, "lm_head")),
+)
+
+_OPT_DECODER = "model.decoder."
+_OPT_BLOCK = _OPT_DECODER + "layers.{bid}."
+OPT = ArchitectureTable(
+    before=(
+        TensorRow(T.TOKEN_EMBD, _OPT_DECODER + "embed_tokens"),
+        TensorRow(T.POS_EMBD, _OPT_DECODER + "embed_positions"),  # with OPT's two leading offset rows
+        TensorRow(None, _OPT_DECODER + "project_in"),
+    ),
+    block=tuple(
+        TensorRow(tensor, _OPT_BLOCK + hf, axis)
+        for tensor, hf, axis in (
+            (T.ATTN_NORM, "self_attn_layer_norm", None),
+            (T.ATTN_Q, "self_attn.q_proj", None),
+            (T.ATTN_K, "self_attn.k_proj", None),
+            (T.ATTN_V, "self_attn.v_proj", None),
+            (T.ATTN_OUT, "self_attn.out_proj", None),
+            (T.FFN_NORM, "final_layer_norm", None),
+            (T.FFN_UP, "fc1", 0),
+            (T.FFN_DOWN, "fc2", 1),
+        )
+    ),
+    # PowerInfer's OPT computes the logits with token_embd: there is no output tensor.
+    after=(
+        TensorRow(None, _OPT_DECODER + "project_out"),
+        TensorRow(T.OUTPUT_NORM, _OPT_DECODER + "final_layer_norm"),
+        TensorRow(None, "lm_head"),  # untied OPT checkpoints only, which have no GGUF layout
+    ),
+)
+
+# ModelSpec.architecture -> its table. Mistral's tensors are LLaMA's.
+TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "opt": OPT}
+
+# The neuron axis of a block's GGUF tensor as stored (NumPy shapes, which are the checkpoint's
+# [out, in]), for every layout: ffn_down [d, d_ff], PowerInfer's ffn_down_t [d_ff, d], fc2 [d_ff, hidden].
+_GGUF_NEURON_AXIS: dict[TensorKind, int] = {
+    T.FFN_GATE: 0,
+    T.FFN_UP: 0,
+    T.FFN_DOWN: 1,
+    PowerInferTensor.FFN_DOWN_T: 0,
+    PowerInferTensor.PREDICTOR_FC2: 0,
+}
+# Only gate and up biases are per neuron; ffn_down's bias (either layout) is per output.
+_NEURON_BIASES = (T.FFN_GATE, T.FFN_UP)
+
+
+def stored_neuron_axis(tensor: TensorKind) -> int | None:
+    """The neuron axis of a block tensor's weight as a GGUF file stores it, None if it has none."""
+    return _GGUF_NEURON_AXIS.get(tensor)
+
+
+def gguf_neuron_axis(name: str) -> int | None:
+    """The neuron axis of a block's GGUF tensor (``blk.N.ffn_up.weight`` ...), None if it has none."""
+    parts = name.split(".")
+    if len(parts) != 4 or not parts[1].isdigit():
+        return None
+    layer = int(parts[1])
+    for tensor, axis in _GGUF_NEURON_AXIS.items():
+        if name == tensor_name(tensor, layer):
+            return axis
+        if name == tensor_name(tensor, layer, "bias"):
+            return 0 if tensor in _NEURON_BIASES else None
+    return None
