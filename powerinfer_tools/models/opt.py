@@ -15,9 +15,7 @@ from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from .base import CheckpointWeights, DecoderModel, optional, require, token_id
 from .layers import FFNWeights, KVCache, attention, feed_forward, layer_norm, linear
-from .spec import FFNKind, ModelSpec, NormKind
-
-POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table
+from .spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 
 
 # ModelSpec fields -> the config.json keys they come from, for error messages.
@@ -66,7 +64,7 @@ def spec_from_config(config: dict) -> ModelSpec:
         pre_norm=pre_norm,
         final_norm=pre_norm and not config.get("_remove_final_layer_norm", False),
         embed_dim=embed_dim if embed_dim != d_model else None,
-        position_offset=POSITION_OFFSET,
+        position_offset=OPT_POSITION_OFFSET,
         bos_token_id=token_id(config, "bos_token_id"),
         eos_token_id=token_id(config, "eos_token_id"),
     )

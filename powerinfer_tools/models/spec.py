@@ -21,6 +21,10 @@ MAX_LAYERS = 1024
 MAX_VOCAB = 2**24
 MAX_POSITIONS = 2**24
 
+# OPT reserves the first two rows of its position table (ModelSpec.position_offset): the reference
+# engine and the GGUF reader both need it.
+OPT_POSITION_OFFSET = 2
+
 
 class FFNKind(str, enum.Enum):
     """How an FFN turns its input into activated neurons.
