@@ -8,7 +8,7 @@ from types import ModuleType
 import numpy as np
 
 
-def array_module(a) -> ModuleType:
+def array_namespace(a) -> ModuleType:
     """CuPy for a CuPy array, NumPy for anything else (CuPy is never imported here)."""
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(a, cupy.ndarray):

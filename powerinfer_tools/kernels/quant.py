@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..xp import array_module
+from ..xp import array_namespace
 
 SUPPORTED_TYPES = (
     GGMLQuantizationType.F32,
@@ -56,14 +56,14 @@ class QuantMatrix:
     def dequantize_rows(self, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """float32 ``[k, cols]`` for the given row indices (all rows when None)."""
         raw = self.data if rows is None else self.data[rows]
-        if self.qtype in _BLOCK_DECODERS and array_module(raw) is np and len(raw) >= _COMPILED_MIN_ROWS:
+        if self.qtype in _BLOCK_DECODERS and array_namespace(raw) is np and len(raw) >= _COMPILED_MIN_ROWS:
             return _dequantize_compiled(raw, self.qtype)
         return dequantize_blocks(raw, self.qtype)
 
     def matmul(self, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """``x [T, cols] @ W[rows].T``: one output column per (selected) row."""
         n = self.rows if rows is None else len(rows)
-        out = array_module(x).empty((x.shape[0], n), dtype=np.float32)
+        out = array_namespace(x).empty((x.shape[0], n), dtype=np.float32)
         for start in range(0, n, _CHUNK_ROWS):
             stop = min(start + _CHUNK_ROWS, n)
             chunk = slice(start, stop) if rows is None else rows[start:stop]
@@ -73,7 +73,7 @@ class QuantMatrix:
     def weighted_row_sum(self, coeffs: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """``coeffs [T, k] @ W[rows]``: the axpy a transposed down projection needs (``ffn_down_t``)."""
         n = self.rows if rows is None else len(rows)
-        out = array_module(coeffs).zeros((coeffs.shape[0], self.cols), dtype=np.float32)
+        out = array_namespace(coeffs).zeros((coeffs.shape[0], self.cols), dtype=np.float32)
         for start in range(0, n, _CHUNK_ROWS):
             stop = min(start + _CHUNK_ROWS, n)
             chunk = slice(start, stop) if rows is None else rows[start:stop]
@@ -148,7 +148,7 @@ def dequantize_blocks(raw, qtype: GGMLQuantizationType):
     16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each
     stored with an offset of 8.
     """
-    xp = array_module(raw)
+    xp = array_namespace(raw)
     if qtype is GGMLQuantizationType.F32:
         return xp.asarray(raw, dtype=xp.float32)
     if qtype is GGMLQuantizationType.F16:

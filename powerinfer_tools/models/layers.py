@@ -14,19 +14,19 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..xp import array_module
+from ..xp import array_namespace
 from .spec import FFNKind
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = (x * x).mean(axis=-1, keepdims=True)
-    return x / array_module(x).sqrt(variance + eps) * weight
+    return x / array_namespace(x).sqrt(variance + eps) * weight
 
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     centred = x - x.mean(axis=-1, keepdims=True)
     variance = (centred * centred).mean(axis=-1, keepdims=True)
-    return centred / array_module(x).sqrt(variance + eps) * weight + bias
+    return centred / array_namespace(x).sqrt(variance + eps) * weight + bias
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
@@ -35,11 +35,11 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None)
 
 
 def relu(x: np.ndarray) -> np.ndarray:
-    return array_module(x).maximum(x, 0)
+    return array_namespace(x).maximum(x, 0)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1 + array_module(x).exp(-x))
+    return x / (1 + array_namespace(x).exp(-x))
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_factor: float, dtype) -> tuple:
@@ -53,7 +53,7 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_fact
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate ``x [tokens, heads, head_dim]``: pairs are (i, i + head_dim/2), as in HF LLaMA."""
     half = x.shape[-1] // 2
-    rotated = array_module(x).concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    rotated = array_namespace(x).concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
@@ -67,7 +67,7 @@ def apply_rope_adjacent(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.n
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     even, odd = x[..., 0::2], x[..., 1::2]
-    out = array_module(x).empty_like(x)
+    out = array_namespace(x).empty_like(x)
     out[..., 0::2] = even * c - odd * s
     out[..., 1::2] = even * s + odd * c
     return out
@@ -97,7 +97,7 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.keys.shape[1])
         pad = ((0, 0), (0, capacity - self.keys.shape[1]), (0, 0), (0, 0))
-        xp = array_module(self.keys)
+        xp = array_namespace(self.keys)
         self.keys = xp.pad(self.keys, pad)
         self.values = xp.pad(self.values, pad)
 
@@ -111,7 +111,7 @@ def attention(
     ``keys/values [S, kv_heads, hd]`` hold positions ``0 .. S-1`` (S = start + T).
     Returns ``[T, heads * hd]``.
     """
-    xp = array_module(q)
+    xp = array_namespace(q)
     n_tokens, n_heads, head_dim = q.shape
     n_kv = keys.shape[1]
     group = n_heads // n_kv

@@ -20,7 +20,7 @@ from ..formats.predictor_folder import predict
 from ..kernels.quant import QuantMatrix
 from ..models.layers import activate
 from ..models.spec import FFNKind
-from ..xp import array_module
+from ..xp import array_namespace
 
 
 class FFNMode(str, enum.Enum):
@@ -38,7 +38,7 @@ class Predictor:
     threshold: float = 0.0
 
     def __call__(self, x):
-        return predict(array_module(x), self.fc1, self.fc2, x, self.threshold)
+        return predict(array_namespace(x), self.fc1, self.fc2, x, self.threshold)
 
     @property
     def nbytes(self) -> int:
