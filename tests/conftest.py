@@ -1,6 +1,64 @@
-"""Command-line options of the test suite."""
+"""Command-line options of the test suite, and the fixtures several test modules share.
+
+A shared model is built once per session; tests that damage a model work on a copy. The fixtures import
+their helpers when first used: those load torch and transformers, which many test runs never need.
+"""
+
+import pytest
 
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=None,
                      help="Cases of tests/test_fuzz.py to run [default: $PITOOLS_FUZZ_CASES, else 400].")
+
+
+@pytest.fixture(scope="session")
+def sparse_tiny(tmp_path_factory):
+    """The tiny ReGLU LLaMA made to fire sparsely (tiny_models.build_tiny_model), with its heldout.txt."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("sparse-tiny"), sparse=True)
+
+
+@pytest.fixture(scope="session")
+def numpy_checkpoint(tmp_path_factory):
+    """The tiny ReLU LLaMA written with NumPy alone (numpy_models.tiny_checkpoint): tests copy it to damage it."""
+    from numpy_models import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("numpy-checkpoint") / "model")
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """The error-contract tests' model (gguf_fixtures.SMALL) with a trained GPT-2 tokenizer."""
+    from gguf_fixtures import SMALL, make_model
+
+    folder = tmp_path_factory.mktemp("small") / "model"
+    make_model(folder, "llama", **SMALL)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def small_powerinfer_file(small_checkpoint, tmp_path_factory):
+    """``small_checkpoint`` converted to float32 with predictors and firing frequencies (what solve needs)."""
+    import dataclasses
+
+    from gguf_fixtures import FAST_TRAINING, write_code_corpus
+
+    from powerinfer_tools.convert import convert
+    from powerinfer_tools.sparsify import SparsifySettings
+
+    root = tmp_path_factory.mktemp("small-powerinfer")
+    # This model's FFNs are so small that the smallest predictor needs more than the default budget.
+    train = dataclasses.replace(FAST_TRAINING, budget=0.5)
+    settings = SparsifySettings(corpus=(write_code_corpus(root / "corpus.txt"),), tokens=512, seq_len=32, train=train)
+    path, _ = convert(str(small_checkpoint), root / "m.powerinfer.gguf", "f32", sparsify=settings, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_models(tmp_path_factory):
+    """kind -> (checkpoint folder, dense GGUF) for the GPT-2 and SentencePiece tokenizer test models."""
+    from gguf_fixtures import build_tokenizer_models
+
+    return build_tokenizer_models(tmp_path_factory.mktemp("tokenizer-models"))

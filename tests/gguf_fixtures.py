@@ -20,6 +20,7 @@ from tokenizers import (
 )
 
 from powerinfer_tools.llamacpp import load_llama_cpp as llama  # noqa: F401 - the tests' name for it
+from powerinfer_tools.predictors import TrainSettings
 
 EOT = "<|endoftext|>"
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -102,11 +103,24 @@ def make_model(folder: Path, family: str, tokenizer: str = "gpt2", *, extra_voca
     return hf_models.build(folder, family, config_overrides=config, **(build_kwargs or {}))
 
 
+# The 2-layer ReLU LLaMA the error-contract tests convert and damage (make_model gives it its vocabulary).
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+             max_position_embeddings=32, hidden_act="relu")
+# Predictor training cut short: these tests check the pipeline, not how well predictors predict.
+FAST_TRAINING = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
+
+
+def write_code_corpus(path: Path) -> Path:
+    """A profiling corpus: the json package's sources (on every Python) in one text file."""
+    path.write_text("\n\n".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
+    return path
+
+
 TOKENIZER_TEST_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                             num_key_value_heads=2, max_position_embeddings=64, hidden_act="silu")
 
 
-def tokenizer_models(root: Path) -> dict[str, tuple[Path, Path]]:
+def build_tokenizer_models(root: Path) -> dict[str, tuple[Path, Path]]:
     """kind -> (checkpoint folder, dense GGUF) for a tiny model with a GPT-2 ("gpt2") and a
     LLaMA-style ("spm") tokenizer; the GPT-2 one pads its vocabulary with 3 unused tokens."""
     from powerinfer_tools.convert import convert

@@ -1,83 +1,30 @@
 """Bad hyperparameters, in a config.json or a GGUF header: one error line naming the file and the key,
 exit status 1, nothing written, nothing changed. Every path builds a ``ModelSpec``, which checks them.
-
-The helpers here (a tiny checkpoint written with NumPy alone, ``cli_error``, ``snapshot``) are shared
-with test_bad_headers.py and test_bad_profile.py.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-from click.testing import CliRunner
-from gguf import GGUFWriter
-from safetensors.numpy import save_file
+from cli_checks import fails, invoke, snapshot
+from numpy_models import TINY, edit_config, write_gguf
 
-from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.cli import cli
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.models import spec_from_config
 from powerinfer_tools.models.spec import MAX_POSITIONS
 
-TINY = dict(model_type="llama", hidden_act="relu", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2, vocab_size=4096, max_position_embeddings=64,
-            rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
-
-
-def tiny_checkpoint(folder: Path) -> Path:
-    """A random 2-layer ReLU LLaMA (no torch needed) with the bundled model's tokenizer and some of its text."""
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    names = tensor_names(spec_from_config(TINY), powerinfer=False)
-    save_file({t.source: (0.2 * rng.standard_normal(t.shape)).astype(np.float32) for t in names},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(TINY))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(BUNDLED_MODEL / name, folder / name)
-    (folder / "heldout.txt").write_text((BUNDLED_MODEL / "heldout.txt").read_text(encoding="utf-8")[:20000])
-    return folder
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder`` and its bytes, to check that a failed command changed nothing."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def cli_error(*args, names: Path | str, match: str) -> str:
-    """Run ``pitools ARGS``; check it failed with exactly one error line naming ``names`` and saying ``match``."""
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, (result.exception, result.output)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pitools: error: "), result.stderr
-    assert str(names) in lines[0] and match in lines[0], lines[0]
-    return lines[0]
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("pristine") / "model")
-
-
 @pytest.fixture
-def model(tmp_path, pristine):
-    return Path(shutil.copytree(pristine, tmp_path / "model"))
-
-
-def write_config(model: Path, **changes) -> None:
-    path = model / "config.json"
-    path.write_text(json.dumps(dict(json.loads(path.read_text()), **changes)))
+def model(tmp_path, numpy_checkpoint):
+    return Path(shutil.copytree(numpy_checkpoint, tmp_path / "model"))
 
 
 def refused_conversion(model: Path, names: Path, match: str) -> None:
     before = snapshot(model)
     out = model.parent / "out"
     out.mkdir()
-    cli_error("convert", model, "-o", out / "m.gguf", "-q", "--no-sparsity", names=names, match=match)
+    fails("convert", model, "-o", out / "m.gguf", "-q", "--no-sparsity", names=names, match=match)
     assert list(out.iterdir()) == [] and snapshot(model) == before
 
 
@@ -105,7 +52,7 @@ def refused_conversion(model: Path, names: Path, match: str) -> None:
     (dict(hidden_act=["relu"]), "hidden_act=['relu'] are not supported"),
 ])
 def test_invalid_config_value_is_one_error_naming_file_and_key(model, changes, match):
-    write_config(model, **changes)
+    edit_config(model, **changes)
     refused_conversion(model, model / "config.json", match)
 
 
@@ -115,8 +62,8 @@ def test_config_that_is_not_an_object(model):
 
 
 def test_profile_checks_the_config_too(model, tmp_path):
-    write_config(model, num_attention_heads=0)
-    cli_error("profile", model, "-o", tmp_path / "prof", names=model / "config.json", match="num_attention_heads is 0")
+    edit_config(model, num_attention_heads=0)
+    fails("profile", model, "-o", tmp_path / "prof", names=model / "config.json", match="num_attention_heads is 0")
     assert not (tmp_path / "prof").exists()
 
 
@@ -132,32 +79,6 @@ def test_a_list_of_end_of_sequence_ids_means_the_first():
 
 # --- GGUF headers: the same checks, named by metadata key ----------------------------------------
 
-HYPERPARAMETERS = {
-    "llama.context_length": 64, "llama.embedding_length": 32, "llama.block_count": 2,
-    "llama.feed_forward_length": 64, "llama.attention.head_count": 2, "llama.attention.head_count_kv": 2,
-    "llama.vocab_size": 100, "llama.attention.layer_norm_rms_epsilon": 1e-5,
-}
-
-
-def write_gguf(path: Path, **changes) -> Path:
-    """A GGUF file holding only metadata: the hyperparameters with ``changes`` (typed by their Python type)."""
-    writer = GGUFWriter(path, "llama")
-    for key, value in dict(HYPERPARAMETERS, **{k.replace("__", "."): v for k, v in changes.items()}).items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        else:
-            writer.add_uint32(key, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    writer.close()
-    return path
-
-
 @pytest.mark.parametrize("changes, match", [
     (dict(llama__attention__head_count=0), "llama.attention.head_count is 0; it must be at least 1"),
     (dict(llama__embedding_length=0), "llama.embedding_length is 0"),
@@ -171,11 +92,11 @@ def write_gguf(path: Path, **changes) -> Path:
 def test_invalid_gguf_header_is_one_error_in_inspect_and_run(tmp_path, changes, match):
     path = write_gguf(tmp_path / "m.gguf", **changes)
     before = path.read_bytes()
-    cli_error("inspect", path, names=path, match=match)
-    cli_error("run", path, "-p", "hi", names=path, match=match)
+    fails("inspect", path, names=path, match=match)
+    fails("run", path, "-p", "hi", names=path, match=match)
     assert path.read_bytes() == before
 
 
 def test_valid_gguf_header_is_shown(tmp_path):
-    result = CliRunner().invoke(cli, ["inspect", str(write_gguf(tmp_path / "m.gguf"))])
+    result = invoke("inspect", write_gguf(tmp_path / "m.gguf"))
     assert result.exit_code == 0 and "llama.block_count" in result.output

@@ -13,33 +13,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cli_checks import fails, invoke, snapshot
 from gguf import GGUFWriter
+from numpy_models import edit_config, write_gguf
 from safetensors.numpy import load_file, save_file
-from test_bad_config import cli_error, snapshot, tiny_checkpoint, write_config, write_gguf
-
-from powerinfer_tools.cli import cli
 
 UP = "model.layers.0.mlp.up_proj.weight"
 GATE = "model.layers.0.mlp.gate_proj.weight"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("pristine") / "model")
-
-
 @pytest.fixture
-def model(tmp_path, pristine):
+def model(tmp_path, numpy_checkpoint):
     (tmp_path / "out").mkdir()
-    return Path(shutil.copytree(pristine, tmp_path / "model"))
+    return Path(shutil.copytree(numpy_checkpoint, tmp_path / "model"))
 
 
 def refused(model: Path, *extra, names: Path, match: str) -> None:
     """``pitools convert`` fails as the contract says: one line, no output (nor work folder), input unchanged."""
     before = snapshot(model)
     out = model.parent / "out"
-    cli_error("convert", model, "-o", out / "m.gguf", "-q", *extra, names=names, match=match)
+    fails("convert", model, "-o", out / "m.gguf", "-q", *extra, names=names, match=match)
     assert list(out.iterdir()) == [] and snapshot(model) == before
 
 
@@ -92,13 +85,13 @@ def test_weights_path_that_is_a_folder(model):
 
 def test_empty_checkpoint_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # Path("") is the current folder, which must not be taken for the checkpoint
-    cli_error("convert", "", names="''", match="empty checkpoint path")
+    fails("convert", "", names="''", match="empty checkpoint path")
 
 
 def test_engine_refuses_tensors_that_disagree_with_config(model, tmp_path):
-    write_config(model, intermediate_size=96)
-    cli_error("profile", model, "-o", tmp_path / "prof", names=model / "model.safetensors",
-              match="has shape [64, 32], config.json implies [96, 32]")
+    edit_config(model, intermediate_size=96)
+    fails("profile", model, "-o", tmp_path / "prof", names=model / "model.safetensors",
+          match="has shape [64, 32], config.json implies [96, 32]")
     assert not (tmp_path / "prof").exists()
 
 
@@ -120,15 +113,14 @@ def test_nonfinite_weights_are_refused_as_they_stream(nonfinite):
 
 def test_nonfinite_weights_are_refused_before_profiling(nonfinite):
     refused(nonfinite, names=nonfinite / "model.safetensors", match=f"{UP!r} has 3 non-finite values")
-    cli_error("profile", nonfinite, "-o", nonfinite.parent / "prof", names=nonfinite / "model.safetensors",
-              match="3 non-finite values")
+    fails("profile", nonfinite, "-o", nonfinite.parent / "prof", names=nonfinite / "model.safetensors",
+          match="3 non-finite values")
     assert not (nonfinite.parent / "prof").exists()
 
 
 def test_allow_nonfinite_writes_them(nonfinite):
     out = nonfinite.parent / "out" / "m.gguf"
-    result = CliRunner().invoke(cli, ["convert", str(nonfinite), "-o", str(out), "-q", "--no-sparsity",
-                                      "--outtype", "f32", "--allow-nonfinite"])
+    result = invoke("convert", nonfinite, "-o", out, "-q", "--no-sparsity", "--outtype", "f32", "--allow-nonfinite")
     assert result.exit_code == 0, result.output
     from powerinfer_tools.formats.model_file import open_model_file
 
@@ -143,10 +135,10 @@ def test_allow_nonfinite_writes_them(nonfinite):
 
 
 def test_inspect_paths_that_are_not_regular_files(tmp_path):
-    cli_error("inspect", "/dev/zero", names="/dev/zero", match="not a regular file")
-    cli_error("inspect", tmp_path, names=tmp_path, match="is a directory")
+    fails("inspect", "/dev/zero", names="/dev/zero", match="not a regular file")
+    fails("inspect", tmp_path, names=tmp_path, match="is a directory")
     os.mkfifo(tmp_path / "fifo")
-    cli_error("inspect", tmp_path / "fifo", names=tmp_path / "fifo", match="not a regular file")
+    fails("inspect", tmp_path / "fifo", names=tmp_path / "fifo", match="not a regular file")
 
 
 def gguf_with_tensor(path: Path) -> Path:
@@ -191,7 +183,7 @@ def test_inspect_corrupt_gguf_header(tmp_path, what):
     path.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning printed on stderr would be a second line
-        cli_error("inspect", path, names=path, match="corrupt or truncated model file")
+        fails("inspect", path, names=path, match="corrupt or truncated model file")
 
 
 def test_inspect_architecture_that_is_not_a_string(tmp_path):
@@ -200,4 +192,4 @@ def test_inspect_architecture_that_is_not_a_string(tmp_path):
     at = after(data, b"general.architecture")
     data[at : at + 4] = (4).to_bytes(4, "little")  # uint32: the string's length bytes become a number
     path.write_bytes(bytes(data))
-    cli_error("inspect", path, names=path, match="corrupt or truncated model file")
+    fails("inspect", path, names=path, match="corrupt or truncated model file")

@@ -4,8 +4,8 @@ one line naming the option, exit status 1, nothing written, no input changed."""
 from __future__ import annotations
 
 import pytest
+from cli_checks import fails
 from click.testing import CliRunner
-from test_convert_bad_input import fails
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.cli import cli

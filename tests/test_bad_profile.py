@@ -12,30 +12,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-from test_bad_config import cli_error, snapshot, tiny_checkpoint
+from cli_checks import fails, invoke, snapshot
 
 from powerinfer_tools.formats import profile_folder as profiling
-from powerinfer_tools.cli import cli
 
 PROFILE = ("--tokens", "2000", "--seq-len", "64", "-q")  # 32 windows, every token's pairs kept
 TRAIN = ("--budget", "0.5", "--epochs", "1", "-q")
 
 
-def invoke(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("checkpoint") / "model")
-
-
-@pytest.fixture(scope="module")
-def pristine(checkpoint):
-    folder = checkpoint.parent / "profile"
-    assert invoke("profile", checkpoint, "-o", folder, *PROFILE).exit_code == 0
-    assert invoke("train-predictors", folder, "-o", checkpoint.parent / "predictors", *TRAIN).exit_code == 0
+def pristine(numpy_checkpoint, tmp_path_factory):
+    """A finished profile of the shared tiny checkpoint, and its predictors beside it."""
+    folder = tmp_path_factory.mktemp("bad-profile") / "profile"
+    assert invoke("profile", numpy_checkpoint, "-o", folder, *PROFILE).exit_code == 0
+    assert invoke("train-predictors", folder, "-o", folder.parent / "predictors", *TRAIN).exit_code == 0
     return folder
 
 
@@ -50,7 +40,7 @@ def edit_json(path: Path, edit) -> None:
 
 def refused_training(profile: Path, names: Path, match: str) -> None:
     before = snapshot(profile)
-    cli_error("train-predictors", profile, "-o", profile.parent / "pred", *TRAIN, names=names, match=match)
+    fails("train-predictors", profile, "-o", profile.parent / "pred", *TRAIN, names=names, match=match)
     assert not (profile.parent / "pred").exists() and snapshot(profile) == before
 
 
@@ -65,7 +55,7 @@ def refused_training(profile: Path, names: Path, match: str) -> None:
 def test_bad_profile_json(profile, edit, match):
     edit_json(profile / "profile.json", edit)
     refused_training(profile, profile / "profile.json", match)
-    cli_error("profile", "--report", profile, names=profile / "profile.json", match=match)
+    fails("profile", "--report", profile, names=profile / "profile.json", match=match)
 
 
 def test_stats_of_another_shape(profile):
@@ -92,11 +82,11 @@ def test_bad_training_pairs(profile, damage, match):
     refused_training(profile, pairs, match)
 
 
-def test_truncated_pairs_are_not_zero_filled_on_resume(profile, checkpoint):
+def test_truncated_pairs_are_not_zero_filled_on_resume(profile, numpy_checkpoint):
     pairs = profile / "pairs" / "blk.0.x.npy"
     edit_json(profile / "profile.json", lambda meta: dict(meta, progress=dict(meta["progress"], complete=False)))
     os.truncate(pairs, 10_000)
-    cli_error("profile", checkpoint, "-o", profile, *PROFILE, names=pairs, match="truncated training-pair file")
+    fails("profile", numpy_checkpoint, "-o", profile, *PROFILE, names=pairs, match="truncated training-pair file")
     assert pairs.stat().st_size == 10_000
 
 
@@ -110,23 +100,23 @@ def test_truncated_pairs_are_not_zero_filled_on_resume(profile, checkpoint):
 def test_bad_predictors_json(pristine, tmp_path, edit, match):
     predictors = Path(shutil.copytree(pristine.parent / "predictors", tmp_path / "predictors"))
     edit_json(predictors / "predictors.json", edit)
-    cli_error("train-predictors", "--report", predictors, names=predictors / "predictors.json", match=match)
+    fails("train-predictors", "--report", predictors, names=predictors / "predictors.json", match=match)
 
 
 # --- a full disk -------------------------------------------------------------------------------
 
 
-def test_full_disk_when_pairs_are_created(checkpoint, tmp_path, monkeypatch):
+def test_full_disk_when_pairs_are_created(numpy_checkpoint, tmp_path, monkeypatch):
     def fallocate(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
-    cli_error("profile", checkpoint, "-o", tmp_path / "prof", *PROFILE, names=tmp_path / "prof" / "pairs",
-              match="cannot write training pairs: No space left on device")
+    fails("profile", numpy_checkpoint, "-o", tmp_path / "prof", *PROFILE, names=tmp_path / "prof" / "pairs",
+          match="cannot write training pairs: No space left on device")
     assert not (tmp_path / "prof" / "pairs").exists()  # the space it took is given back
 
 
-def test_full_disk_while_pairs_are_written_then_resume(checkpoint, pristine, tmp_path, monkeypatch):
+def test_full_disk_while_pairs_are_written_then_resume(numpy_checkpoint, pristine, tmp_path, monkeypatch):
     writes = []
 
     def open_failing_on_the_fifth_write(file, mode="r", *args, **kwargs):
@@ -138,8 +128,8 @@ def test_full_disk_while_pairs_are_written_then_resume(checkpoint, pristine, tmp
 
     monkeypatch.setattr(profiling, "open", open_failing_on_the_fifth_write, raising=False)
     folder = tmp_path / "prof"
-    cli_error("profile", checkpoint, "-o", folder, *PROFILE, names=folder / "pairs",
-              match="cannot write training pairs: No space left on device")
+    fails("profile", numpy_checkpoint, "-o", folder, *PROFILE, names=folder / "pairs",
+          match="cannot write training pairs: No space left on device")
     monkeypatch.undo()
-    assert invoke("profile", checkpoint, "-o", folder, *PROFILE).exit_code == 0  # resumes, and completes
+    assert invoke("profile", numpy_checkpoint, "-o", folder, *PROFILE).exit_code == 0  # resumes, and completes
     assert snapshot(folder / "pairs") == snapshot(pristine / "pairs")

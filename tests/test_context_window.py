@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cli_checks import fails
 from click.testing import CliRunner
-from test_convert_bad_input import fails
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.cli import cli

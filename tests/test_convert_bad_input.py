@@ -9,54 +9,25 @@ import struct
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cli_checks import fails, invoke
 from gguf import GGUFWriter
-from gguf_fixtures import make_model, random_predictors, save_predictors
-
-from powerinfer_tools.cli import cli
-
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-             max_position_embeddings=32, hidden_act="relu")
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pristine") / "model"
-    make_model(folder, "llama", **SMALL)
-    return folder
+from gguf_fixtures import random_predictors, save_predictors
+from numpy_models import edit_config
 
 
 @pytest.fixture
-def model(tmp_path, pristine):
+def model(tmp_path, small_checkpoint):
     """A fresh copy each test may damage; outputs go to tmp_path/out."""
     folder = tmp_path / "model"
-    shutil.copytree(pristine, folder)
+    shutil.copytree(small_checkpoint, folder)
     (tmp_path / "out").mkdir()
     return folder
-
-
-def fails(*args, match: str) -> None:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 1, result.output
-    assert result.stderr.startswith("pitools: error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert match in result.stderr, result.stderr
 
 
 def converts_nothing(model, *extra, match: str) -> None:
     out = model.parent / "out"
     fails("convert", model, "-o", out / "m.gguf", "-q", *extra, match=match)
     assert list(out.iterdir()) == []  # no output, no temporary file
-
-
-def edit_config(model, **changes) -> None:
-    path = model / "config.json"
-    config = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            del config[key]
-        else:
-            config[key] = value
-    path.write_text(json.dumps(config))
 
 
 def test_truncated_safetensors(model):
@@ -104,7 +75,7 @@ def test_existing_output_needs_force(model):
     out.write_bytes(b"keep me")
     fails("convert", model, "-o", out, "-q", match="output exists; pass --force")
     assert out.read_bytes() == b"keep me"
-    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(out), "-q", "--force", "--no-sparsity"])
+    result = invoke("convert", model, "-o", out, "-q", "--force", "--no-sparsity")
     assert result.exit_code == 0 and out.read_bytes()[:4] == b"PWRI"
 
 
@@ -128,7 +99,7 @@ def test_interrupted_conversion_leaves_nothing(model, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(GGUFWriter, "write_tensor_data", interrupt)
-    result = CliRunner().invoke(cli, ["convert", str(model), "-o", str(model.parent / "out" / "m.gguf"), "-q", "--no-sparsity"])
+    result = invoke("convert", model, "-o", model.parent / "out" / "m.gguf", "-q", "--no-sparsity")
     assert result.exit_code != 0
     assert list((model.parent / "out").iterdir()) == []
 
@@ -164,7 +135,7 @@ def test_unembeddable_tokenizer(model):
 @pytest.fixture
 def converted(model):
     path = model.parent / "out" / "m.gguf"
-    assert CliRunner().invoke(cli, ["convert", str(model), "-o", str(path), "-q", "--no-sparsity"]).exit_code == 0
+    assert invoke("convert", model, "-o", path, "-q", "--no-sparsity").exit_code == 0
     return path
 
 

@@ -13,8 +13,6 @@ default; ``PITOOLS_FUZZ_CASES=N`` or ``pytest --fuzz-cases N`` runs N.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -28,18 +26,15 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from cli_checks import snapshot
 from click.testing import CliRunner, Result
 from gguf import GGUFReader, GGUFValueType
-from gguf_fixtures import make_model
-from test_convert_bad_input import SMALL
-from test_pipeline import FAST
 
 from powerinfer_tools.cli import cli
 from powerinfer_tools.convert import convert
 from powerinfer_tools.formats.gpu_split import read_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.hardware import load_profile
-from powerinfer_tools.sparsify import SparsifySettings
 
 SEED = 20_240_000
 DEFAULT_CASES = 400
@@ -70,17 +65,10 @@ class Base:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Base:
-    root = tmp_path_factory.mktemp("fuzz-base")
-    folder = root / "model"
-    make_model(folder, "llama", **SMALL)
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
-    # This model's FFNs are so small that the smallest predictor needs more than the default budget.
-    settings = SparsifySettings(corpus=(corpus,), tokens=512, seq_len=32, train=dataclasses.replace(FAST, budget=0.5))
-    powerinfer, _ = convert(str(folder), root / "m.powerinfer.gguf", "f32", sparsify=settings, progress=False)
-    dense, _ = convert(str(folder), root / "m.gguf", "f16", dense=True, progress=False)
-    return Base(folder, powerinfer, dense)
+def base(small_checkpoint, small_powerinfer_file, tmp_path_factory) -> Base:
+    dense, _ = convert(str(small_checkpoint), tmp_path_factory.mktemp("fuzz-base") / "m.gguf", "f16", dense=True,
+                       progress=False)
+    return Base(small_checkpoint, small_powerinfer_file, dense)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -368,12 +356,6 @@ class Command:
 
     def __str__(self) -> str:
         return " ".join(Path(a).name if isinstance(a, Path) else repr(a)[:60] for a in self.args)
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` and the hash of its bytes (folders as such, so that one made is seen)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(folder.rglob("*"))}
 
 
 def _uncaught(result: Result) -> str | None:

@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 from gguf import TokenType
-from gguf_fixtures import (
-    EOT,
-    SAMPLE_TEXTS,
-    llama,
-    tokenizer_models,
-    train_gpt2_tokenizer,
-)
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, train_gpt2_tokenizer
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.tokenizer_gguf import read_vocab
 from tokenizers import Tokenizer
@@ -21,14 +15,9 @@ from tokenizers import Tokenizer
 from powerinfer_tools.errors import PitoolsError
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    return tokenizer_models(tmp_path_factory.mktemp("tok"))
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
-def test_llamacpp_tokenizes_like_tokenizers(converted, kind):
-    folder, path = converted[kind]
+def test_llamacpp_tokenizes_like_tokenizers(tokenizer_models, kind):
+    folder, path = tokenizer_models[kind]
     reference = Tokenizer.from_file(str(folder / "tokenizer.json"))
     cpp = llama(path, vocab_only=True)
     for text in SAMPLE_TEXTS:
@@ -36,20 +25,20 @@ def test_llamacpp_tokenizes_like_tokenizers(converted, kind):
         assert cpp.tokenize(text.encode(), add_bos=False, special=False) == expected, text
 
 
-def test_special_tokens_and_bos(converted):
-    folder, path = converted["gpt2"]
+def test_special_tokens_and_bos(tokenizer_models):
+    folder, path = tokenizer_models["gpt2"]
     cpp = llama(path, vocab_only=True)
     assert cpp.token_bos() == cpp.token_eos() == 0
     text = f"{EOT}def main():{EOT}"
     expected = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
     assert expected[0] == expected[-1] == 0
     assert cpp.tokenize(text.encode(), add_bos=True, special=True) == expected  # add_bos_token is false
-    spm = llama(converted["spm"][1], vocab_only=True)
+    spm = llama(tokenizer_models["spm"][1], vocab_only=True)
     assert spm.tokenize(b"hi", add_bos=True)[0] == 1  # LLaMA style: add_bos_token true, <s> is 1
 
 
-def test_gpt2_metadata(converted):
-    folder, path = converted["gpt2"]
+def test_gpt2_metadata(tokenizer_models):
+    folder, path = tokenizer_models["gpt2"]
     meta = open_model_file(path).metadata
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
     assert meta["tokenizer.ggml.model"] == "gpt2"
@@ -65,8 +54,8 @@ def test_gpt2_metadata(converted):
     assert meta["tokenizer.ggml.add_bos_token"] is False
 
 
-def test_spm_metadata(converted):
-    folder, path = converted["spm"]
+def test_spm_metadata(tokenizer_models):
+    folder, path = tokenizer_models["spm"]
     meta = open_model_file(path).metadata
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))["model"]
     tokens, types, scores = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
@@ -81,8 +70,8 @@ def test_spm_metadata(converted):
 
 
 @pytest.mark.parametrize("scheme, expected", [("first", True), ("always", True), ("never", False)])
-def test_metaspace_space_prefix(tmp_path, converted, scheme, expected):
-    spec = json.loads((converted["spm"][0] / "tokenizer.json").read_text(encoding="utf-8"))
+def test_metaspace_space_prefix(tmp_path, tokenizer_models, scheme, expected):
+    spec = json.loads((tokenizer_models["spm"][0] / "tokenizer.json").read_text(encoding="utf-8"))
     spec["normalizer"] = None
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": False}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")

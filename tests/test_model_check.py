@@ -4,35 +4,14 @@ and the tensor, by every reader that computes with it (`run`, `solve`)."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_checks import fails, invoke
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf_fixtures import make_model
 from safetensors.numpy import load_file, save_file
-
-from powerinfer_tools.cli import cli
-from powerinfer_tools.convert import convert
-from powerinfer_tools.predictors import TrainSettings
-from powerinfer_tools.sparsify import SparsifySettings
-
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-             max_position_embeddings=64, hidden_act="relu")
-
-
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> Path:
-    """A PowerInfer file with predictors and recorded firing frequencies."""
-    root = tmp_path_factory.mktemp("model-check")
-    make_model(root / "model", "llama", **SMALL)
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
-    train = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0, budget=0.5)
-    settings = SparsifySettings(corpus=(corpus,), tokens=512, seq_len=32, train=train)
-    path, _ = convert(str(root / "model"), root / "m.powerinfer.gguf", "f32", sparsify=settings, progress=False)
-    return path
 
 
 def patched(path: Path, tmp_path: Path, field: str, value: bytes, nth: int = 0) -> Path:
@@ -53,51 +32,43 @@ def patched(path: Path, tmp_path: Path, field: str, value: bytes, nth: int = 0) 
     return out
 
 
-def fails(args, match: str) -> None:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 1, (result.stderr, result.exception)
-    assert result.stderr.startswith("pitools: error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert match in result.stderr, result.stderr
-
-
 @pytest.mark.parametrize("command", [["run", "-n", "1"], ["solve", "--vram", "1MB", "--reserve", "0B", "--force"]])
-def test_a_width_that_disagrees_with_the_tensors_names_the_tensor(model_file, tmp_path, command):
-    bad = patched(model_file, tmp_path, "llama.feed_forward_length", struct.pack("<I", 63))
-    fails([command[0], bad, *command[1:]], match="tensor blk.0.ffn_gate.weight has shape [64, 32]; "
-                                                 "the metadata implies [63, 32]")
+def test_a_width_that_disagrees_with_the_tensors_names_the_tensor(small_powerinfer_file, tmp_path, command):
+    bad = patched(small_powerinfer_file, tmp_path, "llama.feed_forward_length", struct.pack("<I", 63))
+    fails(command[0], bad, *command[1:], match="tensor blk.0.ffn_gate.weight has shape [64, 32]; "
+                                               "the metadata implies [63, 32]")
 
 
-def test_a_tensor_type_the_runtime_cannot_compute_with_is_named(model_file, tmp_path):
+def test_a_tensor_type_the_runtime_cannot_compute_with_is_named(small_powerinfer_file, tmp_path):
     # The F32 matrix relabelled Q5_0 (one 32-element block per row) still lies within the file: only its type is wrong.
-    bad = patched(model_file, tmp_path, "blk.0.attn_q.weight", struct.pack("<I", GGMLQuantizationType.Q5_0))
-    result = CliRunner().invoke(cli, ["run", str(bad), "-n", "1"])
+    bad = patched(small_powerinfer_file, tmp_path, "blk.0.attn_q.weight", struct.pack("<I", GGMLQuantizationType.Q5_0))
+    result = invoke("run", bad, "-n", "1")
     assert result.exit_code == 1 and result.stderr.startswith("pitools: error: "), (result.stderr, result.exception)
     assert "blk.0.attn_q.weight" in result.stderr, result.stderr
 
 
-def test_frequencies_outside_0_1_name_the_key(model_file, tmp_path):
-    bad = patched(model_file, tmp_path, "pitools.blk.1.neuron_frequency", struct.pack("<f", 1.5), nth=3)
-    fails(["solve", bad, "--vram", "1MB", "--reserve", "0B", "--force"],
+def test_frequencies_outside_0_1_name_the_key(small_powerinfer_file, tmp_path):
+    bad = patched(small_powerinfer_file, tmp_path, "pitools.blk.1.neuron_frequency", struct.pack("<f", 1.5), nth=3)
+    fails("solve", bad, "--vram", "1MB", "--reserve", "0B", "--force",
           match="pitools.blk.1.neuron_frequency must hold 64 firing probabilities in [0, 1]")
 
 
-def test_weights_beyond_float16_are_refused_for_an_f16_output(tmp_path):
-    make_model(tmp_path / "model", "llama", **SMALL)
+def test_weights_beyond_float16_are_refused_for_an_f16_output(small_checkpoint, tmp_path):
+    shutil.copytree(small_checkpoint, tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = 1e6
     save_file(tensors, weights)
     out = tmp_path / "out"
-    fails(["convert", tmp_path / "model", "-o", out / "m.gguf", "--no-sparsity", "--outtype", "f16", "-q"],
+    fails("convert", tmp_path / "model", "-o", out / "m.gguf", "--no-sparsity", "--outtype", "f16", "-q",
           match="blk.1.ffn_up.weight holds values beyond float16's range")
     assert not out.exists() or list(out.iterdir()) == []
-    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "model"), "-o", str(out / "m.gguf"), "--no-sparsity",
-                                      "--outtype", "f32", "-q"])
+    result = invoke("convert", tmp_path / "model", "-o", out / "m.gguf", "--no-sparsity", "--outtype", "f32", "-q")
     assert result.exit_code == 0, result.stderr
 
 
-def test_integer_weights_are_refused(tmp_path):
-    make_model(tmp_path / "model", "llama", **SMALL)
+def test_integer_weights_are_refused(small_checkpoint, tmp_path):
+    shutil.copytree(small_checkpoint, tmp_path / "model")
     weights = tmp_path / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     (length,) = struct.unpack("<Q", data[:8])
@@ -106,5 +77,5 @@ def test_integer_weights_are_refused(tmp_path):
     header["model.norm.weight"]["dtype"] = "I32"  # same width: the file stays consistent
     text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
     weights.write_bytes(data[:8] + text + data[8 + length :])
-    fails(["convert", tmp_path / "model", "-o", tmp_path / "m.gguf", "--no-sparsity", "-q"],
+    fails("convert", tmp_path / "model", "-o", tmp_path / "m.gguf", "--no-sparsity", "-q",
           match="tensor 'model.norm.weight' is stored as I32; weights must be floating point")

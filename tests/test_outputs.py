@@ -14,28 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-from gguf_fixtures import make_model
+from cli_checks import fails, invoke
+from gguf_fixtures import SMALL, make_model
 
-from powerinfer_tools.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
 
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-             max_position_embeddings=32, hidden_act="relu")
-
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("outputs") / "model"
-    make_model(folder, "llama", **SMALL)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def model_file(checkpoint):
-    path = checkpoint.parent / "m.powerinfer.gguf"
-    result = CliRunner().invoke(cli, ["convert", str(checkpoint), "-o", str(path), "--no-sparsity", "-q"])
+def model_file(small_checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("outputs") / "m.powerinfer.gguf"
+    result = invoke("convert", small_checkpoint, "-o", path, "--no-sparsity", "-q")
     assert result.exit_code == 0, result.stderr
     return path
 
@@ -44,18 +33,11 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def fails(*args, match: str) -> None:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
-    assert result.stderr.startswith("pitools: error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert match in result.stderr, result.stderr
-
-
 @pytest.mark.parametrize("force", [[], ["--force"]])
-def test_convert_refuses_an_output_that_is_one_of_its_inputs(checkpoint, force):
-    weights = checkpoint / "model.safetensors"
+def test_convert_refuses_an_output_that_is_one_of_its_inputs(small_checkpoint, force):
+    weights = small_checkpoint / "model.safetensors"
     before = digest(weights)
-    fails("convert", checkpoint, "-o", weights, "--no-sparsity", "-q", *force, match="is the input")
+    fails("convert", small_checkpoint, "-o", weights, "--no-sparsity", "-q", *force, match="is the input")
     assert digest(weights) == before
 
 
@@ -72,10 +54,10 @@ def test_an_input_reached_through_a_symlink_is_still_an_input(model_file, tmp_pa
     fails("solve", model_file, "--vram", "1MB", "--reserve", "0B", "-o", link, "--force", match="is the input")
 
 
-def test_an_output_folder_that_cannot_be_written_is_one_error_line(checkpoint, tmp_path):
+def test_an_output_folder_that_cannot_be_written_is_one_error_line(small_checkpoint, tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
-    fails("convert", checkpoint, "-o", not_a_folder / "m.gguf", "--no-sparsity", "-q", match="cannot write output")
+    fails("convert", small_checkpoint, "-o", not_a_folder / "m.gguf", "--no-sparsity", "-q", match="cannot write output")
     stats = tmp_path / "stats.npz"
     np.savez(stats, freqs=np.full((2, 64), 0.1), neuron_bytes=96, dense_bytes=4096, predictor_bytes=0,
              kv_bytes_per_token=128, head_bytes=8192, hidden_bytes=128)
@@ -113,7 +95,7 @@ def _pitools(*args: str, cwd: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_writing_leaves_no_temporary_file(checkpoint, tmp_path, signum):
+def test_a_signal_while_writing_leaves_no_temporary_file(small_checkpoint, tmp_path, signum):
     out = tmp_path / "out"
     out.mkdir()
     # f32 output of a model with a large vocabulary: writing takes long enough to be caught midway.
@@ -133,8 +115,8 @@ def test_a_signal_while_writing_leaves_no_temporary_file(checkpoint, tmp_path, s
     assert list(out.iterdir()) == []
 
 
-def test_progress_on_a_pipe_is_one_line_per_stage(checkpoint, tmp_path):
-    process = _pitools("convert", str(checkpoint), "-o", str(tmp_path / "m.gguf"), "--no-sparsity", cwd=tmp_path)
+def test_progress_on_a_pipe_is_one_line_per_stage(small_checkpoint, tmp_path):
+    process = _pitools("convert", str(small_checkpoint), "-o", str(tmp_path / "m.gguf"), "--no-sparsity", cwd=tmp_path)
     stderr = process.communicate(timeout=300)[1].decode()
     assert process.returncode == 0, stderr
     assert "\r" not in stderr, stderr

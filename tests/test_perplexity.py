@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_checks import invoke
 from hf_models import build
-from test_profiling import TINY_RELU_LLAMA, build_tiny_model, invoke
+from tiny_models import TINY_RELU_LLAMA
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoint import Checkpoint
@@ -23,11 +24,6 @@ from powerinfer_tools.tokenizer import CheckpointTokenizer
 
 # The bound: computing only the predicted neurons costs at most 2% relative perplexity.
 PREDICTED_BOUND = 0.02
-
-
-@pytest.fixture(scope="module")
-def sparse_tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("sparse-tiny"), sparse=True)
 
 
 def test_dense_perplexity_matches_transformers(tmp_path):

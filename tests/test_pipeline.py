@@ -4,12 +4,11 @@ hot-first, write frequencies), then `pitools run --vram`, which solves a split o
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf_fixtures import TOKENS, make_model, relative_error, stepwise_logits
+from gguf_fixtures import FAST_TRAINING, TOKENS, make_model, relative_error, stepwise_logits, write_code_corpus
 from powerinfer_tools.formats.gguf_names import neuron_frequency_key
 from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
@@ -22,7 +21,6 @@ from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.llm import LLM
 from powerinfer_tools.models import load_model
-from powerinfer_tools.predictors import TrainSettings
 from powerinfer_tools.runtime.ffn import FFNMode
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.sparsify import SparsifySettings
@@ -34,7 +32,6 @@ MODELS = {
                 word_embed_proj_dim=64, pad_token_id=1),
 }
 N_LAYERS, D_FF = 2, 256
-FAST = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -43,9 +40,8 @@ def pipeline(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pipeline-{request.param}")
     folder = root / "model"
     make_model(folder, request.param, **MODELS[request.param])
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))))
-    settings = SparsifySettings(corpus=(corpus,), tokens=1024, seq_len=128, train=FAST)
+    corpus = write_code_corpus(root / "corpus.txt")
+    settings = SparsifySettings(corpus=(corpus,), tokens=1024, seq_len=128, train=FAST_TRAINING)
     path, _ = convert(str(folder), root / "m.powerinfer.gguf", "f32", sparsify=settings, progress=False)
     return folder, path
 

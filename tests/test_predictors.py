@@ -6,8 +6,9 @@ import json
 
 import numpy as np
 import pytest
+from cli_checks import invoke
 from safetensors.numpy import load_file
-from test_profiling import build_tiny_model, invoke, run_profiler
+from tiny_models import run_profiler
 
 from powerinfer_tools import predictors
 from powerinfer_tools.checkpoint import Checkpoint
@@ -23,12 +24,11 @@ FAST = TrainSettings(budget=0.3, batch_size=128, epochs=6)
 
 
 @pytest.fixture(scope="module")
-def profile_dir(tmp_path_factory):
+def profile_dir(sparse_tiny, tmp_path_factory):
     """A finished profile of the sparse tiny model: 3000 tokens, 300 of them held out."""
-    folder = tmp_path_factory.mktemp("sparse-tiny")
-    model = load_model(Checkpoint(build_tiny_model(folder, sparse=True)))
-    run_profiler(model, np.random.default_rng(0).integers(0, 256, 3000), folder / "prof")
-    return folder / "prof"
+    folder = tmp_path_factory.mktemp("sparse-tiny-profile") / "prof"
+    run_profiler(load_model(Checkpoint(sparse_tiny)), np.random.default_rng(0).integers(0, 256, 3000), folder)
+    return folder
 
 
 @pytest.fixture(scope="module")

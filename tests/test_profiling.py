@@ -7,13 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_checks import invoke
 from hf_models import build
-from safetensors.numpy import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from safetensors.numpy import load_file
+from tiny_models import OPT, TINY_RELU_LLAMA, build_tiny_model, run_profiler
 
 from powerinfer_tools.checkpoint import Checkpoint
-from powerinfer_tools.cli import cli
 from powerinfer_tools.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
@@ -21,57 +20,6 @@ from powerinfer_tools.predictors import TrainSettings, train_predictors
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, pair_capacity, predictor_input
 from powerinfer_tools.profiling import PairSampler, Profiler, ProfileSettings, hot_fraction, windows_of
 from powerinfer_tools.tokenizer import CheckpointTokenizer
-
-OPT = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4, vocab_size=90,
-           max_position_embeddings=256, word_embed_proj_dim=48, pad_token_id=1)
-# A random ReGLU LLaMA over a byte-level vocabulary (256 tokens) so a real tokenizer can drive it.
-TINY_RELU_LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=260, hidden_act="relu", max_position_embeddings=128)
-WORDS = "def class return import self value none true false for while if else lambda yield".split()
-
-
-def write_byte_tokenizer(folder) -> None:
-    """A tokenizer.json with the 256 byte-level symbols and no merges: one token per byte."""
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(folder / "tokenizer.json"))
-
-
-def sample_text(n_words: int, seed: int = 0) -> str:
-    rng = np.random.default_rng(seed)
-    return " ".join(rng.choice(WORDS, size=n_words))
-
-
-def build_tiny_model(folder, seed: int = 0, sparse: bool = False):
-    """Save a random tiny ReGLU LLaMA with a byte tokenizer and a heldout.txt; return the folder.
-
-    A random ReGLU layer fires about half its neurons. ``sparse`` makes it fire
-    a few percent, skewed, as a trained ReLU model does, and without biases
-    (which a predictor could not imitate): every embedding gets a shared
-    component ``c``, and each gate row is pushed against the direction ``c``
-    takes after the FFN norm, by a per-neuron amount.
-    """
-    build(folder, "llama", seed=seed, config_overrides=TINY_RELU_LLAMA)
-    if sparse:
-        path = folder / "model.safetensors"
-        tensors = load_file(path)
-        rng = np.random.default_rng(seed)
-        c = rng.standard_normal(TINY_RELU_LLAMA["hidden_size"]).astype(np.float32)
-        tensors["model.embed_tokens.weight"] += 0.5 * c
-        for i in range(TINY_RELU_LLAMA["num_hidden_layers"]):
-            direction = c * tensors[f"model.layers.{i}.post_attention_layernorm.weight"]
-            push = rng.normal(1.5, 0.5, (TINY_RELU_LLAMA["intermediate_size"], 1)).astype(np.float32)
-            tensors[f"model.layers.{i}.mlp.gate_proj.weight"] -= push * direction / np.linalg.norm(direction)
-        save_file(tensors, path, metadata={"format": "pt"})
-    write_byte_tokenizer(folder)
-    (folder / "heldout.txt").write_text(sample_text(2000, seed), encoding="utf-8")
-    return folder
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args))
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +41,6 @@ def brute_force(model, windows):
     x = [np.concatenate([t.residual for t in ts]) for ts in per_layer]
     fired = [np.concatenate([t.fired for t in ts]) for ts in per_layer]
     return fire, abs_sum, x, fired
-
-
-def run_profiler(model, tokens, folder, seq_len=128, **kwargs):
-    settings = ProfileSettings(seq_len=seq_len, checkpoint_seconds=0, **kwargs)
-    return Profiler(model, "tiny", tokens, ["test"], folder, settings).run(progress=False)
 
 
 def test_stats_and_pairs_match_brute_force(tiny, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_models import build
-from test_profiling import OPT, TINY_RELU_LLAMA, run_profiler
+from tiny_models import OPT, TINY_RELU_LLAMA, run_profiler
 
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.models import load_model

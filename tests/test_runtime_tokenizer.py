@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, tokenizer_models
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama
 from powerinfer_tools.formats.model_file import open_model_file
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tokenizer_models(tmp_path_factory.mktemp("rt-tok"))
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
-def test_token_ids_equal_llamacpp(models, kind):
-    _, path = models[kind]
+def test_token_ids_equal_llamacpp(tokenizer_models, kind):
+    _, path = tokenizer_models[kind]
     ours = GGUFTokenizer(open_model_file(path).metadata)
     cpp = llama(path, vocab_only=True)
     for text in SAMPLE_TEXTS:
@@ -26,8 +21,8 @@ def test_token_ids_equal_llamacpp(models, kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
-def test_decoding_matches_llamacpp_and_round_trips(models, kind):
-    _, path = models[kind]
+def test_decoding_matches_llamacpp_and_round_trips(tokenizer_models, kind):
+    _, path = tokenizer_models[kind]
     ours = GGUFTokenizer(open_model_file(path).metadata)
     cpp = llama(path, vocab_only=True)
     for text in SAMPLE_TEXTS:
@@ -43,8 +38,8 @@ def test_unknown_tokenizer_kind_is_named():
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
-def test_special_token_spellings_parse_as_llamacpp_does(models, kind):
-    _, path = models[kind]
+def test_special_token_spellings_parse_as_llamacpp_does(tokenizer_models, kind):
+    _, path = tokenizer_models[kind]
     metadata = open_model_file(path).metadata
     ours, parsing = GGUFTokenizer(metadata), GGUFTokenizer(metadata, parse_special=True)
     cpp = llama(path, vocab_only=True)
