@@ -2,7 +2,7 @@
 
 PowerInfer's runtime computes ``out = fc2 · relu(fc1 · x)`` on the residual
 stream ``x`` entering the FFN block (before its norm; the profile's pairs hold it
-scaled per token, see ``profiling.predictor_input``) and computes neuron ``j``
+scaled per token, see ``formats.profile_folder.predictor_input``) and computes neuron ``j``
 only when ``out[j] >= sparse_threshold`` (its sparse kernels skip rows with
 ``out < threshold``). There is no bias anywhere, so a per-layer threshold shift
 cannot be stored; the recall target is reached instead by class weighting: a

@@ -4,7 +4,7 @@ The reference engine runs over the corpus in windows of ``seq_len`` tokens; an
 FFN hook counts, per layer and neuron, the tokens it fired on (non-zero
 activated value) and sums its absolute activated value. A subsample of
 (predictor input, fired mask) pairs is kept on disk, memory-mapped, for
-training the predictors. Everything lives in one folder (layout in ``formats/README.md``)
+training the predictors. Everything lives in one folder (``formats.profile_folder``)
 and is checkpointed every ``checkpoint_seconds``, so an interrupted run resumes
 at the last checkpoint.
 """
