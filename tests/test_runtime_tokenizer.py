@@ -10,11 +10,14 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
 
+def ours_and_llamacpp(path):
+    """Our tokenizer and llama.cpp's, both read from the GGUF file at ``path``."""
+    return GGUFTokenizer(open_model_file(path).metadata), llama(path, vocab_only=True)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
 def test_token_ids_equal_llamacpp(tokenizer_models, kind):
-    _, path = tokenizer_models[kind]
-    ours = GGUFTokenizer(open_model_file(path).metadata)
-    cpp = llama(path, vocab_only=True)
+    ours, cpp = ours_and_llamacpp(tokenizer_models[kind][1])
     for text in SAMPLE_TEXTS:
         assert ours.encode(text, add_bos=False) == cpp.tokenize(text.encode(), add_bos=False, special=False), text
         assert ours.encode(text) == cpp.tokenize(text.encode(), add_bos=True, special=False), text
@@ -22,9 +25,7 @@ def test_token_ids_equal_llamacpp(tokenizer_models, kind):
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])
 def test_decoding_matches_llamacpp_and_round_trips(tokenizer_models, kind):
-    _, path = tokenizer_models[kind]
-    ours = GGUFTokenizer(open_model_file(path).metadata)
-    cpp = llama(path, vocab_only=True)
+    ours, cpp = ours_and_llamacpp(tokenizer_models[kind][1])
     for text in SAMPLE_TEXTS:
         ids = cpp.tokenize(text.encode(), add_bos=False, special=False)
         assert ours.decode(ids).encode() == cpp.detokenize(ids), text
