@@ -60,46 +60,45 @@ class ArchitectureTable:
         return tuple(row for row in self.block if row.neuron_axis is not None)
 
 
-_LLAMA_BLOCK = "model.layers.{bid}."
+def _block(prefix: str, *rows: tuple[MODEL_TENSOR, str, int | None]) -> tuple[TensorRow, ...]:
+    """A block's rows: (GGUF tensor, Hugging Face name below ``prefix``, neuron axis)."""
+    return tuple(TensorRow(tensor, prefix + hf, axis) for tensor, hf, axis in rows)
+
+
 LLAMA = ArchitectureTable(
     before=(TensorRow(T.TOKEN_EMBD, "model.embed_tokens"),),
-    block=tuple(
-        TensorRow(tensor, _LLAMA_BLOCK + hf, axis)
-        for tensor, hf, axis in (
-            (T.ATTN_NORM, "input_layernorm", None),
-            (T.ATTN_Q, "self_attn.q_proj", None),
-            (T.ATTN_K, "self_attn.k_proj", None),
-            (T.ATTN_V, "self_attn.v_proj", None),
-            (T.ATTN_OUT, "self_attn.o_proj", None),
-            (T.FFN_NORM, "post_attention_layernorm", None),
-            (T.FFN_GATE, "mlp.gate_proj", 0),
-            (T.FFN_UP, "mlp.up_proj", 0),
-            (T.FFN_DOWN, "mlp.down_proj", 1),
-        )
+    block=_block(
+        "model.layers.{bid}.",
+        (T.ATTN_NORM, "input_layernorm", None),
+        (T.ATTN_Q, "self_attn.q_proj", None),
+        (T.ATTN_K, "self_attn.k_proj", None),
+        (T.ATTN_V, "self_attn.v_proj", None),
+        (T.ATTN_OUT, "self_attn.o_proj", None),
+        (T.FFN_NORM, "post_attention_layernorm", None),
+        (T.FFN_GATE, "mlp.gate_proj", 0),
+        (T.FFN_UP, "mlp.up_proj", 0),
+        (T.FFN_DOWN, "mlp.down_proj", 1),
     ),
     after=(TensorRow(T.OUTPUT_NORM, "model.norm"), TensorRow(T.OUTPUT, "lm_head")),
 )
 
 _OPT_DECODER = "model.decoder."
-_OPT_BLOCK = _OPT_DECODER + "layers.{bid}."
 OPT = ArchitectureTable(
     before=(
         TensorRow(T.TOKEN_EMBD, _OPT_DECODER + "embed_tokens"),
         TensorRow(T.POS_EMBD, _OPT_DECODER + "embed_positions"),  # with OPT's two leading offset rows
         TensorRow(None, _OPT_DECODER + "project_in"),
     ),
-    block=tuple(
-        TensorRow(tensor, _OPT_BLOCK + hf, axis)
-        for tensor, hf, axis in (
-            (T.ATTN_NORM, "self_attn_layer_norm", None),
-            (T.ATTN_Q, "self_attn.q_proj", None),
-            (T.ATTN_K, "self_attn.k_proj", None),
-            (T.ATTN_V, "self_attn.v_proj", None),
-            (T.ATTN_OUT, "self_attn.out_proj", None),
-            (T.FFN_NORM, "final_layer_norm", None),
-            (T.FFN_UP, "fc1", 0),
-            (T.FFN_DOWN, "fc2", 1),
-        )
+    block=_block(
+        _OPT_DECODER + "layers.{bid}.",
+        (T.ATTN_NORM, "self_attn_layer_norm", None),
+        (T.ATTN_Q, "self_attn.q_proj", None),
+        (T.ATTN_K, "self_attn.k_proj", None),
+        (T.ATTN_V, "self_attn.v_proj", None),
+        (T.ATTN_OUT, "self_attn.out_proj", None),
+        (T.FFN_NORM, "final_layer_norm", None),
+        (T.FFN_UP, "fc1", 0),
+        (T.FFN_DOWN, "fc2", 1),
     ),
     # PowerInfer's OPT computes the logits with token_embd: there is no output tensor.
     after=(
@@ -112,12 +111,11 @@ OPT = ArchitectureTable(
 # ModelSpec.architecture -> its table. Mistral's tensors are LLaMA's.
 TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "opt": OPT}
 
-# The neuron axis of a block's GGUF tensor as stored (NumPy shapes, which are the checkpoint's
-# [out, in]), for every layout: ffn_down [d, d_ff], PowerInfer's ffn_down_t [d_ff, d], fc2 [d_ff, hidden].
+# The neuron axis of a block's GGUF tensor as stored. GGUF keeps the checkpoint's [out, in] NumPy
+# shape, so the tables' axes hold (ffn_down [d, d_ff]: 1); PowerInfer's transposed ffn_down_t
+# [d_ff, d] and the predictor's fc2 [d_ff, hidden] have one row per neuron.
 _GGUF_NEURON_AXIS: dict[TensorKind, int] = {
-    T.FFN_GATE: 0,
-    T.FFN_UP: 0,
-    T.FFN_DOWN: 1,
+    **{row.tensor: row.neuron_axis for table in TABLES.values() for row in table.neuron_rows()},
     PowerInferTensor.FFN_DOWN_T: 0,
     PowerInferTensor.PREDICTOR_FC2: 0,
 }
