@@ -1,5 +1,5 @@
 """The predictor folder (written by ``pitools train-predictors``): its files, its one class, its
-readers and writer, and the rule its predictors are applied with.
+readers and writer, its report, and the rule its predictors are applied with.
 
 Layout (ours: PowerInfer's own converter reads one ``model_N.pt`` torch pickle
 per layer instead)::
@@ -106,6 +106,40 @@ def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndar
     """The sparse threshold and every layer's (fc1, fc2) of a finished predictor folder."""
     predictors = read_predictors(folder)
     return predictors.sparse_threshold, [predictors.layer(i) for i in range(predictors.meta["n_layers"])]
+
+
+def predictor_report(meta: dict) -> dict:
+    layers = meta["layers"]
+    total_bytes = sum(e["bytes"] for e in layers)
+    ffn_bytes = 4 * meta["ffn_params"]
+    recall = meta["settings"]["recall"]
+    return {
+        "model": meta.get("model"),
+        "complete": meta["complete"],
+        "recall_target": recall,
+        "budget": meta["settings"]["budget"],
+        "layers": [{k: e[k] for k in ("layer", "hidden", "recall", "precision", "predicted_density",
+                                      "true_density", "bytes")} for e in layers],
+        "total_bytes": total_bytes,
+        "ffn_bytes": ffn_bytes,
+        "budget_used": total_bytes / ffn_bytes,
+        "all_layers_reach_recall": all(e["recall"] >= recall for e in layers),
+    }
+
+
+def format_predictor_report(report: dict) -> str:
+    lines = [f"predictors of {report['model']} (recall target {report['recall_target']:.0%}, "
+             f"budget {report['budget']:.1%} of the FFN weights)"]
+    if not report["complete"]:
+        lines.append("INCOMPLETE: run `pitools train-predictors` again to finish")
+    lines.append("layer   hidden   recall   precision   computed   fire    bytes")
+    for e in report["layers"]:
+        lines.append(f"{e['layer']:>5}   {e['hidden']:6d}   {e['recall']:6.1%}   {e['precision']:9.1%}   "
+                     f"{e['predicted_density']:8.1%}   {e['true_density']:5.1%}   {e['bytes']:6d}")
+    lines.append(f"total {report['total_bytes']} bytes = {report['budget_used']:.1%} of the FFN weights "
+                 f"({report['ffn_bytes']} bytes, both float32); every layer at the recall target: "
+                 f"{'yes' if report['all_layers_reach_recall'] else 'NO'}")
+    return "\n".join(lines)
 
 
 # What readers of predictors.json rely on: key -> (type, least value or None); float: any number.

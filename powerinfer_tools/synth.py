@@ -48,10 +48,11 @@ from .checkpoint import Checkpoint
 from .convert import DENSE_SUFFIX, POWERINFER_SUFFIX, convert
 from .errors import PitoolsError
 from .fileio import check_writable_output
+from .formats.profile_report import hot_fraction, write_report
 from .models import spec_from_config
 from .models.layers import FFNTrace, activate, rms_norm
 from .predictors import TrainSettings, train_predictors
-from .profiling import Profiler, ProfileSettings, hot_fraction, write_report
+from .profiling import Profiler, ProfileSettings
 from .solver.units import format_size
 from .sparsify import SparsifySettings, work_folder
 

@@ -18,7 +18,8 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import TrainSettings, train_predictors
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, pair_capacity, predictor_input
-from powerinfer_tools.profiling import PairSampler, Profiler, ProfileSettings, hot_fraction, windows_of
+from powerinfer_tools.formats.profile_report import hot_fraction
+from powerinfer_tools.profiling import PairSampler, Profiler, ProfileSettings, windows_of
 from powerinfer_tools.tokenizer import CheckpointTokenizer
 
 

@@ -16,7 +16,7 @@ from powerinfer_tools.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import TrainSettings
-from powerinfer_tools.profiling import hot_fraction
+from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.synth import (
     P_MAX,
     SHAPES,

@@ -14,14 +14,10 @@ from ..checkpoint import Checkpoint
 from ..corpus import CorpusSource, read_tokens, resolve_source
 from ..errors import Interrupted, PitoolsError
 from ..formats.profile_folder import load_profile
+from ..formats.profile_report import export_powerinfer_activations, write_report
 from ..hub import resolve_checkpoint
 from ..models import DecoderModel, load_model
-from ..profiling import (
-    Profiler,
-    ProfileSettings,
-    export_powerinfer_activations,
-    write_report,
-)
+from ..profiling import Profiler, ProfileSettings
 from ..tokenizer import CheckpointTokenizer
 
 DEFAULT_SEQ_LEN = 512  # capped by the model's context length

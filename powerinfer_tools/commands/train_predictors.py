@@ -9,8 +9,8 @@ import click
 
 from .. import predictors
 from ..errors import Interrupted, PitoolsError
-from ..formats.predictor_folder import read_predictors
-from ..predictors import TrainSettings, format_predictor_report, predictor_report
+from ..formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
+from ..predictors import TrainSettings
 
 _DEFAULTS = TrainSettings()
 
