@@ -325,7 +325,7 @@ class SynthResult:
     planting: Planting
     planted_density: float  # mean of the planted firing probabilities
     planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (layer mean)
-    profile_report: dict  # profiling.firing_report of the profiled tokens
+    profile_report: dict  # formats.profile_report.firing_report of the profiled tokens
     predictors: dict  # predictors.json
 
     def summary(self) -> dict:
