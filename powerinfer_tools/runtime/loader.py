@@ -22,8 +22,9 @@ from ..formats.model_check import check_model_tensors
 from ..formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
 from ..formats.model_file import ModelFile, open_model_file
 from ..kernels.quant import SUPPORTED_TYPES, QuantMatrix
+from ..models.layers import Norm
 from .backends import CpuBackend, CudaDevice, EmulatedDevice
-from .engine import DenseBlock, Norm, RuntimeLayer, RuntimeModel
+from .engine import DenseBlock, RuntimeLayer, RuntimeModel
 from .ffn import FFNPartition, Predictor
 
 DOWN_T = PowerInferTensor.FFN_DOWN_T
@@ -141,6 +142,14 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | 
     return partitions
 
 
+def _open_split(split_path: Path, model: ModelFile, n_layers: int, d_ff: int, device: str) -> tuple[GpuSplit, object]:
+    """The split file, checked against the model, and the device its budget allows."""
+    gpu_split = read_gpu_split(split_path)
+    _check_split(gpu_split, model, n_layers, d_ff, split_path)
+    budget = gpu_split.vram_budget if gpu_split.vram_budget is not None else gpu_split.vram_capacity
+    return gpu_split, CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
+
+
 def load_runtime_model(
     path: str | Path,
     split: str | Path | None = None,
@@ -163,13 +172,10 @@ def load_runtime_model(
     tensors = _Tensors(model)
     host = CpuBackend()
 
-    gpu_split, device_backend = None, None
     split_path = Path(split) if split is not None else default_split_path(path)
+    gpu_split, device_backend = None, None
     if use_split and (split is not None or split_path.is_file()):
-        gpu_split = read_gpu_split(split_path)
-        _check_split(gpu_split, model, spec.n_layers, spec.d_ff, split_path)
-        budget = gpu_split.vram_budget if gpu_split.vram_budget is not None else gpu_split.vram_capacity
-        device_backend = CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
+        gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff, device)
 
     threshold = float(model.get(SPARSE_THRESHOLD_KEY, 0.0))
     layers = []
