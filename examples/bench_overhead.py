@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from powerinfer_tools import kernels  # noqa: E402
 from powerinfer_tools.predictors import TrainSettings  # noqa: E402
-from powerinfer_tools.runtime.ffn import FFNMode  # noqa: E402
+from powerinfer_tools.models.interfaces import FFNMode  # noqa: E402
 from powerinfer_tools.runtime.loader import load_runtime_model  # noqa: E402
 from powerinfer_tools.synth import Planting, Shape, synthesize  # noqa: E402
 

@@ -26,7 +26,7 @@ from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.convert import convert
 from powerinfer_tools.corpus import read_tokens, resolve_source
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
-from powerinfer_tools.runtime.ffn import FFNMode
+from powerinfer_tools.models.interfaces import FFNMode
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.sparsify import SparsifySettings
 from powerinfer_tools.tokenizer import CheckpointTokenizer

@@ -38,8 +38,10 @@ from .bundled import BUNDLED_MODEL
 from .errors import PitoolsError
 from .formats.model_file import open_model_file
 from .llamacpp import load_llama_cpp
+from .models.interfaces import FFNMode
 
-SPARSE, DENSE, LLAMA_CPP = "sparse", "dense", "llama.cpp"
+# The engines: our runtime in its FFN modes (named by them), and llama.cpp.
+SPARSE, DENSE, LLAMA_CPP = FFNMode.SPARSE.value, FFNMode.DENSE.value, "llama.cpp"
 TEXT = BUNDLED_MODEL / "heldout.txt"  # what the engines read: the same token ids for all of them
 TEXT_CHARS = 200_000
 RSS_ALLOWANCE = 0.15  # the target: peak RSS within the model file plus the KV cache plus 15%
@@ -127,7 +129,6 @@ class _Runtime:
 
     def __init__(self, spec: EngineSpec):
         from . import kernels
-        from .runtime.ffn import FFNMode
         from .runtime.loader import load_runtime_model
 
         kernels.set_threads(spec.threads)

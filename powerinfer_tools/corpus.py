@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import PitoolsError
-from .tokenizer import CheckpointTokenizer
+from .models.interfaces import Tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # What the bundled model (and any checkpoint folder shipped the same way) keeps aside for evaluation.
@@ -67,7 +67,7 @@ def iter_documents(source: CorpusSource) -> Iterator[str]:
             yield _read_text(path)
 
 
-def read_tokens(source: CorpusSource, tokenizer: CheckpointTokenizer, max_tokens: int,
+def read_tokens(source: CorpusSource, tokenizer: Tokenizer, max_tokens: int,
                 skip_tokens: int = 0) -> np.ndarray:
     """Token ids ``skip_tokens .. skip_tokens + max_tokens`` of the corpus (fewer if it is shorter), as int32.
 

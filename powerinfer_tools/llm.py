@@ -20,9 +20,9 @@ from .checkpoint import Checkpoint
 from .errors import PitoolsError
 from .generation import Generation, Sampler, SamplingConfig, SettingError, context_window, generate, stream_text
 from .models import load_model
+from .models.interfaces import Engine, FFNMode, Tokenizer
 from .runtime.backends import require_cupy
 from .runtime.engine import RuntimeModel, TokenStats
-from .runtime.ffn import FFNMode
 from .runtime.loader import load_runtime_model
 from .runtime.tokenizer import GGUFTokenizer
 from .solver.hardware import DEFAULT_PRESET, load_profile
@@ -58,7 +58,7 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 
 class LLM:
-    def __init__(self, engine, tokenizer, description: str, context_size: int):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, description: str, context_size: int):
         self.engine = engine
         self.tokenizer = tokenizer
         self.description = description
@@ -69,7 +69,7 @@ class LLM:
     def load(
         cls,
         path: str | Path,
-        mode: str = "sparse",
+        mode: FFNMode | str = FFNMode.SPARSE,
         split: str | Path | None = None,
         use_split: bool = True,
         device: str = "cpu",
@@ -77,7 +77,8 @@ class LLM:
         hardware: str = DEFAULT_PRESET,
         ctx_size: int | None = None,
     ) -> "LLM":
-        """``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
+        """``mode``: which FFN neurons a GGUF file's runtime computes (sparse falls back to dense when the file
+        has no predictors). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
         ``ctx_size`` bounds the context window (default: the model's trained positions).
 
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
@@ -113,7 +114,7 @@ class LLM:
 
     @property
     def mode(self) -> str:
-        return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else "dense"
+        return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else FFNMode.DENSE.value
 
     def generate(
         self, prompt: str, max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)

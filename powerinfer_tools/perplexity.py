@@ -1,12 +1,12 @@
 """Perplexity, dense or computing only some FFN neurons: of a checkpoint on the reference engine
 (``perplexity``) or of a GGUF file on the runtime (``runtime_perplexity``).
 
-On the reference engine, sparse modes restrict each FFN through its ``neuron_selector``:
-``oracle`` computes exactly the neurons that fire (so it must equal dense up to
-rounding), ``predicted`` the neurons the trained predictors select, as the
-sparse runtime would. Both also measure, per layer, the fraction of neurons
-computed and the recall: of the neurons that truly fire, the share computed.
-On the runtime the same modes are its FFN modes (``predicted``: the file's predictors).
+The modes are the engines' ``FFNMode``. On the reference engine, the modes other than dense
+restrict each FFN through its ``neuron_selector``: ``oracle`` computes exactly the neurons that
+fire (so it must equal dense up to rounding), ``sparse`` the neurons the trained predictors
+select, as the sparse runtime would. Both also measure, per layer, the fraction of neurons
+computed and the recall: of the neurons that truly fire, the share computed. On the runtime
+``sparse`` runs the file's own predictors.
 """
 
 from __future__ import annotations
@@ -18,14 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .models import DecoderModel
+from .models.interfaces import Engine, FFNMode
 from .formats.predictor_folder import predict
 from .formats.profile_folder import predictor_input
 from .progress import progress_bar
 from .runtime.engine import RuntimeModel, TokenStats
-from .runtime.ffn import FFNMode
-
-MODES = ("dense", "oracle", "predicted")
-RUNTIME_MODES = {"dense": FFNMode.DENSE, "oracle": FFNMode.ORACLE, "predicted": FFNMode.SPARSE}
 
 
 @dataclass
@@ -102,37 +99,36 @@ class PerplexityResult:
                 "scored_tokens": self.scored_tokens, "selection": self.selection}
 
 
-def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str = "dense",
+def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str = FFNMode.DENSE.value,
                choose: Chooser | None = None, progress: bool = True) -> PerplexityResult:
-    """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None)."""
+    """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None);
+    ``mode`` names the result (an ``FFNMode`` word, or any other name for another ``choose``)."""
     meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
     model.neuron_selector = metered_selector(choose, meter) if choose is not None else None
     try:
-        mean, scored = _mean_nll(lambda window: model.forward(window, model.new_cache()), tokens, seq_len, mode,
-                                 progress)
+        mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
     finally:
         model.neuron_selector = None
     return PerplexityResult(mode, math.exp(mean), mean, scored, meter.summary() if meter is not None else None)
 
 
-def runtime_perplexity(model: RuntimeModel, tokens: np.ndarray, seq_len: int, mode: str = "dense",
+def runtime_perplexity(model: RuntimeModel, tokens: np.ndarray, seq_len: int, mode: str = FFNMode.DENSE.value,
                        progress: bool = True) -> PerplexityResult:
-    """Perplexity of a GGUF file on the runtime: ``predicted`` runs its own predictors (sparse mode).
+    """Perplexity of a GGUF file on the runtime in ``mode``, an ``FFNMode`` word (``sparse``: the file's own
+    predictors), which names the result.
 
     The runtime reads only the rows it computes, so it cannot say which skipped neurons would have
-    fired: the sparse modes report the fraction computed, not the recall.
+    fired: the modes other than dense report the fraction computed, not the recall.
     """
-    model.mode = RUNTIME_MODES[mode]
+    model.mode = FFNMode(mode)
     model.stats = TokenStats()
-    mean, scored = _mean_nll(lambda window: model.forward(window, model.new_cache()), tokens, seq_len, mode,
-                             progress)
-    selection = None if mode == "dense" else {"computed_density": model.stats.density}
+    mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
+    selection = None if model.mode is FFNMode.DENSE else {"computed_density": model.stats.density}
     return PerplexityResult(mode, math.exp(mean), mean, scored, selection)
 
 
-def _mean_nll(forward: Callable[[np.ndarray], np.ndarray], tokens: np.ndarray, seq_len: int, mode: str,
-              progress: bool) -> tuple[float, int]:
-    """Mean next-token NLL over windows of ``seq_len`` inputs, each run by ``forward`` from an empty cache,
+def _mean_nll(model: Engine, tokens: np.ndarray, seq_len: int, mode: str, progress: bool) -> tuple[float, int]:
+    """Mean next-token NLL over windows of ``seq_len`` inputs, each run by ``model`` from an empty cache,
     and the number of tokens scored.
 
     Window ``k`` reads tokens ``k·L .. k·L+L-1`` and is scored on the tokens one
@@ -142,7 +138,7 @@ def _mean_nll(forward: Callable[[np.ndarray], np.ndarray], tokens: np.ndarray, s
     with progress_bar(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", enabled=progress) as bar:
         for start in range(0, len(tokens) - 1, seq_len):
             targets = tokens[start + 1 : start + seq_len + 1]
-            logits = forward(tokens[start : start + len(targets)]).astype(np.float64)
+            logits = model.forward(tokens[start : start + len(targets)], model.new_cache()).astype(np.float64)
             peak = logits.max(axis=1, keepdims=True)
             log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
             total_nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())

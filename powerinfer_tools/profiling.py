@@ -37,7 +37,7 @@ from .formats.profile_folder import (
     read_profile_json,
     write_profile_json,
 )
-from .models import DecoderModel
+from .models.interfaces import FFNTracer
 from .models.layers import FFNTrace
 
 
@@ -97,7 +97,7 @@ def windows_of(tokens: np.ndarray, seq_len: int) -> list[np.ndarray]:
 class Profiler:
     """Profiles ``model`` on ``tokens`` into ``folder``, resuming whatever run of the same identity is there."""
 
-    def __init__(self, model: DecoderModel, model_name: str, tokens: np.ndarray, corpus: list[str],
+    def __init__(self, model: FFNTracer, model_name: str, tokens: np.ndarray, corpus: list[str],
                  folder: Path, settings: ProfileSettings):
         spec = model.spec
         if not spec.ffn.sparse:

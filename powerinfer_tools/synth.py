@@ -50,7 +50,8 @@ from .errors import PitoolsError
 from .fileio import check_writable_output
 from .formats.profile_report import hot_fraction, write_report
 from .models import spec_from_config
-from .models.layers import FFNTrace, activate, rms_norm
+from .models.interfaces import FFNTracer
+from .models.layers import FFNHook, FFNTrace, activate, rms_norm
 from .predictors import TrainSettings, train_predictors
 from .profiling import Profiler, ProfileSettings
 from .solver.units import format_size
@@ -275,16 +276,11 @@ def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarr
     return np.stack(frequencies)
 
 
-class _Block:
-    def __init__(self, ffn_norm: np.ndarray):
-        self.ffn_norm = ffn_norm
-
-
-class PlantedActivations:
+class PlantedActivations(FFNTracer):
     """The FFN inputs and activations of a synthetic checkpoint, from its construction.
 
-    Stands in for the reference engine (``DecoderModel``) where ``Profiler`` uses one: ``forward``
-    calls ``ffn_hook`` with every layer's trace and returns no logits. The FFN input of every layer
+    What ``Profiler`` needs of an engine (``FFNTracer``), without running one: ``forward`` calls
+    ``ffn_hook`` with every layer's trace and returns no logits. The FFN input of every layer
     is ``rms_norm(embedding)``: the synthetic model's attention and FFN outputs are ~1% of the
     residual stream (``RESIDUAL_STEP``), whose drift this ignores.
     """
@@ -292,9 +288,9 @@ class PlantedActivations:
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
         self.spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-        self.blocks = [_Block(checkpoint.tensor(f"model.layers.{i}.post_attention_layernorm.weight"))
-                       for i in range(self.spec.n_layers)]
-        self.ffn_hook = None
+        self.ffn_norms = [checkpoint.tensor(f"model.layers.{i}.post_attention_layernorm.weight")
+                          for i in range(self.spec.n_layers)]
+        self.ffn_hook: FFNHook | None = None
 
     def new_cache(self) -> None:
         return None  # no attention, no cache
@@ -302,8 +298,8 @@ class PlantedActivations:
     def forward(self, tokens: np.ndarray, cache=None) -> None:
         s = self.spec
         h = self.checkpoint.raw("model.embed_tokens.weight")[np.asarray(tokens)].astype(np.float32)
-        for i, block in enumerate(self.blocks):
-            x = rms_norm(h, block.ffn_norm, s.norm_eps)
+        for i, ffn_norm in enumerate(self.ffn_norms):
+            x = rms_norm(h, ffn_norm, s.norm_eps)
             gate_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.gate_proj.weight").T
             up_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.up_proj.weight").T
             self.ffn_hook(FFNTrace(i, x, h, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer
+import tokenizers
 
 from .errors import PitoolsError
+from .models.interfaces import Tokenizer
 
 
-class CheckpointTokenizer:
+class CheckpointTokenizer(Tokenizer):
     """Text <-> token ids exactly as the model was trained, plus its BOS/EOS ids."""
 
     def __init__(self, folder: str | Path, bos_token_id: int | None = None, eos_token_id: int | None = None):
@@ -18,7 +19,7 @@ class CheckpointTokenizer:
         if not path.is_file():
             raise PitoolsError(f"{folder}: no tokenizer.json (the fast-tokenizer file is required)")
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise PitoolsError(f"{path}: cannot read tokenizer ({exc})") from None
         self.bos_token_id = bos_token_id

@@ -21,7 +21,7 @@ from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.llm import LLM
 from powerinfer_tools.models import load_model
-from powerinfer_tools.runtime.ffn import FFNMode
+from powerinfer_tools.models.interfaces import FFNMode
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.sparsify import SparsifySettings
 

@@ -17,7 +17,8 @@ from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.convert import convert
 from powerinfer_tools.models import load_model
-from powerinfer_tools.runtime.ffn import FFNMode, Predictor
+from powerinfer_tools.models.interfaces import FFNMode
+from powerinfer_tools.runtime.ffn import Predictor
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,

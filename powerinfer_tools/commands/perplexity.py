@@ -10,8 +10,8 @@ import click
 from ..bundled import BUNDLED_MODEL
 from ..corpus import HELDOUT_FILE, resolve_source
 from ..errors import PitoolsError
+from ..models.interfaces import FFNMode
 from ..perplexity import (
-    MODES,
     PerplexityResult,
     format_result,
     oracle_chooser,
@@ -28,9 +28,10 @@ from .profile import corpus_options, corpus_tokens, load_model_and_corpus
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model", default=str(BUNDLED_MODEL), required=False)
 @corpus_options
-@click.option("--sparse", "mode", type=click.Choice(MODES), default="dense", show_default=True,
-              help="dense: every neuron; oracle: only the neurons that truly fire; "
-                   "predicted: only those the --predictors select.")
+# "predicted" is the spelling of sparse that this command documented before the modes were one vocabulary.
+@click.option("--sparse", "mode", type=click.Choice([m.value for m in FFNMode] + ["predicted"]), default="dense",
+              show_default=True, help="dense: every neuron; oracle: only the neurons that truly fire; "
+                   "sparse (or predicted): only those the predictors select.")
 @click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -43,10 +44,11 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     run by the NumPy reference engine (default: the bundled tiny ReLU LLaMA, on
     its held-out text; a GGUF defaults to a heldout.txt beside it). The corpus
     is read in windows of --seq-len tokens, each with a fresh cache; every
-    token after the first is scored once. With --sparse oracle or predicted,
-    the fraction of FFN neurons computed is reported too, and on the reference
-    engine the recall (share of truly firing neurons computed). A GGUF file's
-    --sparse predicted uses its own predictors.
+    token after the first is scored once. --sparse takes the FFN modes of
+    `pitools run --mode`, and oracle; predicted is another spelling of sparse.
+    With oracle or sparse, the fraction of FFN neurons computed is reported
+    too, and on the reference engine the recall (share of truly firing neurons
+    computed). A GGUF file's --sparse predicted uses its own predictors.
 
     \b
     Examples:
@@ -61,13 +63,13 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
                                   mode, quiet)
         click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
         return
-    if (mode == "predicted") != (predictor_dir is not None):
+    if (FFNMode(mode) is FFNMode.SPARSE) != (predictor_dir is not None):
         raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
     loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
     choose = None
-    if mode == "oracle":
+    if FFNMode(mode) is FFNMode.ORACLE:
         choose = oracle_chooser()
-    elif mode == "predicted":
+    elif FFNMode(mode) is FFNMode.SPARSE:
         threshold, layers = load_predictors(predictor_dir)
         spec = loaded.model.spec
         if len(layers) != spec.n_layers or layers[0][0].shape[1] != spec.d_model or layers[0][1].shape[0] != spec.d_ff:
@@ -81,7 +83,7 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
 def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
                      quiet) -> PerplexityResult:
     model = load_runtime_model(path, use_split=False)
-    if mode == "predicted" and not model.has_predictors:
+    if FFNMode(mode) is FFNMode.SPARSE and not model.has_predictors:
         raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
     if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():
         raise PitoolsError(f"{path}: no {HELDOUT_FILE} beside the model to default to; pass --corpus FILE or --dataset NAME")

@@ -12,6 +12,7 @@ from ..bundled import BUNDLED_MODEL
 from ..errors import PitoolsError
 from ..generation import SamplingConfig
 from ..llm import LLM
+from ..models.interfaces import FFNMode
 from ..solver.hardware import DEFAULT_PRESET, PRESETS
 from ..solver.units import parse_size
 
@@ -30,7 +31,8 @@ from ..solver.units import parse_size
 @click.option("--top-p", default=0.95, show_default=True,
               help="Sample from the smallest set with this much mass, in (0, 1].")
 @click.option("--seed", type=int, default=None, help="Random seed (0 to 2^64 - 1) for reproducible sampling.")
-@click.option("--mode", type=click.Choice(["sparse", "dense"]), default="sparse", show_default=True,
+@click.option("--mode", type=click.Choice([FFNMode.SPARSE.value, FFNMode.DENSE.value]), default=FFNMode.SPARSE.value,
+              show_default=True,
               help="sparse: compute only the FFN neurons the predictors select; dense: all of them.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
               help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
+from .interfaces import Engine, FFNTracer
 from .layers import FFNHook, KVCache, NeuronSelector
 from .spec import ModelSpec
 
@@ -65,8 +66,8 @@ class CheckpointWeights:
         return self.get(name, *shape) if name in self.checkpoint else None
 
 
-class DecoderModel:
-    """A decoder-only language model evaluated in NumPy, one sequence at a time.
+class DecoderModel(Engine, FFNTracer):
+    """The reference engine: a decoder-only language model evaluated in NumPy, one sequence at a time.
 
     ``ffn_hook`` (if set) sees every FFN's input and activations; ``neuron_selector``
     (if set) restricts which neurons each FFN computes. Both exist so profiling and

@@ -27,9 +27,9 @@ from ..kernels import numba_kernels as nk
 from ..kernels import weight_bytes
 from ..kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from ..kernels.quant import QuantMatrix
+from ..models.interfaces import FFNMode
 from ..models.layers import KVCache
 from ..models.spec import FFNKind, ModelSpec, NormKind
-from .ffn import FFNMode
 
 # FFN kinds as integers for the compiled code.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}

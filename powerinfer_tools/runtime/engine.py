@@ -19,9 +19,10 @@ from ..models.layers import (
 from ..errors import PitoolsError
 from ..generation import context_window
 from ..kernels.quant import QuantMatrix
+from ..models.interfaces import Engine, FFNMode
 from ..models.spec import ModelSpec, NormKind
 from .backends import CpuBackend, move
-from .ffn import FFNMode, FFNPartition, Predictor
+from .ffn import FFNPartition, Predictor
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 
@@ -84,7 +85,7 @@ class TokenStats:
         return self.bytes_read / self.steps if self.steps else float("nan")
 
 
-class RuntimeModel:
+class RuntimeModel(Engine):
     """Runs a model read from a GGUF file, with FFN neurons split across backends."""
 
     def __init__(

@@ -10,7 +10,6 @@ with those activations as weights. The partial outputs add up to the FFN output.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,12 +20,6 @@ from ..kernels.quant import QuantMatrix
 from ..models.layers import activate
 from ..models.spec import FFNKind
 from ..xp import array_namespace
-
-
-class FFNMode(str, enum.Enum):
-    DENSE = "dense"  # every neuron
-    SPARSE = "sparse"  # the neurons the predictor selects
-    ORACLE = "oracle"  # exactly the neurons that fire (needs the full gate: for tests)
 
 
 @dataclass

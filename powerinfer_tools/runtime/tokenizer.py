@@ -18,6 +18,7 @@ from typing import Iterable
 import regex
 
 from ..errors import PitoolsError
+from ..models.interfaces import Tokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -44,7 +45,7 @@ def byte_alphabet() -> dict[int, str]:
     return mapping
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(Tokenizer):
     """Encode and decode with the vocabulary stored in GGUF metadata."""
 
     def __init__(self, metadata: dict, parse_special: bool = False):

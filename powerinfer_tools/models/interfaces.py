@@ -1,0 +1,91 @@
+"""What the pipeline's stages need of an engine and of a tokenizer, and the FFN modes they share.
+
+Two engines compute a model: the reference engine (``DecoderModel``, NumPy, from a checkpoint
+folder) and the runtime (``runtime.engine.RuntimeModel``, from a GGUF file). Their users ask for
+little, and each interface below is the least one kind of user asks for:
+
+* ``Engine`` -- logits for tokens that follow a cache: the Python API (``llm.LLM``) and perplexity.
+* ``FFNTracer`` -- a forward pass that shows every layer's FFN to ``ffn_hook``: profiling
+  (``profiling.Profiler``); ``synth.PlantedActivations`` provides it without computing logits.
+* ``Tokenizer`` -- text to ids and back: the checkpoint's Hugging Face tokenizer
+  (``tokenizer.CheckpointTokenizer``) and the one embedded in a GGUF file
+  (``runtime.tokenizer.GGUFTokenizer``).
+
+Implementations name the interfaces they provide as base classes, so the type checker holds them
+to it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Iterable, Optional, Protocol
+
+import numpy as np
+
+from ..generation import StepFn
+from .layers import FFNHook
+from .spec import ModelSpec
+
+
+class FFNMode(str, enum.Enum):
+    """Which FFN neurons an engine computes; the values are the words ``run``, ``bench``,
+    ``perplexity`` and ``LLM.load`` take."""
+
+    DENSE = "dense"  # every neuron
+    SPARSE = "sparse"  # the neurons the trained predictors select
+    ORACLE = "oracle"  # exactly the neurons that fire (needs every gate row: for measurements and tests)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Optional[FFNMode]:
+        # `pitools perplexity --sparse predicted` (README, formats/README.md) predates this vocabulary.
+        return cls.SPARSE if value == "predicted" else None
+
+
+class Engine(Protocol):
+    """Logits for tokens that follow what a cache holds."""
+
+    spec: ModelSpec
+
+    def new_cache(self) -> Any:
+        """An empty cache: the state of a fresh sequence."""
+        ...
+
+    def forward(self, tokens: np.ndarray, cache: Any) -> np.ndarray:
+        """Logits ``[len(tokens), vocab]`` for ``tokens`` following what ``cache`` holds; extends the cache."""
+        ...
+
+    def step_fn(self) -> StepFn:
+        """A fresh sequence: called with the next tokens, returns the last one's logits."""
+        ...
+
+
+class FFNTracer(Protocol):
+    """A forward pass that calls ``ffn_hook`` (when set) with every layer's ``FFNTrace``."""
+
+    spec: ModelSpec
+    ffn_hook: Optional[FFNHook]
+
+    def new_cache(self) -> Any:
+        ...
+
+    def forward(self, tokens: np.ndarray, cache: Any) -> Any:
+        """Runs ``tokens`` through every layer, showing each FFN to ``ffn_hook``; what it returns is unused."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids of a model's vocabulary, and its special tokens."""
+
+    bos_token_id: Optional[int]
+    eos_token_id: Optional[int]
+
+    @property
+    def vocab_size(self) -> int:
+        ...
+
+    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
+        """Ids of ``text``, BOS first when ``add_bos`` (default: as the model's prompts start)."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ...
