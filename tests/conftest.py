@@ -1,10 +1,20 @@
 """Command-line options of the test suite, and the fixtures several test modules share.
 
-A shared model is built once per session; tests that damage a model work on a copy. The fixtures import
-their helpers when first used: those load torch and transformers, which many test runs never need.
+A shared model is built once per session; tests that damage a model work on a copy. The test helper
+modules are imported when a fixture first needs them: they load torch and transformers, which many
+test runs never need.
 """
 
+import dataclasses
+import functools
+from pathlib import Path
+
 import pytest
+
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.convert import convert
+from powerinfer_tools.sparsify import SparsifySettings
+from powerinfer_tools.synth import Planting, synthesize
 
 
 def pytest_addoption(parser):
@@ -41,12 +51,7 @@ def small_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_powerinfer_file(small_checkpoint, tmp_path_factory):
     """``small_checkpoint`` converted to float32 with predictors and firing frequencies (what solve needs)."""
-    import dataclasses
-
     from gguf_fixtures import FAST_TRAINING, write_code_corpus
-
-    from powerinfer_tools.convert import convert
-    from powerinfer_tools.sparsify import SparsifySettings
 
     root = tmp_path_factory.mktemp("small-powerinfer")
     # This model's FFNs are so small that the smallest predictor needs more than the default budget.
@@ -62,3 +67,25 @@ def tokenizer_models(tmp_path_factory):
     from gguf_fixtures import build_tokenizer_models
 
     return build_tokenizer_models(tmp_path_factory.mktemp("tokenizer-models"))
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf(tmp_path_factory):
+    """outtype -> the bundled model converted to it (PowerInfer layout, no predictors: dense FFN), once each."""
+    root = tmp_path_factory.mktemp("bundled")
+
+    @functools.cache
+    def converted(outtype: str) -> Path:
+        return convert(str(BUNDLED_MODEL), root / f"m.{outtype}.gguf", outtype=outtype, progress=False)[0]
+
+    return converted
+
+
+@pytest.fixture(scope="session")
+def synthesized_tiny(tmp_path_factory):
+    """synth's test-tiny shape in q4_0 (10% of neurons firing): the PowerInfer file, its dense twin tiny.gguf."""
+    from gguf_fixtures import FAST_TRAINING
+
+    out = tmp_path_factory.mktemp("synth-files") / "tiny.powerinfer.gguf"
+    return synthesize("test-tiny", out, "q4_0", Planting(density=0.1), profile_tokens=800, train=FAST_TRAINING,
+                      progress=False)

@@ -20,8 +20,6 @@ from powerinfer_tools.bench import (
     run_bench,
 )
 from powerinfer_tools.cli import cli
-from powerinfer_tools.predictors import TrainSettings
-from powerinfer_tools.synth import Planting, synthesize
 
 RATIO_KEYS = {"sparse_vs_llamacpp_generation", "dense_vs_llamacpp_generation", "sparse_vs_llamacpp_prompt"}
 
@@ -62,12 +60,10 @@ def test_no_baseline_means_no_ratios():
     format_report(rep)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "tiny.powerinfer.gguf"
-    fast = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
-    synthesize("test-tiny", path, "q4_0", Planting(), profile_tokens=800, train=fast, progress=False)
-    return path
+@pytest.fixture
+def model(synthesized_tiny):
+    """A synthesized PowerInfer file; its dense twin, tiny.gguf, lies beside it."""
+    return synthesized_tiny.powerinfer
 
 
 def test_every_engine_runs_in_turn(model):

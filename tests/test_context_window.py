@@ -10,7 +10,6 @@ from click.testing import CliRunner
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.cli import cli
-from powerinfer_tools.convert import convert
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.generation import Sampler, SamplingConfig, generate
 from powerinfer_tools.llm import LLM
@@ -29,9 +28,9 @@ def counting_step(calls: list):
 
 
 @pytest.fixture(scope="module")
-def gguf_file(tmp_path_factory):
+def gguf_file(bundled_gguf):
     """The bundled model as a runtime file (PowerInfer layout, no predictors: dense FFN)."""
-    return convert(str(BUNDLED_MODEL), tmp_path_factory.mktemp("ctx") / "m.gguf", outtype="f32", progress=False)[0]
+    return bundled_gguf("f32")
 
 
 # --- the generation loop ------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.convert import convert
 from powerinfer_tools.corpus import read_tokens, resolve_source
 from powerinfer_tools.generation import SamplingConfig
 from powerinfer_tools.llm import LLM
@@ -19,10 +18,8 @@ GREEDY = SamplingConfig(temperature=0)
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bundled")
-    return {t: convert(str(BUNDLED_MODEL), root / f"m.{t}.gguf", outtype=t, progress=False)[0]
-            for t in ("f32", "q8_0", "q4_0")}
+def files(bundled_gguf):
+    return {t: bundled_gguf(t) for t in ("f32", "q8_0", "q4_0")}
 
 
 def top1(path, tokens) -> np.ndarray:

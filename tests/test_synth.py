@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf_fixtures import llama
+from gguf_fixtures import FAST_TRAINING, llama
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.model_stats import read_model_stats
 
@@ -15,7 +15,6 @@ from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
-from powerinfer_tools.predictors import TrainSettings
 from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.synth import (
     P_MAX,
@@ -28,9 +27,6 @@ from powerinfer_tools.synth import (
     synthesize,
     write_checkpoint,
 )
-
-FAST_TRAINING = TrainSettings(epochs=1, min_epoch_steps=20, batch_size=64, min_precision=0.0)
-
 
 def test_frequencies_have_the_planted_mean_and_a_power_law_skew():
     p = firing_frequencies(5632, 0.1, np.random.default_rng(0))
@@ -84,32 +80,25 @@ def test_planted_activations_match_the_reference_engine(checkpoint):
         assert fired["planted", layer].mean() == pytest.approx(0.1, abs=0.02)
 
 
-@pytest.fixture(scope="module")
-def synthesized(tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth-files") / "tiny.powerinfer.gguf"
-    return synthesize("test-tiny", out, "q4_0", Planting(density=0.1), profile_tokens=800, train=FAST_TRAINING,
-                      progress=False)
-
-
-def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(synthesized):
-    assert synthesized.dense == synthesized.powerinfer.with_name("tiny.gguf")
-    sparse, dense = open_model_file(synthesized.powerinfer), open_model_file(synthesized.dense)
+def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(synthesized_tiny):
+    assert synthesized_tiny.dense == synthesized_tiny.powerinfer.with_name("tiny.gguf")
+    sparse, dense = open_model_file(synthesized_tiny.powerinfer), open_model_file(synthesized_tiny.dense)
     assert sparse.powerinfer and not dense.powerinfer
     assert "blk.1.fc2.weight" in sparse and "blk.1.ffn_down_t.weight" in sparse
     assert "blk.1.ffn_down.weight" in dense and "blk.0.fc1.weight" not in dense
     # Same weights in both files.
     assert np.array_equal(sparse["blk.0.ffn_gate.weight"].data, dense["blk.0.ffn_gate.weight"].data)
     # The profiled firing frequencies are in the file, so `pitools solve` can place its neurons.
-    frequencies = read_model_stats(synthesized.powerinfer)["freqs"]
+    frequencies = read_model_stats(synthesized_tiny.powerinfer)["freqs"]
     assert len(frequencies) == 2 and np.mean(frequencies) == pytest.approx(0.1, abs=0.02)
-    assert not synthesized.powerinfer.with_name(synthesized.powerinfer.name + ".work").exists()
-    summary = synthesized.summary()
+    assert not synthesized_tiny.powerinfer.with_name(synthesized_tiny.powerinfer.name + ".work").exists()
+    summary = synthesized_tiny.summary()
     assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
     assert len(summary["predictor_hidden"]) == 2
 
 
-def test_llama_cpp_runs_the_dense_twin(synthesized):
-    model = llama(synthesized.dense, n_ctx=64, n_threads=1)
+def test_llama_cpp_runs_the_dense_twin(synthesized_tiny):
+    model = llama(synthesized_tiny.dense, n_ctx=64, n_threads=1)
     assert model.n_vocab() == SHAPES["test-tiny"].vocab_size
     model.eval([5, 17, 3])
 
@@ -121,13 +110,13 @@ def test_dense_companion_names():
     assert dense_companion(Path("/m/x.gguf")) == Path("/m/x.dense.gguf")
 
 
-def test_refusals(tmp_path, synthesized):
+def test_refusals(tmp_path, synthesized_tiny):
     with pytest.raises(PitoolsError, match="unknown shape"):
         synthesize("gpt-5", tmp_path / "a.powerinfer.gguf")
     with pytest.raises(PitoolsError, match="density"):
         Planting(density=1.5)
     with pytest.raises(PitoolsError, match="exists"):
-        synthesize("test-tiny", synthesized.powerinfer)
+        synthesize("test-tiny", synthesized_tiny.powerinfer)
 
 
 def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
