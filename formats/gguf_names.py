@@ -19,26 +19,26 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models.spec import FFNKind, ModelSpec, NormKind
 
 from .constants import FFN_ACTIVATION_KEY, PowerInferTensor, tensor_name
+from . import tensor_table
 from .tensor_table import TABLES, TensorRow
 
 T = MODEL_TENSOR
-LLAMA, BAMBOO, OPT = "llama", "bamboo", "opt"
+LLAMA, OPT = tensor_table.LLAMA.gguf_architecture, tensor_table.OPT.gguf_architecture
+BAMBOO = "bamboo"  # PowerInfer's name for a dReLU LLaMA in its sparse layout (same tensors)
 _NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM)
 _ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
 _FFN = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
 
 
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
-    """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout.
+    """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout: its table's.
 
-    Mistral is "llama" to llama.cpp. dReLU (symmetric-gate) models are PowerInfer's
-    "bamboo", which only its fork knows: in dense mode they are written as "llama".
+    dReLU (symmetric-gate) models are PowerInfer's "bamboo", which only its fork knows:
+    in dense mode they are written as their table says ("llama").
     """
-    if spec.architecture == "opt":
-        return OPT
     if powerinfer and spec.ffn is FFNKind.DRELU:
         return BAMBOO
-    return LLAMA
+    return TABLES[spec.architecture].gguf_architecture
 
 
 @dataclass(frozen=True)

@@ -29,17 +29,18 @@ class TensorRow:
     """A tensor of the architecture: its GGUF kind and its Hugging Face name."""
 
     tensor: MODEL_TENSOR | None  # None: a Hugging Face tensor that has no GGUF layout (OPT-350m's projections)
-    hf: str  # the checkpoint's name without ".weight"/".bias"; "{bid}" stands for the block
+    hf: str  # the checkpoint's name without ".weight"/".bias"; "{bid}": the block, "{xid}": the expert
     neuron_axis: int | None = None  # the axis of the checkpoint weight that indexes FFN neurons
 
-    def hf_name(self, layer: int | None = None, part: str = "weight") -> str:
-        return f"{self.hf.format(bid=layer)}.{part}"
+    def hf_name(self, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
+        return f"{self.hf.format(bid=layer, xid=expert)}.{part}"
 
 
 @dataclass(frozen=True)
 class ArchitectureTable:
     """The rows of one architecture in GGUF file order: before the blocks, per block, after them."""
 
+    gguf_architecture: str  # llama.cpp's name for it (general.architecture)
     before: tuple[TensorRow, ...]
     block: tuple[TensorRow, ...]
     after: tuple[TensorRow, ...]
@@ -66,6 +67,7 @@ def _block(prefix: str, *rows: tuple[MODEL_TENSOR, str, int | None]) -> tuple[Te
 
 
 LLAMA = ArchitectureTable(
+    gguf_architecture="llama",
     before=(TensorRow(T.TOKEN_EMBD, "model.embed_tokens"),),
     block=_block(
         "model.layers.{bid}.",
@@ -84,6 +86,7 @@ LLAMA = ArchitectureTable(
 
 _OPT_DECODER = "model.decoder."
 OPT = ArchitectureTable(
+    gguf_architecture="opt",
     before=(
         TensorRow(T.TOKEN_EMBD, _OPT_DECODER + "embed_tokens"),
         TensorRow(T.POS_EMBD, _OPT_DECODER + "embed_positions"),  # with OPT's two leading offset rows
@@ -108,7 +111,7 @@ OPT = ArchitectureTable(
     ),
 )
 
-# ModelSpec.architecture -> its table. Mistral's tensors are LLaMA's.
+# ModelSpec.architecture -> its table. Mistral is LLaMA to llama.cpp: the same tensors, the same name.
 TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "opt": OPT}
 
 # The neuron axis of a block's GGUF tensor as stored. GGUF keeps the checkpoint's [out, in] NumPy
