@@ -74,9 +74,8 @@ def main() -> None:
         spec = cpu.spec
         masks = tuple(np.arange(spec.d_ff) < spec.d_ff // 2 for _ in range(spec.n_layers))  # hot-first files
         split = work / f"m.{outtype}.gpuidx"
-        write_gpu_split(split, GpuSplit(masks, vram_capacity=2**30,
-                                        extra={"pitools.dense_on_gpu": [True] * spec.n_layers,
-                                               "pitools.output_on_gpu": True}))
+        write_gpu_split(split, GpuSplit(masks, vram_capacity=2**30, dense_on_gpu=(True,) * spec.n_layers,
+                                        output_on_gpu=True))
         gpu = load_runtime_model(path, split=split, device=args.device)
         for mode in (FFNMode.DENSE, FFNMode.SPARSE):
             cpu.mode = gpu.mode = mode

@@ -33,9 +33,11 @@ from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 import numpy as np
+from gguf import MODEL_TENSOR, Keys
 
 from .bundled import BUNDLED_MODEL
 from .errors import PitoolsError
+from .formats.constants import tensor_name
 from .formats.model_file import open_model_file
 from .llamacpp import load_llama_cpp
 from .models.interfaces import FFNMode
@@ -196,14 +198,14 @@ class _LlamaCpp:
 
 
 def _kv_width(model) -> int:
-    heads, kv_heads = model.get("{arch}.attention.head_count"), model.get("{arch}.attention.head_count_kv") or 0
-    return (kv_heads or heads) * model.get("{arch}.embedding_length") // heads
+    heads, kv_heads = model.get(Keys.Attention.HEAD_COUNT), model.get(Keys.Attention.HEAD_COUNT_KV) or 0
+    return (kv_heads or heads) * model.get(Keys.LLM.EMBEDDING_LENGTH) // heads
 
 
 def _dense_bytes_per_token(model) -> int:
     """Weight bytes a dense decoding step reads: every tensor but the embedding, of which one row."""
-    embedding = model["token_embd.weight"]
-    rest = sum(t.nbytes for t in model.tensors.values() if t.name != "token_embd.weight")
+    embedding = model[tensor_name(MODEL_TENSOR.TOKEN_EMBD)]
+    rest = sum(t.nbytes for t in model.tensors.values() if t.name != embedding.name)
     return rest + embedding.nbytes // embedding.shape[0]
 
 

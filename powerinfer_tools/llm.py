@@ -27,7 +27,8 @@ from .runtime.loader import load_runtime_model
 from .runtime.tokenizer import GGUFTokenizer
 from .solver.hardware import DEFAULT_PRESET, load_profile
 from .solver.problem import DEFAULT_RESERVE_BYTES
-from .solver.split import default_split_path, ensure_split
+from .formats.gpu_split import default_split_path
+from .solver.split import ensure_split
 from .solver.units import format_size
 from .tokenizer import CheckpointTokenizer
 

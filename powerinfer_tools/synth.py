@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
 from safetensors.numpy import save_file
 from scipy.special import ndtri
 
@@ -49,6 +50,7 @@ from .convert import DENSE_SUFFIX, POWERINFER_SUFFIX, convert
 from .errors import PitoolsError
 from .fileio import check_writable_output
 from .formats.profile_report import hot_fraction, write_report
+from .formats.tensor_table import LLAMA
 from .models import spec_from_config
 from .models.interfaces import FFNTracer
 from .models.layers import FFNHook, FFNTrace, activate, rms_norm
@@ -56,6 +58,8 @@ from .predictors import TrainSettings, train_predictors
 from .profiling import Profiler, ProfileSettings
 from .solver.units import format_size
 from .sparsify import SparsifySettings, work_folder
+
+_hf = LLAMA.hf_name  # the synthetic checkpoints are LLaMA's: the checkpoint name of a tensor
 
 # Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
 # the residual stream by ~1% of its norm, so every FFN sees (almost exactly) the token's embedding.
@@ -251,28 +255,27 @@ def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarr
 
     ones = np.ones(d, dtype=np.float16)
     rng = planting.rng(1)
-    save_file({"model.embed_tokens.weight": geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
-               "model.norm.weight": ones,
-               "lm_head.weight": normal(shape.vocab_size, d, rng)}, str(folder / "model-embeddings.safetensors"))
+    save_file({_hf(T.TOKEN_EMBD): geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
+               _hf(T.OUTPUT_NORM): ones,
+               _hf(T.OUTPUT): normal(shape.vocab_size, d, rng)}, str(folder / "model-embeddings.safetensors"))
     frequencies = []
     for i in range(shape.n_layers):
         rng = planting.rng(2, i)
         p = firing_frequencies(shape.d_ff, planting.density, rng)
         frequencies.append(p)
         kv = shape.n_kv_heads * head_dim
-        prefix = f"model.layers.{i}."
         tensors = {
-            "input_layernorm.weight": ones,
-            "self_attn.q_proj.weight": normal(d, d, rng),
-            "self_attn.k_proj.weight": normal(kv, d, rng),
-            "self_attn.v_proj.weight": normal(kv, d, rng),
-            "self_attn.o_proj.weight": normal(d, d, rng, RESIDUAL_STEP),
-            "post_attention_layernorm.weight": ones,
-            "mlp.gate_proj.weight": geometry.gate(p, planting.noise, rng).astype(np.float16),
-            "mlp.up_proj.weight": normal(shape.d_ff, d, rng),
-            "mlp.down_proj.weight": normal(d, shape.d_ff, rng, RESIDUAL_STEP),
+            T.ATTN_NORM: ones,
+            T.ATTN_Q: normal(d, d, rng),
+            T.ATTN_K: normal(kv, d, rng),
+            T.ATTN_V: normal(kv, d, rng),
+            T.ATTN_OUT: normal(d, d, rng, RESIDUAL_STEP),
+            T.FFN_NORM: ones,
+            T.FFN_GATE: geometry.gate(p, planting.noise, rng).astype(np.float16),
+            T.FFN_UP: normal(shape.d_ff, d, rng),
+            T.FFN_DOWN: normal(d, shape.d_ff, rng, RESIDUAL_STEP),
         }
-        save_file({prefix + k: v for k, v in tensors.items()}, str(folder / f"model-layer{i:03d}.safetensors"))
+        save_file({_hf(t, i): v for t, v in tensors.items()}, str(folder / f"model-layer{i:03d}.safetensors"))
     return np.stack(frequencies)
 
 
@@ -288,8 +291,7 @@ class PlantedActivations(FFNTracer):
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
         self.spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-        self.ffn_norms = [checkpoint.tensor(f"model.layers.{i}.post_attention_layernorm.weight")
-                          for i in range(self.spec.n_layers)]
+        self.ffn_norms = [checkpoint.tensor(_hf(T.FFN_NORM, i)) for i in range(self.spec.n_layers)]
         self.ffn_hook: FFNHook | None = None
 
     def new_cache(self) -> None:
@@ -297,11 +299,11 @@ class PlantedActivations(FFNTracer):
 
     def forward(self, tokens: np.ndarray, cache=None) -> None:
         s = self.spec
-        h = self.checkpoint.raw("model.embed_tokens.weight")[np.asarray(tokens)].astype(np.float32)
+        h = self.checkpoint.raw(_hf(T.TOKEN_EMBD))[np.asarray(tokens)].astype(np.float32)
         for i, ffn_norm in enumerate(self.ffn_norms):
             x = rms_norm(h, ffn_norm, s.norm_eps)
-            gate_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.gate_proj.weight").T
-            up_pre = x @ self.checkpoint.tensor(f"model.layers.{i}.mlp.up_proj.weight").T
+            gate_pre = x @ self.checkpoint.tensor(_hf(T.FFN_GATE, i)).T
+            up_pre = x @ self.checkpoint.tensor(_hf(T.FFN_UP, i)).T
             self.ffn_hook(FFNTrace(i, x, h, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))
 
 

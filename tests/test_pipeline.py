@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf_fixtures import FAST_TRAINING, TOKENS, make_model, relative_error, stepwise_logits, write_code_corpus
-from powerinfer_tools.formats.gguf_names import neuron_frequency_key
-from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
+from powerinfer_tools.formats.constants import neuron_frequency_key
+from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
-from powerinfer_tools.solver.split import default_split_path
 
 from powerinfer_tools import kernels
 from powerinfer_tools.checkpoint import Checkpoint
@@ -92,7 +91,7 @@ def test_head_on_the_device_changes_nothing(pipeline, tmp_path):
     expected = stepwise_logits(model)
     masks = tuple(np.arange(model.spec.d_ff) < 100 for _ in model.layers)
     split = tmp_path / "head.gpuidx"
-    write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, extra={"pitools.output_on_gpu": True}))
+    write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, output_on_gpu=True))
     on_device = load_runtime_model(path, split=split, device="emulated")
     on_device.mode = FFNMode.SPARSE
     assert relative_error(stepwise_logits(on_device), expected) < 1e-5
@@ -149,7 +148,7 @@ def test_a_corrupt_or_foreign_cached_split_is_solved_again(pipeline):
     split = default_split_path(path)
     split.write_bytes(b"GGUF not really")
     assert "solved now" in LLM.load(path, mode="dense", device="emulated", vram=10**7).description
-    foreign = GpuSplit((np.ones(7, bool),), vram_capacity=10, extra={"pitools.vram_budget": 10**7})
+    foreign = GpuSplit((np.ones(7, bool),), vram_capacity=10, vram_budget=10**7)
     write_gpu_split(split, foreign)
     assert "solved now" in LLM.load(path, mode="dense", device="emulated", vram=10**7).description
     assert len(read_gpu_split(split).masks) == N_LAYERS

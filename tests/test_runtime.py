@@ -96,7 +96,7 @@ def test_split_across_emulated_device_changes_nothing(converted, tmp_path, share
     rng = np.random.default_rng(int(share * 10))
     masks = tuple(rng.random(spec.d_ff) < share for _ in range(spec.n_layers))
     split = tmp_path / "m.gpuidx"
-    write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, extra={"pitools.dense_on_gpu": [True, False]}))
+    write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, dense_on_gpu=(True, False)))
     model = load_runtime_model(files["f32"], split=split, device="emulated")
     model.mode = mode
     assert relative_error(stepwise_logits(model), expected) < 1e-5
@@ -111,7 +111,7 @@ def test_split_over_budget_is_refused(converted, tmp_path):
     spec = load_runtime_model(files["f32"]).spec
     masks = tuple(np.ones(spec.d_ff, bool) for _ in range(spec.n_layers))
     split = tmp_path / "m.gpuidx"
-    write_gpu_split(split, GpuSplit(masks, vram_capacity=1000, extra={"pitools.vram_budget": 1000}))
+    write_gpu_split(split, GpuSplit(masks, vram_capacity=1000, vram_budget=1000))
     with pytest.raises(Exception, match="exceed the VRAM budget"):
         load_runtime_model(files["f32"], split=split)
 

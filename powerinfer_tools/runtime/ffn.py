@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..formats.constants import PowerInferTensor, block_part
 from ..formats.predictor_folder import predict
 from ..kernels.quant import QuantMatrix
 from ..models.layers import activate
@@ -91,6 +92,8 @@ class FFNPartition:
             activated = activated * mask
         if self.down_t is None:
             if len(rows) != self.down.cols:
-                raise RuntimeError("this model file has no ffn_down_t: only dense mode can run it")
+                raise RuntimeError(
+                    f"this model file has no {block_part(PowerInferTensor.FFN_DOWN_T)}: only dense mode can run it"
+                )
             return self.backend.matmul(self.down, activated)
         return self.backend.row_sum(self.down_t, activated, device_rows)
