@@ -9,7 +9,16 @@ import numpy as np
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from .interfaces import Engine, FFNTracer
-from .layers import FFNHook, KVCache, NeuronSelector
+from .layers import (
+    FFNHook,
+    KVCache,
+    NeuronSelector,
+    Rotation,
+    decoder_layer,
+    feed_forward,
+    linear,
+    self_attention,
+)
 from .spec import ModelSpec
 
 
@@ -97,3 +106,21 @@ class DecoderModel(Engine, FFNTracer):
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits ``[len(tokens), vocab]`` for tokens that follow what ``cache`` holds; extends the cache."""
         raise NotImplementedError
+
+    def layer(self, i: int, b: Any, x: np.ndarray, cache: KVCache, start: int, norm: Callable,
+              rotate: Optional[Rotation] = None) -> np.ndarray:
+        """The residual stream after layer ``i``, whose block ``b`` holds ``attn_norm``, ``wq, wk, wv, wo``
+        and their biases ``bq .. bo``, ``ffn_norm`` and ``ffn``; ``norm(weights, x)`` is the
+        architecture's norm, ``rotate`` its rotary embedding (none for learned positions)."""
+        s = self.spec
+
+        def attend(h: np.ndarray) -> np.ndarray:
+            out = self_attention(s, linear(h, b.wq, b.bq), linear(h, b.wk, b.bk), linear(h, b.wv, b.bv),
+                                 lambda k, v: cache.store(i, k, v), start, rotate)
+            return linear(out, b.wo, b.bo)
+
+        def ffn(h: np.ndarray, residual: np.ndarray) -> np.ndarray:
+            return feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=residual)
+
+        return decoder_layer(x, attend, ffn, lambda v: norm(b.attn_norm, v), lambda v: norm(b.ffn_norm, v),
+                             s.pre_norm)

@@ -1,5 +1,10 @@
-"""NumPy building blocks shared by the architectures: norms, rotary embeddings,
-attention over a KV cache and the FFN kinds.
+"""The layer math of both engines: norms, rotary embeddings, attention over a KV cache, the FFN
+kinds, and how a decoder layer arranges them around its residual stream.
+
+The reference engine (``models.llama``, ``models.opt``) and the runtime's general path
+(``runtime.engine.RuntimeModel``) compute with these; they differ in where weights live and how a
+product is taken, which they pass in. (The runtime's compiled one-token decode path,
+``runtime.decode``, is the one specialization that does not.)
 
 Weights follow the Hugging Face layout ``[out_features, in_features]``, so a
 linear layer is ``x @ W.T``. Activations are ``[tokens, features]``: the engine
@@ -15,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..xp import array_namespace
-from .spec import FFNKind
+from .spec import FFNKind, ModelSpec, NormKind
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -27,6 +32,20 @@ def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) 
     centred = x - x.mean(axis=-1, keepdims=True)
     variance = (centred * centred).mean(axis=-1, keepdims=True)
     return centred / array_namespace(x).sqrt(variance + eps) * weight + bias
+
+
+@dataclass
+class Norm:
+    """A norm's weights; ``bias`` for LayerNorm only."""
+
+    weight: np.ndarray
+    bias: Optional[np.ndarray] = None
+
+
+def normalize(kind: NormKind, norm: Norm, x: np.ndarray, eps: float) -> np.ndarray:
+    if kind is NormKind.RMS:
+        return rms_norm(x, norm.weight, eps)
+    return layer_norm(x, norm.weight, norm.bias, eps)
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
@@ -129,6 +148,39 @@ def attention(
     weights /= weights.sum(axis=-1, keepdims=True)
     out = xp.einsum("kgts,skd->tkgd", weights, values)
     return out.reshape(n_tokens, n_heads * head_dim)
+
+
+Rotation = Callable[[np.ndarray], np.ndarray]  # rotary embedding of ``[T, heads, head_dim]``
+KVStore = Callable[[np.ndarray, np.ndarray], tuple]  # this step's (k, v) -> every key and value so far
+
+
+def self_attention(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore, start: int,
+                   rotate: Optional[Rotation] = None) -> np.ndarray:
+    """Causal self-attention ``[T, heads * hd]`` of projected ``q [T, heads * hd]`` and ``k, v
+    [T, kv_heads * hd]`` at positions from ``start``: split into heads, ``rotate`` q and k (RoPE
+    models), append k and v to the cache through ``store``, attend. The output projection is the
+    caller's."""
+    n = q.shape[0]
+    q = q.reshape(n, spec.n_heads, spec.head_dim)
+    k = k.reshape(n, spec.n_kv_heads, spec.head_dim)
+    v = v.reshape(n, spec.n_kv_heads, spec.head_dim)
+    if rotate is not None:
+        q, k = rotate(q), rotate(k)
+    keys, values = store(k, v)
+    return attention(q, keys, values, start, spec.sliding_window)
+
+
+def decoder_layer(x: np.ndarray, attend: Callable, feed_forward: Callable, attn_norm: Callable, ffn_norm: Callable,
+                  pre_norm: bool) -> np.ndarray:
+    """The residual stream ``x`` after one layer. Pre-norm (LLaMA, most OPT): ``x + f(norm(x))`` for
+    attention then FFN; post-norm (OPT-350m): ``norm(x + f(x))``. ``attend(h)``, ``feed_forward(h,
+    residual)``: the FFN also gets the stream entering its block, before its norm (what predictors
+    read)."""
+    if pre_norm:
+        x = x + attend(attn_norm(x))
+        return x + feed_forward(ffn_norm(x), x)
+    x = attn_norm(x + attend(x))
+    return ffn_norm(x + feed_forward(x, x))
 
 
 @dataclass

@@ -9,16 +9,7 @@ import numpy as np
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from .base import CheckpointWeights, DecoderModel, optional, require, rope_settings, token_id
-from .layers import (
-    FFNWeights,
-    KVCache,
-    apply_rope,
-    attention,
-    feed_forward,
-    linear,
-    rms_norm,
-    rope_tables,
-)
+from .layers import FFNWeights, KVCache, apply_rope, rms_norm, rope_tables
 from .spec import FFNKind, ModelSpec, NormKind
 
 # hidden_act values and the FFN they mean in a gated (gate/up/down) MLP.
@@ -137,15 +128,11 @@ class Model(DecoderModel):
         positions = np.arange(start, start + len(tokens))
         cos, sin = rope_tables(positions, s.head_dim, s.rope_theta, s.rope_scaling_factor, self.dtype)
         x = self.embed[tokens]
+
+        def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
+            return rms_norm(v, weight, s.norm_eps)
+
         for i, b in enumerate(self.blocks):
-            h = rms_norm(x, b.attn_norm, s.norm_eps)
-            q = linear(h, b.wq, b.bq).reshape(len(tokens), s.n_heads, s.head_dim)
-            k = linear(h, b.wk, b.bk).reshape(len(tokens), s.n_kv_heads, s.head_dim)
-            v = linear(h, b.wv, b.bv).reshape(len(tokens), s.n_kv_heads, s.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            keys, values = cache.store(i, k, v)
-            x = x + linear(attention(q, keys, values, start, s.sliding_window), b.wo, b.bo)
-            h = rms_norm(x, b.ffn_norm, s.norm_eps)
-            x = x + feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=x)
+            x = self.layer(i, b, x, cache, start, norm, rotate=lambda t: apply_rope(t, cos, sin))
         cache.advance(len(tokens))
         return rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T

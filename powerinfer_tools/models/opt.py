@@ -14,7 +14,7 @@ import numpy as np
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from .base import CheckpointWeights, DecoderModel, optional, require, token_id
-from .layers import FFNWeights, KVCache, attention, feed_forward, layer_norm, linear
+from .layers import FFNWeights, KVCache, Norm, linear, normalize
 from .spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 
 
@@ -68,12 +68,6 @@ def spec_from_config(config: dict) -> ModelSpec:
         bos_token_id=token_id(config, "bos_token_id"),
         eos_token_id=token_id(config, "eos_token_id"),
     )
-
-
-@dataclass
-class Norm:
-    weight: np.ndarray
-    bias: np.ndarray
 
 
 @dataclass
@@ -149,15 +143,6 @@ class Model(DecoderModel):
             tensors["final_norm"] = norm(p + "final_layer_norm")
         return cls(spec, tensors, blocks)
 
-    def _attention(self, b: Block, h: np.ndarray, i: int, cache: KVCache, start: int) -> np.ndarray:
-        s = self.spec
-        n = len(h)
-        q = linear(h, b.wq, b.bq).reshape(n, s.n_heads, s.head_dim)
-        k = linear(h, b.wk, b.bk).reshape(n, s.n_kv_heads, s.head_dim)
-        v = linear(h, b.wv, b.bv).reshape(n, s.n_kv_heads, s.head_dim)
-        keys, values = cache.store(i, k, v)
-        return linear(attention(q, keys, values, start), b.wo, b.bo)
-
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         s = self.spec
         start = cache.length
@@ -167,16 +152,10 @@ class Model(DecoderModel):
         x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
 
         def ln(norm: Norm, v: np.ndarray) -> np.ndarray:
-            return layer_norm(v, norm.weight, norm.bias, s.norm_eps)
+            return normalize(s.norm, norm, v, s.norm_eps)
 
         for i, b in enumerate(self.blocks):
-            if s.pre_norm:
-                x = x + self._attention(b, ln(b.attn_norm, x), i, cache, start)
-                x = x + feed_forward(s.ffn, b.ffn, ln(b.ffn_norm, x), i, self.ffn_hook, self.neuron_selector,
-                                     residual=x)
-            else:
-                x = ln(b.attn_norm, x + self._attention(b, x, i, cache, start))
-                x = ln(b.ffn_norm, x + feed_forward(s.ffn, b.ffn, x, i, self.ffn_hook, self.neuron_selector))
+            x = self.layer(i, b, x, cache, start, ln)
         cache.advance(len(tokens))
         if self.final_norm is not None:
             x = ln(self.final_norm, x)

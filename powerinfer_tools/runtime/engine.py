@@ -10,27 +10,22 @@ import numpy as np
 
 from ..models.layers import (
     KVCache,
+    Norm,
     apply_rope_adjacent,
-    attention,
-    layer_norm,
-    rms_norm,
+    decoder_layer,
+    normalize,
     rope_tables,
+    self_attention,
 )
 from ..errors import PitoolsError
 from ..generation import context_window
 from ..kernels.quant import QuantMatrix
 from ..models.interfaces import Engine, FFNMode
-from ..models.spec import ModelSpec, NormKind
+from ..models.spec import ModelSpec
 from .backends import CpuBackend, move
 from .ffn import FFNPartition, Predictor
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
-
-
-@dataclass
-class Norm:
-    weight: np.ndarray
-    bias: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -147,9 +142,7 @@ class RuntimeModel(Engine):
     # -- forward --------------------------------------------------------------
 
     def _norm(self, norm: Norm, x):
-        if self.spec.norm is NormKind.RMS:
-            return rms_norm(x, norm.weight, self.spec.norm_eps)
-        return layer_norm(x, norm.weight, norm.bias, self.spec.norm_eps)
+        return normalize(self.spec.norm, norm, x, self.spec.norm_eps)
 
     def forward(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool = True) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold.
@@ -203,36 +196,34 @@ class RuntimeModel(Engine):
         return self._decoder
 
     def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
-        s, d = self.spec, layer.dense
-        pre_norm = s.pre_norm
-        h = self._norm(d.attn_norm, x) if pre_norm else x
-        attn = self._attention(d, h, cache, start, rope)
-        x = x + attn if pre_norm else self._norm(d.attn_norm, x + attn)
-        h = self._norm(d.ffn_norm, x) if pre_norm else x
-        out = self._ffn(layer, h, x, step)
-        if "down" in d.biases:
-            out = out + d.biases["down"]
-        return x + out if pre_norm else self._norm(d.ffn_norm, x + out)
+        d = layer.dense
+
+        def ffn(h, residual):
+            out = self._ffn(layer, h, residual, step)
+            return out + d.biases["down"] if "down" in d.biases else out
+
+        return decoder_layer(x, lambda h: self._attention(d, h, cache, start, rope), ffn,
+                             lambda v: self._norm(d.attn_norm, v), lambda v: self._norm(d.ffn_norm, v),
+                             self.spec.pre_norm)
 
     def _attention(self, d: DenseBlock, h, cache: KVCache, start: int, rope):
-        s = self.spec
-        n = h.shape[0]
         b = d.biases
 
-        def project(w: QuantMatrix, key: str, heads: int):
+        def project(w: QuantMatrix, key: str):
             y = d.backend.matmul(w, h)
-            if key in b:
-                y = y + b[key]
-            return y.reshape(n, heads, s.head_dim)
+            return y + b[key] if key in b else y
 
-        q, k, v = project(d.wq, "q", s.n_heads), project(d.wk, "k", s.n_kv_heads), project(d.wv, "v", s.n_kv_heads)
+        def store(k, v):
+            keys_values = cache.store(0, k, v)
+            cache.advance(k.shape[0])
+            return keys_values
+
+        rotate = None
         if rope is not None:
-            xp = d.backend.xp
-            cos, sin = xp.asarray(rope[0]), xp.asarray(rope[1])
-            q, k = apply_rope_adjacent(q, cos, sin), apply_rope_adjacent(k, cos, sin)
-        keys, values = cache.store(0, k, v)
-        cache.advance(n)
-        out = attention(q, keys, values, start, s.sliding_window)
+            cos, sin = d.backend.xp.asarray(rope[0]), d.backend.xp.asarray(rope[1])
+            rotate = lambda t: apply_rope_adjacent(t, cos, sin)  # noqa: E731
+        out = self_attention(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
+                             rotate)
         out = d.backend.matmul(d.wo, out)
         return out + b["o"] if "o" in b else out
 
