@@ -18,7 +18,7 @@ from gguf import MODEL_TENSOR, GGUFWriter, RopeScalingType
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models.spec import FFNKind, ModelSpec, NormKind
 
-from .constants import FFN_ACTIVATION_KEY, PowerInferTensor, tensor_name
+from .constants import FFN_ACTIVATION_KEY, PowerInferTensor, block_part, tensor_base_name, tensor_name
 from . import tensor_table
 from .tensor_table import TABLES, TensorRow
 
@@ -28,6 +28,8 @@ BAMBOO = "bamboo"  # PowerInfer's name for a dReLU LLaMA in its sparse layout (s
 _NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM)
 _ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
 _FFN = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
+_BLOCK = tensor_base_name(T.ATTN_NORM, 0).split(".")[0]  # "blk"
+_PREDICTOR_PARTS = (block_part(PowerInferTensor.PREDICTOR_FC1), block_part(PowerInferTensor.PREDICTOR_FC2))
 
 
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
@@ -171,16 +173,20 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
 
 def tensor_kind(name: str) -> str:
     """What part of the model a GGUF tensor belongs to: embedding, attention, ffn, predictor, output or other."""
-    if name.startswith(("token_embd.", "position_embd.")):
+    if name.startswith(_prefixes(T.TOKEN_EMBD, T.POS_EMBD)):
         return "embedding"
-    if name.startswith(("output.", "output_norm.")):
+    if name.startswith(_prefixes(T.OUTPUT, T.OUTPUT_NORM)):
         return "output"
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) > 2:
+    if parts[0] == _BLOCK and len(parts) > 2:
         if parts[2].startswith("attn_"):
             return "attention"
         if parts[2].startswith("ffn_"):
             return "ffn"
-        if parts[2] in ("fc1", "fc2"):
+        if parts[2] in _PREDICTOR_PARTS:
             return "predictor"
     return "other"
+
+
+def _prefixes(*tensors: MODEL_TENSOR) -> tuple[str, ...]:
+    return tuple(tensor_base_name(tensor) + "." for tensor in tensors)
