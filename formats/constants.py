@@ -46,11 +46,18 @@ VRAM_CAPACITY_KEY = "split.vram_capacity"
 # llama.cpp infers the FFN activation from the architecture (SiLU for dense "llama"), which is wrong
 # for a ReLU model written in dense mode; our runtime reads the true one here.
 FFN_ACTIVATION_KEY = "pitools.ffn_activation"
-# In a split file: what the solver placed beyond PowerInfer's masks, and for which model file.
+# In a split file: what the solver placed beyond PowerInfer's masks, and for which model file ...
 VRAM_BUDGET_KEY = "pitools.vram_budget"
 DENSE_ON_GPU_KEY = "pitools.dense_on_gpu"
 OUTPUT_ON_GPU_KEY = "pitools.output_on_gpu"
 MODEL_FINGERPRINT_KEY = "pitools.model_fingerprint"
+# ... and, for people, how it was solved and what the cost model predicts of it.
+OBJECTIVE_KEY = "pitools.objective"
+PREDICTED_TOKEN_MS_KEY = "pitools.predicted_token_ms"
+GPU_NEURONS_KEY = "pitools.gpu_neurons"
+VRAM_USED_KEY = "pitools.vram_used"
+N_CTX_KEY = "pitools.n_ctx"
+HARDWARE_KEY = "pitools.hardware"
 
 
 def neuron_frequency_key(layer: int) -> str:

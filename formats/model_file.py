@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter, Keys
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.progress import progress_bar
@@ -162,7 +162,7 @@ class ModelFile:
 
     @property
     def architecture(self) -> str:
-        return self.metadata["general.architecture"]
+        return self.metadata[Keys.General.ARCHITECTURE]
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -228,7 +228,7 @@ def open_model_file(path: str | os.PathLike) -> ModelFile:
         raise PitoolsError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except _CORRUPT as exc:
         raise PitoolsError(f"{path}: corrupt or truncated model file ({' '.join(str(exc).split())})") from None
-    if not isinstance(metadata.get("general.architecture"), str):
-        raise PitoolsError(f"{path}: model file has no general.architecture string")
+    if not isinstance(metadata.get(Keys.General.ARCHITECTURE), str):
+        raise PitoolsError(f"{path}: model file has no {Keys.General.ARCHITECTURE} string")
     version = int(reader.fields["GGUF.version"].parts[0][0])
     return ModelFile(path, magic == POWERINFER_MAGIC_BYTES, version, metadata, tensors)

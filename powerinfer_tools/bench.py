@@ -125,7 +125,7 @@ class _Runtime:
     @staticmethod
     def import_libraries() -> None:
         from . import kernels
-        from .runtime import decode  # noqa: F401 - numba and the compiled decoding loops
+        from .runtime import compiled_decode  # noqa: F401 - numba and the compiled decoding loops
 
         kernels.available()  # loads ggml's CPU library
 
@@ -174,7 +174,7 @@ class _LlamaCpp:
                                   n_threads_batch=spec.threads)
         model = open_model_file(spec.path)
         self.bytes_per_token = _dense_bytes_per_token(model)
-        self._kv_bytes = 2 * self.llm.n_ctx() * model.get("{arch}.block_count") * _kv_width(model) * 2  # f16
+        self._kv_bytes = 2 * self.llm.n_ctx() * model.get(Keys.LLM.BLOCK_COUNT) * _kv_width(model) * 2  # f16
 
     def run(self, tokens: np.ndarray, n_prompt: int) -> Run:
         llm, vocab = self.llm, self.llm.n_vocab()

@@ -9,6 +9,14 @@ from pathlib import Path
 
 from ..errors import PitoolsError
 from ..formats.fingerprint import model_fingerprint
+from ..formats.constants import (
+    GPU_NEURONS_KEY,
+    HARDWARE_KEY,
+    N_CTX_KEY,
+    OBJECTIVE_KEY,
+    PREDICTED_TOKEN_MS_KEY,
+    VRAM_USED_KEY,
+)
 from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from . import ilp
 from .hardware import HardwareProfile
@@ -38,12 +46,12 @@ def split_file(problem: PlacementProblem, placement: Placement, objective: str,
         output_on_gpu=placement.head_on_gpu,
         model_fingerprint=fingerprint,
         notes={
-            "pitools.objective": objective,
-            "pitools.predicted_token_ms": prediction.token_s * 1e3,
-            "pitools.gpu_neurons": list(placement.gpu_neurons),
-            "pitools.vram_used": prediction.vram,
-            "pitools.n_ctx": problem.n_ctx,
-            "pitools.hardware": problem.hardware.name,
+            OBJECTIVE_KEY: objective,
+            PREDICTED_TOKEN_MS_KEY: prediction.token_s * 1e3,
+            GPU_NEURONS_KEY: list(placement.gpu_neurons),
+            VRAM_USED_KEY: prediction.vram,
+            N_CTX_KEY: problem.n_ctx,
+            HARDWARE_KEY: problem.hardware.name,
         },
     )
 
