@@ -4,7 +4,7 @@ Method: a "skeleton" model with the layer count and structure of the model under
 matrices (d_model 64, d_ff 256) does the same Python work, kernel calls and thread-pool fork/joins
 per token while its arithmetic and memory traffic are negligible, so its time per token is the
 fixed overhead. Divided by the real model's time per token, it is the overhead's share. Both are
-timed in the same process, alternating, for the compiled one-token path (``runtime/decode.py``)
+timed in the same process, alternating, for the compiled one-token path (``runtime/compiled_decode.py``)
 and for the general path it replaces (``RuntimeModel._layer``).
 
     OMP_WAIT_POLICY=passive python examples/bench_overhead.py /tmp/pi-bench/tinyllama-1.1b.powerinfer.gguf

@@ -45,7 +45,7 @@ def predict(xp, fc1, fc2, x, threshold: float = SPARSE_THRESHOLD):
     """Which neurons the runtime computes: ``fc2 · relu(fc1 · x) >= threshold``, with array module ``xp``.
 
     PowerInfer's sparse kernels skip rows with ``out < threshold``; the runtime's compiled decoder
-    (``runtime.decode``) has its own loop of this rule."""
+    (``runtime.compiled_decode``) has its own loop of this rule."""
     return (xp.maximum(x @ fc1.T, 0) @ fc2.T) >= threshold
 
 

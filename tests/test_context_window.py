@@ -82,7 +82,7 @@ def test_the_runtime_sizes_its_buffers_by_the_window_and_refuses_positions_past_
     model = load_runtime_model(gguf_file, context_size=16)
     caches = model.new_cache()
     model.forward(np.arange(10), caches)
-    decoder = model._cpu_decoder()
+    decoder = model.compiled_decoder()
     if decoder is not None:  # numba present: its attention scratch holds the window, not max_positions
         assert decoder.max_context == 16
     with pytest.raises(PitoolsError, match=f"{gguf_file}: 7 tokens after 10 do not fit the context window of 16"):

@@ -4,7 +4,7 @@ kinds, and how a decoder layer arranges them around its residual stream.
 The reference engine (``models.llama``, ``models.opt``) and the runtime's general path
 (``runtime.engine.RuntimeModel``) compute with these; they differ in where weights live and how a
 product is taken, which they pass in. (The runtime's compiled one-token decode path,
-``runtime.decode``, is the one specialization that does not.)
+``runtime.compiled_decode``, is the one specialization that does not.)
 
 Weights follow the Hugging Face layout ``[out_features, in_features]``, so a
 linear layer is ``x @ W.T``. Activations are ``[tokens, features]``: the engine

@@ -165,7 +165,7 @@ class RuntimeModel(Engine):
         sparse = self.mode is FFNMode.SPARSE
         step = TokenStats(steps=1, tokens=len(tokens),
                           bytes_read=self.static_bytes + (self.predictor_bytes if sparse else 0))
-        decoder = self._cpu_decoder()
+        decoder = self.compiled_decoder()
         if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
             x = decoder.forward(x, caches, sparse, step)
         else:
@@ -181,18 +181,19 @@ class RuntimeModel(Engine):
         self.stats.add(step)
         return move(head.matmul(self.output, x), head, self.host)
 
-    def _cpu_decoder(self):
-        """The compiled one-token path (``decode.CpuDecoder``), built on first use; None when this model
-        or machine cannot use it, or ``compiled_decoding`` is off (then every step takes ``_layer``)."""
+    def compiled_decoder(self):
+        """The compiled one-token decode path (``compiled_decode.CompiledDecoder``), built on first use; None
+        when this model or machine cannot use it, or ``compiled_decoding`` is off (then every step takes
+        ``_layer``)."""
         if not self.compiled_decoding:
             return None
         if self._decoder is _UNBUILT:
             try:
-                from .decode import CpuDecoder
+                from .compiled_decode import CompiledDecoder
             except ImportError:  # numba missing: the kernels fall back to NumPy as well
                 self._decoder = None
             else:
-                self._decoder = CpuDecoder.build(self)
+                self._decoder = CompiledDecoder.build(self)
         return self._decoder
 
     def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):

@@ -1,10 +1,11 @@
-"""One-token decoding on the CPU in compiled code: a whole layer per call.
+"""The compiled one-token decode path: one token on the CPU, a whole layer per compiled call.
 
-The general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
+The runtime's one specialization of the layer math that both engines share (``models.layers``):
+the general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
 calls: for a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development
 machine, against 0.7 ms (one thread) for this path (docs/benchmarks.md). For the common case --
 one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE, gated FFN, no biases) in
-dense or predicted-sparse mode -- ``CpuDecoder`` runs each layer as one numba call: the products
+dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer as one numba call: the products
 are loops over weight rows calling ggml's ``vec_dot`` (the kernels' building blocks, fused so that
 a layer takes five fork/joins of the thread pool: q/k/v, attention, output projection, gate/up
 with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``), and the small work
@@ -58,7 +59,7 @@ class ScratchType(_Fields):
 class LayerWeights(structref.StructRefProxy):
     """One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8). Matrices that share an
     input share a ggml type id (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up), so the
-    input is encoded once for them (``CpuDecoder.build`` checks)."""
+    input is encoded once for them (``CompiledDecoder.build`` checks)."""
 
 
 class Scratch(structref.StructRefProxy):
@@ -235,8 +236,8 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
 
 
 @dataclass
-class CpuDecoder:
-    """The compiled one-token path for a model whose every layer runs on the CPU; see the module doc."""
+class CompiledDecoder:
+    """The compiled one-token decode path for a model whose every layer runs on the CPU; see the module doc."""
 
     spec: ModelSpec
     layers: list[LayerWeights]
@@ -248,7 +249,7 @@ class CpuDecoder:
     has_predictors: bool  # every layer has one: sparse mode can run here
 
     @classmethod
-    def build(cls, model) -> CpuDecoder | None:
+    def build(cls, model) -> CompiledDecoder | None:
         """The decoder for ``model`` (a ``RuntimeModel``), or None when the model needs the general path."""
         s = model.spec
         if (s.norm is not NormKind.RMS or not s.pre_norm or s.rope_theta is None or s.ffn not in _KINDS
