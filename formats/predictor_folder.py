@@ -109,6 +109,8 @@ def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndar
 
 
 def predictor_report(meta: dict) -> dict:
+    """What ``pitools train-predictors --report`` shows of a predictors.json: each finished layer's
+    quality and size, and the share of the FFN weights all of them take."""
     layers = meta["layers"]
     total_bytes = sum(e["bytes"] for e in layers)
     ffn_bytes = 4 * meta["ffn_params"]

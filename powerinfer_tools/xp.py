@@ -9,7 +9,8 @@ import numpy as np
 
 
 def array_namespace(a) -> ModuleType:
-    """CuPy for a CuPy array, NumPy for anything else (CuPy is never imported here)."""
+    """CuPy for a CuPy array, NumPy for anything else (CuPy is never imported here); named as in the
+    array API standard."""
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(a, cupy.ndarray):
         return cupy
