@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -221,8 +222,7 @@ class RuntimeModel(Engine):
 
         rotate = None
         if rope is not None:
-            cos, sin = d.backend.xp.asarray(rope[0]), d.backend.xp.asarray(rope[1])
-            rotate = lambda t: apply_rope_adjacent(t, cos, sin)  # noqa: E731
+            rotate = partial(apply_rope_adjacent, cos=d.backend.xp.asarray(rope[0]), sin=d.backend.xp.asarray(rope[1]))
         out = self_attention(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
                              rotate)
         out = d.backend.matmul(d.wo, out)
