@@ -275,7 +275,9 @@ class _Worker:
 _AUTHKEY_VARIABLE = "PITOOLS_BENCH_AUTHKEY"
 
 
-def _worker_main(address: str) -> None:
+def worker_main(address: str) -> None:
+    """The engine worker process's entry point (``python -m`` this module with ADDRESS): serves the
+    benchmark's requests on the connection at ``address``."""
     with Client(address, authkey=bytes.fromhex(os.environ[_AUTHKEY_VARIABLE])) as conn:
         _serve(conn, conn.recv())
 
@@ -398,6 +400,6 @@ def format_report(rep: dict) -> str:
 
 if __name__ == "__main__":
     # Through the module proper, not this __main__ copy: results must pickle under its name.
-    from powerinfer_tools.bench import _worker_main as worker_main
+    from powerinfer_tools.bench import worker_main
 
     worker_main(sys.argv[1])
