@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
+from ..formats.tensor_table import LLAMA
 from .base import CheckpointWeights, DecoderModel, optional, require, rope_settings, token_id
 from .layers import FFNWeights, KVCache, apply_rope, rms_norm, rope_tables
 from .spec import FFNKind, ModelSpec, NormKind
@@ -92,35 +94,35 @@ class Model(DecoderModel):
         w = CheckpointWeights(checkpoint, dtype)
         d, d_ff, vocab = spec.d_model, spec.d_ff, spec.vocab_size
         q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        hf = LLAMA.hf_name  # the checkpoint's tensor names
         blocks = []
         for i in range(spec.n_layers):
-            p = f"model.layers.{i}."
             blocks.append(
                 Block(
-                    attn_norm=w.get(p + "input_layernorm.weight", d),
-                    wq=w.get(p + "self_attn.q_proj.weight", q_rows, d),
-                    wk=w.get(p + "self_attn.k_proj.weight", kv_rows, d),
-                    wv=w.get(p + "self_attn.v_proj.weight", kv_rows, d),
-                    wo=w.get(p + "self_attn.o_proj.weight", d, q_rows),
-                    bq=w.maybe(p + "self_attn.q_proj.bias", q_rows),
-                    bk=w.maybe(p + "self_attn.k_proj.bias", kv_rows),
-                    bv=w.maybe(p + "self_attn.v_proj.bias", kv_rows),
-                    bo=w.maybe(p + "self_attn.o_proj.bias", d),
-                    ffn_norm=w.get(p + "post_attention_layernorm.weight", d),
+                    attn_norm=w.get(hf(T.ATTN_NORM, i), d),
+                    wq=w.get(hf(T.ATTN_Q, i), q_rows, d),
+                    wk=w.get(hf(T.ATTN_K, i), kv_rows, d),
+                    wv=w.get(hf(T.ATTN_V, i), kv_rows, d),
+                    wo=w.get(hf(T.ATTN_OUT, i), d, q_rows),
+                    bq=w.maybe(hf(T.ATTN_Q, i, "bias"), q_rows),
+                    bk=w.maybe(hf(T.ATTN_K, i, "bias"), kv_rows),
+                    bv=w.maybe(hf(T.ATTN_V, i, "bias"), kv_rows),
+                    bo=w.maybe(hf(T.ATTN_OUT, i, "bias"), d),
+                    ffn_norm=w.get(hf(T.FFN_NORM, i), d),
                     ffn=FFNWeights(
-                        gate=w.get(p + "mlp.gate_proj.weight", d_ff, d),
-                        up=w.get(p + "mlp.up_proj.weight", d_ff, d),
-                        down=w.get(p + "mlp.down_proj.weight", d, d_ff),
-                        gate_bias=w.maybe(p + "mlp.gate_proj.bias", d_ff),
-                        up_bias=w.maybe(p + "mlp.up_proj.bias", d_ff),
-                        down_bias=w.maybe(p + "mlp.down_proj.bias", d),
+                        gate=w.get(hf(T.FFN_GATE, i), d_ff, d),
+                        up=w.get(hf(T.FFN_UP, i), d_ff, d),
+                        down=w.get(hf(T.FFN_DOWN, i), d, d_ff),
+                        gate_bias=w.maybe(hf(T.FFN_GATE, i, "bias"), d_ff),
+                        up_bias=w.maybe(hf(T.FFN_UP, i, "bias"), d_ff),
+                        down_bias=w.maybe(hf(T.FFN_DOWN, i, "bias"), d),
                     ),
                 )
             )
-        embed = w.get("model.embed_tokens.weight", vocab, d)
-        untied = not spec.tied_embeddings and "lm_head.weight" in checkpoint
-        lm_head = w.get("lm_head.weight", vocab, d) if untied else embed
-        return cls(spec, embed, blocks, w.get("model.norm.weight", d), lm_head)
+        embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
+        untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
+        lm_head = w.get(hf(T.OUTPUT), vocab, d) if untied else embed
+        return cls(spec, embed, blocks, w.get(hf(T.OUTPUT_NORM), d), lm_head)
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         s = self.spec

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
+from ..formats.tensor_table import OPT
 from .base import CheckpointWeights, DecoderModel, optional, require, token_id
 from .layers import FFNWeights, KVCache, Norm, linear, normalize
 from .spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
@@ -101,46 +103,46 @@ class Model(DecoderModel):
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
         w = CheckpointWeights(checkpoint, dtype)
         d, d_ff = spec.d_model, spec.d_ff
+        hf = OPT.hf_name  # the checkpoint's tensor names
 
-        def norm(prefix: str) -> Norm:
-            return Norm(w.get(prefix + ".weight", d), w.get(prefix + ".bias", d))
+        def norm(tensor: T, layer: int | None = None) -> Norm:
+            return Norm(w.get(hf(tensor, layer), d), w.get(hf(tensor, layer, "bias"), d))
 
-        p = "model.decoder."
         blocks = []
         for i in range(spec.n_layers):
-            layer = f"{p}layers.{i}."
             blocks.append(
                 Block(
-                    attn_norm=norm(layer + "self_attn_layer_norm"),
-                    wq=w.get(layer + "self_attn.q_proj.weight", d, d),
-                    wk=w.get(layer + "self_attn.k_proj.weight", d, d),
-                    wv=w.get(layer + "self_attn.v_proj.weight", d, d),
-                    wo=w.get(layer + "self_attn.out_proj.weight", d, d),
-                    bq=w.maybe(layer + "self_attn.q_proj.bias", d),
-                    bk=w.maybe(layer + "self_attn.k_proj.bias", d),
-                    bv=w.maybe(layer + "self_attn.v_proj.bias", d),
-                    bo=w.maybe(layer + "self_attn.out_proj.bias", d),
-                    ffn_norm=norm(layer + "final_layer_norm"),
+                    attn_norm=norm(T.ATTN_NORM, i),
+                    wq=w.get(hf(T.ATTN_Q, i), d, d),
+                    wk=w.get(hf(T.ATTN_K, i), d, d),
+                    wv=w.get(hf(T.ATTN_V, i), d, d),
+                    wo=w.get(hf(T.ATTN_OUT, i), d, d),
+                    bq=w.maybe(hf(T.ATTN_Q, i, "bias"), d),
+                    bk=w.maybe(hf(T.ATTN_K, i, "bias"), d),
+                    bv=w.maybe(hf(T.ATTN_V, i, "bias"), d),
+                    bo=w.maybe(hf(T.ATTN_OUT, i, "bias"), d),
+                    ffn_norm=norm(T.FFN_NORM, i),
                     ffn=FFNWeights(
-                        up=w.get(layer + "fc1.weight", d_ff, d),
-                        down=w.get(layer + "fc2.weight", d, d_ff),
-                        up_bias=w.maybe(layer + "fc1.bias", d_ff),
-                        down_bias=w.maybe(layer + "fc2.bias", d),
+                        up=w.get(hf(T.FFN_UP, i), d_ff, d),
+                        down=w.get(hf(T.FFN_DOWN, i), d, d_ff),
+                        up_bias=w.maybe(hf(T.FFN_UP, i, "bias"), d_ff),
+                        down_bias=w.maybe(hf(T.FFN_DOWN, i, "bias"), d),
                     ),
                 )
             )
-        embed = w.get(p + "embed_tokens.weight", spec.vocab_size, spec.token_embed_dim)
-        untied = not spec.tied_embeddings and "lm_head.weight" in checkpoint
+        embed = w.get(hf(T.TOKEN_EMBD), spec.vocab_size, spec.token_embed_dim)
+        lm_head = OPT.row(None, "lm_head").hf_name()
+        untied = not spec.tied_embeddings and lm_head in checkpoint
         tensors = {
             "embed": embed,
-            "positions": w.get(p + "embed_positions.weight", spec.max_positions + spec.position_offset, d),
-            "lm_head": w.get("lm_head.weight", spec.vocab_size, spec.token_embed_dim) if untied else embed,
+            "positions": w.get(hf(T.POS_EMBD), spec.max_positions + spec.position_offset, d),
+            "lm_head": w.get(lm_head, spec.vocab_size, spec.token_embed_dim) if untied else embed,
         }
         if spec.embed_dim is not None:
-            tensors["project_in"] = w.get(p + "project_in.weight", d, spec.embed_dim)
-            tensors["project_out"] = w.get(p + "project_out.weight", spec.embed_dim, d)
+            tensors["project_in"] = w.get(OPT.row(None, "project_in").hf_name(), d, spec.embed_dim)
+            tensors["project_out"] = w.get(OPT.row(None, "project_out").hf_name(), spec.embed_dim, d)
         if spec.final_norm:
-            tensors["final_norm"] = norm(p + "final_layer_norm")
+            tensors["final_norm"] = norm(T.OUTPUT_NORM)
         return cls(spec, tensors, blocks)
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
