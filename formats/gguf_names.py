@@ -16,7 +16,7 @@ import numpy as np
 from gguf import MODEL_TENSOR, GGUFWriter, RopeScalingType
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models.spec import FFNKind, ModelSpec, NormKind
+from .model_spec import FFNKind, ModelSpec, NormKind
 
 from .constants import FFN_ACTIVATION_KEY, PowerInferTensor, block_part, tensor_base_name, tensor_name
 from . import tensor_table

@@ -17,7 +17,7 @@ from typing import Any
 from gguf import MODEL_TENSOR, Keys
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models.spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
+from .model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
 
 from .constants import FFN_ACTIVATION_KEY, tensor_name
 from .gguf_names import BAMBOO, LLAMA, OPT

@@ -13,7 +13,7 @@ import numpy as np
 from gguf import MODEL_TENSOR
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models.spec import ModelSpec
+from .model_spec import ModelSpec
 
 from .constants import PowerInferTensor, neuron_frequency_key, predictor_names, tensor_name
 from .gguf_names import tensor_names

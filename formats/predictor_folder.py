@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 from powerinfer_tools.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
-from powerinfer_tools.models.spec import ModelSpec
+from .model_spec import ModelSpec
 
 from .constants import predictor_names
 from .json_fields import check_fields, check_format

@@ -12,7 +12,7 @@ from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from . import llama, mistral, opt
 from .base import DecoderModel
-from .spec import FFNKind, ModelSpec, NormKind, spec_errors_named
+from ..formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
 
 # config.json "model_type" -> the module that reads it.
 ARCHITECTURES: dict[str, ModuleType] = {

@@ -19,7 +19,7 @@ from .layers import (
     linear,
     self_attention,
 )
-from .spec import ModelSpec
+from ..formats.model_spec import ModelSpec
 
 
 def require(config: dict, key: str, architecture: str) -> Any:

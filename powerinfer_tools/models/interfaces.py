@@ -24,7 +24,7 @@ import numpy as np
 
 from ..generation import StepFn
 from .layers import FFNHook
-from .spec import ModelSpec
+from ..formats.model_spec import ModelSpec
 
 
 class FFNMode(str, enum.Enum):

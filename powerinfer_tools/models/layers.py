@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..xp import array_namespace
-from .spec import FFNKind, ModelSpec, NormKind
+from ..formats.model_spec import FFNKind, ModelSpec, NormKind
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -12,7 +12,7 @@ from ..errors import PitoolsError
 from ..formats.tensor_table import LLAMA
 from .base import CheckpointWeights, DecoderModel, optional, require, rope_settings, token_id
 from .layers import FFNWeights, KVCache, apply_rope, rms_norm, rope_tables
-from .spec import FFNKind, ModelSpec, NormKind
+from ..formats.model_spec import FFNKind, ModelSpec, NormKind
 
 # hidden_act values and the FFN they mean in a gated (gate/up/down) MLP.
 GATED_ACTIVATIONS = {"relu": FFNKind.REGLU, "drelu": FFNKind.DRELU, "silu": FFNKind.SWIGLU}

@@ -9,7 +9,7 @@ symmetric gate: ``down(relu(gate x) * relu(up x))``.
 from __future__ import annotations
 
 from . import llama
-from .spec import FFNKind, ModelSpec
+from ..formats.model_spec import FFNKind, ModelSpec
 
 Model = llama.Model
 CONFIG_KEYS = llama.CONFIG_KEYS

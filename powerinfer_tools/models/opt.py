@@ -17,7 +17,7 @@ from ..errors import PitoolsError
 from ..formats.tensor_table import OPT
 from .base import CheckpointWeights, DecoderModel, optional, require, token_id
 from .layers import FFNWeights, KVCache, Norm, linear, normalize
-from .spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
+from ..formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 
 
 # ModelSpec fields -> the config.json keys they come from, for error messages.

@@ -30,7 +30,7 @@ from ..kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot
 from ..kernels.quant import QuantMatrix
 from ..models.interfaces import FFNMode
 from ..models.layers import KVCache
-from ..models.spec import FFNKind, ModelSpec, NormKind
+from ..formats.model_spec import FFNKind, ModelSpec, NormKind
 
 # FFN kinds as integers for the compiled code.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}

@@ -22,7 +22,7 @@ from ..errors import PitoolsError
 from ..generation import context_window
 from ..kernels.quant import QuantMatrix
 from ..models.interfaces import Engine, FFNMode
-from ..models.spec import ModelSpec
+from ..formats.model_spec import ModelSpec
 from .backends import CpuBackend, move
 from .ffn import FFNPartition, Predictor
 

@@ -19,7 +19,7 @@ from ..formats.constants import PowerInferTensor, block_part
 from ..formats.predictor_folder import predict
 from ..kernels.quant import QuantMatrix
 from ..models.layers import activate
-from ..models.spec import FFNKind
+from ..formats.model_spec import FFNKind
 from ..xp import array_namespace
 
 

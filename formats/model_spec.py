@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
-from ..errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError
 
 # Upper bounds on a model's dimensions. Released models stay far below them (LLaMA-3.1-405B:
 # width 16384, FFN 53248, 126 layers, 128256 tokens, 131072 positions); a larger value is a
