@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
+from gguf import MODEL_TENSOR as T
 
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from .interfaces import Engine, FFNTracer
+from ..formats.tensor_table import ArchitectureTable
 from .layers import (
     FFNHook,
+    FFNWeights,
     KVCache,
     NeuronSelector,
     Rotation,
@@ -73,6 +77,41 @@ class CheckpointWeights:
 
     def maybe(self, name: str, *shape: int) -> np.ndarray | None:
         return self.get(name, *shape) if name in self.checkpoint else None
+
+
+@dataclass
+class Block:
+    """One decoder layer's weights; the norms are a weight (RMSNorm) or a ``Norm`` (LayerNorm)."""
+
+    attn_norm: Any
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    bo: np.ndarray | None
+    ffn_norm: Any
+    ffn: FFNWeights
+
+
+def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int,
+               norm: Callable[[T, int], Any]) -> Block:
+    """Layer ``layer`` of a checkpoint whose tensors ``table`` names; ``norm(tensor, layer)`` reads a norm."""
+    d, d_ff = spec.d_model, spec.d_ff
+    q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+
+    def projection(tensor: T, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
+        return w.get(table.hf_name(tensor, layer), rows, cols), w.maybe(table.hf_name(tensor, layer, "bias"), rows)
+
+    (wq, bq), (wk, bk) = projection(T.ATTN_Q, q_rows, d), projection(T.ATTN_K, kv_rows, d)
+    (wv, bv), (wo, bo) = projection(T.ATTN_V, kv_rows, d), projection(T.ATTN_OUT, d, q_rows)
+    gate, gate_bias = projection(T.FFN_GATE, d_ff, d) if spec.ffn.gated else (None, None)
+    (up, up_bias), (down, down_bias) = projection(T.FFN_UP, d_ff, d), projection(T.FFN_DOWN, d, d_ff)
+    return Block(attn_norm=norm(T.ATTN_NORM, layer), wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
+                 ffn_norm=norm(T.FFN_NORM, layer),
+                 ffn=FFNWeights(up, down, gate=gate, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias))
 
 
 class DecoderModel(Engine, FFNTracer):

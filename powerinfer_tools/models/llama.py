@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import MODEL_TENSOR as T
@@ -10,8 +9,8 @@ from gguf import MODEL_TENSOR as T
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from ..formats.tensor_table import LLAMA
-from .base import CheckpointWeights, DecoderModel, optional, require, rope_settings, token_id
-from .layers import FFNWeights, KVCache, apply_rope, rms_norm, rope_tables
+from .base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, rope_settings, token_id
+from .layers import KVCache, apply_rope, rms_norm, rope_tables
 from ..formats.model_spec import FFNKind, ModelSpec, NormKind
 
 # hidden_act values and the FFN they mean in a gated (gate/up/down) MLP.
@@ -68,21 +67,6 @@ def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | N
     )
 
 
-@dataclass
-class Block:
-    attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    bq: np.ndarray | None
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    bo: np.ndarray | None
-    ffn_norm: np.ndarray
-    ffn: FFNWeights
-
-
 class Model(DecoderModel):
     def __init__(self, spec: ModelSpec, embed: np.ndarray, blocks: list[Block], norm: np.ndarray, lm_head: np.ndarray):
         super().__init__()
@@ -92,33 +76,10 @@ class Model(DecoderModel):
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
         w = CheckpointWeights(checkpoint, dtype)
-        d, d_ff, vocab = spec.d_model, spec.d_ff, spec.vocab_size
-        q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        d, vocab = spec.d_model, spec.vocab_size
         hf = LLAMA.hf_name  # the checkpoint's tensor names
-        blocks = []
-        for i in range(spec.n_layers):
-            blocks.append(
-                Block(
-                    attn_norm=w.get(hf(T.ATTN_NORM, i), d),
-                    wq=w.get(hf(T.ATTN_Q, i), q_rows, d),
-                    wk=w.get(hf(T.ATTN_K, i), kv_rows, d),
-                    wv=w.get(hf(T.ATTN_V, i), kv_rows, d),
-                    wo=w.get(hf(T.ATTN_OUT, i), d, q_rows),
-                    bq=w.maybe(hf(T.ATTN_Q, i, "bias"), q_rows),
-                    bk=w.maybe(hf(T.ATTN_K, i, "bias"), kv_rows),
-                    bv=w.maybe(hf(T.ATTN_V, i, "bias"), kv_rows),
-                    bo=w.maybe(hf(T.ATTN_OUT, i, "bias"), d),
-                    ffn_norm=w.get(hf(T.FFN_NORM, i), d),
-                    ffn=FFNWeights(
-                        gate=w.get(hf(T.FFN_GATE, i), d_ff, d),
-                        up=w.get(hf(T.FFN_UP, i), d_ff, d),
-                        down=w.get(hf(T.FFN_DOWN, i), d, d_ff),
-                        gate_bias=w.maybe(hf(T.FFN_GATE, i, "bias"), d_ff),
-                        up_bias=w.maybe(hf(T.FFN_UP, i, "bias"), d_ff),
-                        down_bias=w.maybe(hf(T.FFN_DOWN, i, "bias"), d),
-                    ),
-                )
-            )
+        blocks = [load_block(w, LLAMA, spec, i, lambda tensor, layer: w.get(hf(tensor, layer), d))
+                  for i in range(spec.n_layers)]
         embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
         untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
         lm_head = w.get(hf(T.OUTPUT), vocab, d) if untied else embed

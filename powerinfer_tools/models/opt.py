@@ -7,7 +7,6 @@ and 512-wide embeddings projected in and out of the 1024-wide decoder
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import MODEL_TENSOR as T
@@ -15,8 +14,8 @@ from gguf import MODEL_TENSOR as T
 from ..checkpoint import Checkpoint
 from ..errors import PitoolsError
 from ..formats.tensor_table import OPT
-from .base import CheckpointWeights, DecoderModel, optional, require, token_id
-from .layers import FFNWeights, KVCache, Norm, linear, normalize
+from .base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, token_id
+from .layers import KVCache, Norm, linear, normalize
 from ..formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 
 
@@ -72,21 +71,6 @@ def spec_from_config(config: dict) -> ModelSpec:
     )
 
 
-@dataclass
-class Block:
-    attn_norm: Norm
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    bq: np.ndarray | None
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    bo: np.ndarray | None
-    ffn_norm: Norm
-    ffn: FFNWeights
-
-
 class Model(DecoderModel):
     def __init__(self, spec: ModelSpec, tensors: dict, blocks: list[Block]):
         super().__init__()
@@ -102,34 +86,13 @@ class Model(DecoderModel):
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
         w = CheckpointWeights(checkpoint, dtype)
-        d, d_ff = spec.d_model, spec.d_ff
+        d = spec.d_model
         hf = OPT.hf_name  # the checkpoint's tensor names
 
         def norm(tensor: T, layer: int | None = None) -> Norm:
             return Norm(w.get(hf(tensor, layer), d), w.get(hf(tensor, layer, "bias"), d))
 
-        blocks = []
-        for i in range(spec.n_layers):
-            blocks.append(
-                Block(
-                    attn_norm=norm(T.ATTN_NORM, i),
-                    wq=w.get(hf(T.ATTN_Q, i), d, d),
-                    wk=w.get(hf(T.ATTN_K, i), d, d),
-                    wv=w.get(hf(T.ATTN_V, i), d, d),
-                    wo=w.get(hf(T.ATTN_OUT, i), d, d),
-                    bq=w.maybe(hf(T.ATTN_Q, i, "bias"), d),
-                    bk=w.maybe(hf(T.ATTN_K, i, "bias"), d),
-                    bv=w.maybe(hf(T.ATTN_V, i, "bias"), d),
-                    bo=w.maybe(hf(T.ATTN_OUT, i, "bias"), d),
-                    ffn_norm=norm(T.FFN_NORM, i),
-                    ffn=FFNWeights(
-                        up=w.get(hf(T.FFN_UP, i), d_ff, d),
-                        down=w.get(hf(T.FFN_DOWN, i), d, d_ff),
-                        up_bias=w.maybe(hf(T.FFN_UP, i, "bias"), d_ff),
-                        down_bias=w.maybe(hf(T.FFN_DOWN, i, "bias"), d),
-                    ),
-                )
-            )
+        blocks = [load_block(w, OPT, spec, i, norm) for i in range(spec.n_layers)]
         embed = w.get(hf(T.TOKEN_EMBD), spec.vocab_size, spec.token_embed_dim)
         lm_head = OPT.row(None, "lm_head").hf_name()
         untied = not spec.tied_embeddings and lm_head in checkpoint
