@@ -26,7 +26,7 @@ import numpy as np
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
 
-from .constants import (
+from powerinfer_tools.formats.constants import (
     DENSE_ON_GPU_KEY,
     GPU_INDEX_ARCHITECTURE,
     MODEL_FINGERPRINT_KEY,
@@ -37,7 +37,7 @@ from .constants import (
     PowerInferTensor,
     tensor_base_name,
 )
-from .model_file import open_model_file
+from powerinfer_tools.formats.model_file import open_model_file
 
 POWERINFER_VERSION = 3
 BLOCK_COUNT_KEY = gguf.Keys.LLM.BLOCK_COUNT.format(arch=GPU_INDEX_ARCHITECTURE)

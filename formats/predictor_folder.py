@@ -26,13 +26,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
-from .model_spec import ModelSpec
+from powerinfer_tools.formats.model_spec import ModelSpec
 
-from .constants import predictor_names
-from .json_fields import check_fields, check_format
+from powerinfer_tools.formats.constants import predictor_names
+from powerinfer_tools.formats.json_fields import check_fields, check_format
 
 FORMAT = "pitools-predictors"
 VERSION = 1

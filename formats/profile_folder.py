@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
 
-from .json_fields import check_fields, check_format
+from powerinfer_tools.formats.json_fields import check_fields, check_format
 
 FORMAT = "pitools-profile"
 VERSION = 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from gguf import MODEL_TENSOR
 
-from .constants import PowerInferTensor, TensorKind, tensor_name
+from powerinfer_tools.formats.constants import PowerInferTensor, TensorKind, tensor_name
 
 T = MODEL_TENSOR
 

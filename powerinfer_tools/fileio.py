@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError
 
 
 def check_writable_output(path: Path, force: bool, inputs: Iterable[str | os.PathLike] = ()) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
 
-from .units import format_size
+from powerinfer_tools.units import format_size
 
 
 @dataclass(frozen=True)

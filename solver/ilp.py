@@ -51,8 +51,8 @@ import pulp
 
 from powerinfer_tools.errors import PitoolsError
 
-from .problem import HeadCost, Layer, LayerCost, Placement, PlacementProblem, Prediction, predict
-from .units import format_size
+from powerinfer_tools.solver.problem import HeadCost, Layer, LayerCost, Placement, PlacementProblem, Prediction, predict
+from powerinfer_tools.units import format_size
 
 Objective = Literal["latency", "activations"]
 OBJECTIVES: tuple[Objective, ...] = ("latency", "activations")

@@ -35,7 +35,7 @@ import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 
-from .hardware import HardwareProfile
+from powerinfer_tools.solver.hardware import HardwareProfile
 
 DEFAULT_RESERVE_BYTES = 512 * 2**20
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import PitoolsError
-from ..formats.fingerprint import model_fingerprint
-from ..formats.constants import (
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.fingerprint import model_fingerprint
+from powerinfer_tools.formats.constants import (
     GPU_NEURONS_KEY,
     HARDWARE_KEY,
     N_CTX_KEY,
@@ -17,13 +17,13 @@ from ..formats.constants import (
     PREDICTED_TOKEN_MS_KEY,
     VRAM_USED_KEY,
 )
-from ..formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
-from . import ilp
-from .hardware import HardwareProfile
-from .ilp import SolveReport
-from .model_stats import read_model_stats
-from .units import check_size
-from .problem import (
+from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
+from powerinfer_tools.solver import ilp
+from powerinfer_tools.solver.hardware import HardwareProfile
+from powerinfer_tools.solver.ilp import SolveReport
+from powerinfer_tools.solver.model_stats import read_model_stats
+from powerinfer_tools.units import check_size
+from powerinfer_tools.solver.problem import (
     DEFAULT_RESERVE_BYTES,
     Placement,
     PlacementProblem,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .ilp import SolveReport
-from .problem import Placement, PlacementProblem, Prediction, predict
-from .units import format_size
+from powerinfer_tools.solver.ilp import SolveReport
+from powerinfer_tools.solver.problem import Placement, PlacementProblem, Prediction, predict
+from powerinfer_tools.units import format_size
 
 
 def layer_granular_placement(problem: PlacementProblem) -> Placement:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from click.testing import CliRunner, Result
 
-from powerinfer_tools.cli import cli
+from powerinfer_tools.commands.cli import cli
 
 
 def invoke(*args) -> Result:

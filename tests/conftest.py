@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.convert import convert
-from powerinfer_tools.sparsify import SparsifySettings
-from powerinfer_tools.synth import Planting, synthesize
+from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.benchmarking.synth import Planting, synthesize
 
 
 def pytest_addoption(parser):

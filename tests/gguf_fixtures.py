@@ -19,8 +19,8 @@ from tokenizers import (
     trainers,
 )
 
-from powerinfer_tools.llamacpp import load_llama_cpp as llama  # noqa: F401 - the tests' name for it
-from powerinfer_tools.predictors import TrainSettings
+from powerinfer_tools.benchmarking.llamacpp import load_llama_cpp as llama  # noqa: F401 - the tests' name for it
+from powerinfer_tools.predictors.trainer import TrainSettings
 
 EOT = "<|endoftext|>"
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -123,7 +123,7 @@ TOKENIZER_TEST_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_lay
 def build_tokenizer_models(root: Path) -> dict[str, tuple[Path, Path]]:
     """kind -> (checkpoint folder, dense GGUF) for a tiny model with a GPT-2 ("gpt2") and a
     LLaMA-style ("spm") tokenizer; the GPT-2 one pads its vocabulary with 3 unused tokens."""
-    from powerinfer_tools.convert import convert
+    from powerinfer_tools.conversion.convert import convert
 
     out = {}
     for kind, extra in (("gpt2", 3), ("spm", 0)):

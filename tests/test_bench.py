@@ -8,7 +8,7 @@ import statistics
 import pytest
 from click.testing import CliRunner
 
-from powerinfer_tools.bench import (
+from powerinfer_tools.benchmarking.bench import (
     DENSE,
     LLAMA_CPP,
     SPARSE,
@@ -19,7 +19,7 @@ from powerinfer_tools.bench import (
     report,
     run_bench,
 )
-from powerinfer_tools.cli import cli
+from powerinfer_tools.commands.cli import cli
 
 RATIO_KEYS = {"sparse_vs_llamacpp_generation", "dense_vs_llamacpp_generation", "sparse_vs_llamacpp_prompt"}
 

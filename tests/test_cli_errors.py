@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from powerinfer_tools.cli import cli
+from powerinfer_tools.commands.cli import cli
 
 
 @pytest.mark.parametrize("args, match", [

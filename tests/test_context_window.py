@@ -9,10 +9,10 @@ from cli_checks import fails
 from click.testing import CliRunner
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.cli import cli
+from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.generation import Sampler, SamplingConfig, generate
-from powerinfer_tools.llm import LLM
+from powerinfer_tools.runtime.generation import Sampler, SamplingConfig, generate
+from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 GREEDY = Sampler(SamplingConfig(temperature=0))

@@ -21,9 +21,9 @@ from gguf.quants import dequantize, quantize
 from gguf_fixtures import make_model, random_predictors, rope_rows, save_predictors
 from powerinfer_tools.formats.model_file import open_model_file
 
-from powerinfer_tools.checkpoint import Checkpoint
-from powerinfer_tools.cli import cli
-from powerinfer_tools.convert import convert
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.commands.cli import cli
+from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.errors import PitoolsError
 
 OUTTYPES = ["f32", "f16", "q8_0", "q4_0"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerinfer_tools.generation import Sampler, SamplingConfig, generate, stream_text
+from powerinfer_tools.runtime.generation import Sampler, SamplingConfig, generate, stream_text
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.3, 0.1, 0.05]))
 

@@ -12,8 +12,8 @@ from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, rope_rows
 from powerinfer_tools.formats.model_file import open_model_file
 from tokenizers import Tokenizer
 
-from powerinfer_tools.checkpoint import Checkpoint
-from powerinfer_tools.convert import convert
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.models import FFNKind, load_model
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

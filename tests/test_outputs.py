@@ -88,7 +88,7 @@ def test_outputs_get_the_permissions_of_the_umask(tmp_path, umask):
 
 
 def _pitools(*args: str, cwd: Path) -> subprocess.Popen:
-    code = "import sys; from powerinfer_tools.cli import main; sys.argv[0] = 'pitools'; main()"
+    code = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
     # Bytes, not text: text mode would translate the carriage returns a progress bar writes.
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)

@@ -16,9 +16,9 @@ import huggingface_hub.hf_api
 import pytest
 from click.testing import CliRunner
 
-from powerinfer_tools.cli import cli
+from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.hub import download_patterns, resolve_checkpoint
+from powerinfer_tools.checkpoints.hub import download_patterns, resolve_checkpoint
 
 REPO = "pitools-test/tiny-relu"
 # RFC 2606: names under .invalid never resolve, so no test here can reach a real hub.
@@ -325,7 +325,7 @@ def test_silent_hub_times_out_instead_of_hanging(tmp_path):
         port = server.getsockname()[1]
         env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_ETAG_TIMEOUT": "1",
                "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
-        code = "from powerinfer_tools.cli import main; main()"
+        code = "from powerinfer_tools.commands.cli import main; main()"
         start = time.monotonic()
         proc = subprocess.run([sys.executable, "-c", code, "pull", REPO], env=env, capture_output=True,
                               text=True, timeout=60)

@@ -8,7 +8,7 @@ import torch
 from gguf_fixtures import relative_error
 from hf_models import build, reference_logits
 
-from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.models import FFNKind, load_model, spec_from_config
 
 LLAMA_GQA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,

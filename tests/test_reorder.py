@@ -7,11 +7,11 @@ import pytest
 from hf_models import build
 from tiny_models import OPT, TINY_RELU_LLAMA, run_profiler
 
-from powerinfer_tools.checkpoint import Checkpoint
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.models import load_model
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
-from powerinfer_tools.reorder import (
+from powerinfer_tools.conversion.reorder import (
     hot_first_permutation,
     permute_ffn,
     permute_neurons,

@@ -30,7 +30,7 @@ from powerinfer_tools.solver.summary import (
     summary_dict,
     summary_text,
 )
-from powerinfer_tools.solver.units import parse_size
+from powerinfer_tools.units import parse_size
 
 from powerinfer_tools.commands.solve import probe, solve
 from powerinfer_tools.errors import PitoolsError

@@ -11,12 +11,12 @@ from gguf_fixtures import FAST_TRAINING, llama
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.model_stats import read_model_stats
 
-from powerinfer_tools.checkpoint import Checkpoint
-from powerinfer_tools.cli import cli
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.formats.profile_report import hot_fraction
-from powerinfer_tools.synth import (
+from powerinfer_tools.benchmarking.synth import (
     P_MAX,
     SHAPES,
     Geometry,
@@ -120,7 +120,7 @@ def test_refusals(tmp_path, synthesized_tiny):
 
 
 def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
-    monkeypatch.setattr("powerinfer_tools.synth.SYNTH_TRAINING", FAST_TRAINING)
+    monkeypatch.setattr("powerinfer_tools.benchmarking.synth.SYNTH_TRAINING", FAST_TRAINING)
     result = CliRunner().invoke(cli, ["synth", "--shape", "test-tiny", "-o", str(tmp_path / "t.powerinfer.gguf"),
                                       "--profile-tokens", "800", "--json", "-q"])
     assert result.exit_code == 0, result.output
@@ -139,7 +139,7 @@ def test_an_interrupted_synthesis_resumes_from_its_work_folder(tmp_path, monkeyp
     def no_rewrite(*args):
         raise AssertionError("the checkpoint was written again")
 
-    monkeypatch.setattr("powerinfer_tools.synth.write_checkpoint", no_rewrite)
+    monkeypatch.setattr("powerinfer_tools.benchmarking.synth.write_checkpoint", no_rewrite)
     second = synthesize("test-tiny", out, "q8_0", **settings)
     assert {p: p.read_bytes() for p in (second.powerinfer, second.dense)} == made
     assert second.summary() == first.summary()

@@ -8,7 +8,7 @@ from hf_models import build
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from powerinfer_tools.profiling import Profiler, ProfileSettings
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
 OPT = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4, vocab_size=90,
            max_position_embeddings=256, word_embed_proj_dim=48, pad_token_id=1)

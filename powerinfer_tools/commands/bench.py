@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..bench import (
+from powerinfer_tools.benchmarking.bench import (
     DENSE,
     LLAMA_CPP,
     SPARSE,
@@ -17,9 +17,9 @@ from ..bench import (
     report,
     run_bench,
 )
-from ..errors import PitoolsError
-from ..solver.hardware import load_profile
-from ..synth import dense_companion
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.solver.hardware import load_profile
+from powerinfer_tools.benchmarking.synth import dense_companion
 
 _DEFAULTS = BenchSettings()
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import click
 
-from ..convert import ConversionPlan
-from ..convert import convert as convert_checkpoint
-from ..formats.constants import PowerInferTensor, block_part
-from ..formats.quantization import F16, OUTTYPES, Q4_0
-from ..predictors import TrainSettings
-from ..sparsify import SparsifySettings
+from powerinfer_tools.conversion.convert import ConversionPlan
+from powerinfer_tools.conversion.convert import convert as convert_checkpoint
+from powerinfer_tools.formats.constants import PowerInferTensor, block_part, predictor_names
+from powerinfer_tools.formats.quantization import F16, OUTTYPES, Q4_0
+from powerinfer_tools.predictors.trainer import TrainSettings
+from powerinfer_tools.conversion.sparsify import SparsifySettings
 
 
 def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> list[str]:
@@ -20,7 +20,8 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
         return []
     notes = []
     if not has_predictors:
-        notes.append("no --predictors: PowerInfer's own runtime needs blk.N.fc1/fc2 predictor tensors to load this file")
+        fc1, fc2 = predictor_names("N")
+        notes.append(f"no --predictors: PowerInfer's own runtime needs {fc1}/{fc2} predictor tensors to load this file")
     down_t = block_part(PowerInferTensor.FFN_DOWN_T)
     if any(t.name.endswith(f".{down_t}.weight") and t.qtype not in (F16, Q4_0) for t in plan.tensors):
         notes.append(f"PowerInfer's CPU runtime reads {down_t} only as f16 or q4_0; use --outtype f16 or q4_0 for it")

@@ -10,11 +10,11 @@ import click
 import numpy as np
 from gguf import Keys
 
-from ..formats.constants import PowerInferTensor, block_part
-from ..formats.gguf_names import tensor_kind
-from ..formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
-from ..formats.model_check import sparse_layout
-from ..formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.formats.constants import PowerInferTensor, block_part
+from powerinfer_tools.formats.gguf_names import tensor_kind
+from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
+from powerinfer_tools.formats.model_check import sparse_layout
+from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 
 KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
 _ARRAY_HEAD = 8  # array values show this many items

@@ -7,22 +7,22 @@ from pathlib import Path
 
 import click
 
-from ..bundled import BUNDLED_MODEL
-from ..corpus import HELDOUT_FILE, resolve_source
-from ..errors import PitoolsError
-from ..models.interfaces import FFNMode
-from ..perplexity import (
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.profiling.corpus import HELDOUT_FILE, resolve_source
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.profiling.perplexity import (
     PerplexityResult,
     format_result,
     oracle_chooser,
     predictor_chooser,
     runtime_perplexity,
 )
-from ..perplexity import perplexity as measure
-from ..formats.predictor_folder import load_predictors
-from ..runtime.loader import load_runtime_model
-from ..runtime.tokenizer import GGUFTokenizer
-from .profile import corpus_options, corpus_tokens, load_model_and_corpus
+from powerinfer_tools.profiling.perplexity import perplexity as measure
+from powerinfer_tools.formats.predictor_folder import load_predictors
+from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
+from powerinfer_tools.commands.profile import corpus_options, corpus_tokens, load_model_and_corpus
 
 
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})

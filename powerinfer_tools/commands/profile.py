@@ -9,16 +9,16 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..bundled import BUNDLED_MODEL
-from ..checkpoint import Checkpoint
-from ..corpus import CorpusSource, read_tokens, resolve_source
-from ..errors import Interrupted, PitoolsError
-from ..formats.profile_folder import load_profile
-from ..formats.profile_report import export_powerinfer_activations, write_report
-from ..hub import resolve_checkpoint
-from ..models import DecoderModel, load_model
-from ..profiling import Profiler, ProfileSettings
-from ..tokenizer import CheckpointTokenizer
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
+from powerinfer_tools.errors import Interrupted, PitoolsError
+from powerinfer_tools.formats.profile_folder import load_profile
+from powerinfer_tools.formats.profile_report import export_powerinfer_activations, write_report
+from powerinfer_tools.checkpoints.hub import resolve_checkpoint
+from powerinfer_tools.models import DecoderModel, load_model
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 DEFAULT_SEQ_LEN = 512  # capped by the model's context length
 

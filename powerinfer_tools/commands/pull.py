@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..hub import resolve_checkpoint
+from powerinfer_tools.checkpoints.hub import resolve_checkpoint
 
 
 @click.command("pull", context_settings={"help_option_names": ["-h", "--help"]})

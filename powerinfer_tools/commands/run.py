@@ -7,14 +7,14 @@ from pathlib import Path
 
 import click
 
-from .. import kernels
-from ..bundled import BUNDLED_MODEL
-from ..errors import PitoolsError
-from ..generation import SamplingConfig
-from ..llm import LLM
-from ..models.interfaces import FFNMode
-from ..solver.hardware import DEFAULT_PRESET, PRESETS
-from ..solver.units import parse_size
+from powerinfer_tools import kernels
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime.generation import SamplingConfig
+from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
+from powerinfer_tools.units import parse_size
 
 
 @click.command()

@@ -13,12 +13,12 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..errors import PitoolsError
-from ..fileio import check_writable_output
-from ..formats.fingerprint import model_fingerprint
-from ..formats.gpu_split import SPLIT_SUFFIX, default_split_path, write_gpu_split
-from ..solver import ilp
-from ..solver.hardware import (
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import check_writable_output
+from powerinfer_tools.formats.fingerprint import model_fingerprint
+from powerinfer_tools.formats.gpu_split import SPLIT_SUFFIX, default_split_path, write_gpu_split
+from powerinfer_tools.solver import ilp
+from powerinfer_tools.solver.hardware import (
     DEFAULT_PRESET,
     MIN_PROBE_BYTES,
     PRESETS,
@@ -27,16 +27,16 @@ from ..solver.hardware import (
     probe_profile,
     save_profile,
 )
-from ..solver.ilp import OBJECTIVES, SOLVERS
-from ..solver.model_stats import read_model_stats
-from ..solver.problem import (
+from powerinfer_tools.solver.ilp import OBJECTIVES, SOLVERS
+from powerinfer_tools.solver.model_stats import read_model_stats
+from powerinfer_tools.solver.problem import (
     DEFAULT_RESERVE_BYTES,
     STATS_KEYS,
     problem_from_stats,
 )
-from ..solver.split import split_file
-from ..solver.summary import summary_dict, summary_text
-from ..solver.units import format_size, parse_size
+from powerinfer_tools.solver.split import split_file
+from powerinfer_tools.solver.summary import summary_dict, summary_text
+from powerinfer_tools.units import format_size, parse_size
 
 
 def read_stats_file(path: Path) -> dict[str, np.ndarray]:

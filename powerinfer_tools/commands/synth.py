@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from .. import synth as synth_module
-from ..formats.quantization import OUTTYPES
-from ..synth import SHAPES, SYNTH_TRAINING, Planting, synthesize
+from powerinfer_tools.benchmarking import synth as synth_module
+from powerinfer_tools.formats.quantization import OUTTYPES
+from powerinfer_tools.benchmarking.synth import SHAPES, SYNTH_TRAINING, Planting, synthesize
 
 _DEFAULTS = Planting()
 
@@ -53,7 +53,7 @@ def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, 
     same weights that llama.cpp loads (the baseline of `pitools bench`).
     The vocabulary is the bundled 4096-token tokenizer padded with unused
     tokens to the shape's size (32000 for the LLaMA shapes). See
-    powerinfer_tools/synth.py for the construction.
+    powerinfer_tools/benchmarking/synth.py for the construction.
 
     \b
     Examples:

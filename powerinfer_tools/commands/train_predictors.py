@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from .. import predictors
-from ..errors import Interrupted, PitoolsError
-from ..formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
-from ..predictors import TrainSettings
+from powerinfer_tools.predictors import trainer as predictors
+from powerinfer_tools.errors import Interrupted, PitoolsError
+from powerinfer_tools.formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
+from powerinfer_tools.predictors.trainer import TrainSettings
 
 _DEFAULTS = TrainSettings()
 

@@ -23,8 +23,8 @@ import warnings
 
 import numpy as np
 
-from .quant import QuantMatrix
-from . import ggml_ops
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.kernels import ggml_ops
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
 
@@ -102,7 +102,7 @@ def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None)
 def _backend():
     """``(numba_kernels module, checked GgmlCpu)``, or the reason string when they cannot load."""
     try:
-        from . import numba_kernels
+        from powerinfer_tools.kernels import numba_kernels
     except ImportError as exc:
         return f"numba is not installed ({exc})"
     try:

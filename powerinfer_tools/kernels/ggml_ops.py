@@ -36,7 +36,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from .quant import SUPPORTED_TYPES, QuantMatrix, dequantize_blocks
+from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix, dequantize_blocks
 
 TESTED_VERSION = "0.3.36"  # llama-cpp-python release whose ggml this module was checked against
 

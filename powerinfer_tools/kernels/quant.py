@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from ..xp import array_namespace
+from powerinfer_tools.xp import array_namespace
 
 SUPPORTED_TYPES = (
     GGMLQuantizationType.F32,

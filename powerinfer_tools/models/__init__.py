@@ -8,11 +8,11 @@ from types import ModuleType
 
 import numpy as np
 
-from ..checkpoint import Checkpoint
-from ..errors import PitoolsError
-from . import llama, mistral, opt
-from .base import DecoderModel
-from ..formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.models import llama, mistral, opt
+from powerinfer_tools.models.base import DecoderModel
+from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
 
 # config.json "model_type" -> the module that reads it.
 ARCHITECTURES: dict[str, ModuleType] = {

@@ -8,11 +8,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
-from ..checkpoint import Checkpoint
-from ..errors import PitoolsError
-from .interfaces import Engine, FFNTracer
-from ..formats.tensor_table import ArchitectureTable
-from .layers import (
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import Engine, FFNTracer
+from powerinfer_tools.formats.tensor_table import ArchitectureTable
+from powerinfer_tools.models.layers import (
     FFNHook,
     FFNWeights,
     KVCache,
@@ -23,7 +23,7 @@ from .layers import (
     linear,
     self_attention,
 )
-from ..formats.model_spec import ModelSpec
+from powerinfer_tools.formats.model_spec import ModelSpec
 
 
 def require(config: dict, key: str, architecture: str) -> Any:

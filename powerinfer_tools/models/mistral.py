@@ -8,8 +8,8 @@ symmetric gate: ``down(relu(gate x) * relu(up x))``.
 
 from __future__ import annotations
 
-from . import llama
-from ..formats.model_spec import FFNKind, ModelSpec
+from powerinfer_tools.models import llama
+from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec
 
 Model = llama.Model
 CONFIG_KEYS = llama.CONFIG_KEYS

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
-from ..checkpoint import Checkpoint
-from ..errors import PitoolsError
-from ..formats.tensor_table import OPT
-from .base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, token_id
-from .layers import KVCache, Norm, linear, normalize
-from ..formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.tensor_table import OPT
+from powerinfer_tools.models.base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, token_id
+from powerinfer_tools.models.layers import KVCache, Norm, linear, normalize
+from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 
 
 # ModelSpec fields -> the config.json keys they come from, for error messages.

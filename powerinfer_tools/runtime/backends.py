@@ -16,10 +16,10 @@ from types import ModuleType
 
 import numpy as np
 
-from .. import kernels
-from ..errors import PitoolsError
-from ..kernels.quant import QuantMatrix
-from ..xp import cupy_or_none
+from powerinfer_tools import kernels
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.xp import cupy_or_none
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..models.layers import (
+from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
     apply_rope_adjacent,
@@ -18,13 +18,13 @@ from ..models.layers import (
     rope_tables,
     self_attention,
 )
-from ..errors import PitoolsError
-from ..generation import context_window
-from ..kernels.quant import QuantMatrix
-from ..models.interfaces import Engine, FFNMode
-from ..formats.model_spec import ModelSpec
-from .backends import CpuBackend, move
-from .ffn import FFNPartition, Predictor
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime.generation import context_window
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.interfaces import Engine, FFNMode
+from powerinfer_tools.formats.model_spec import ModelSpec
+from powerinfer_tools.runtime.backends import CpuBackend, move
+from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 
@@ -190,7 +190,7 @@ class RuntimeModel(Engine):
             return None
         if self._decoder is _UNBUILT:
             try:
-                from .compiled_decode import CompiledDecoder
+                from powerinfer_tools.runtime.compiled_decode import CompiledDecoder
             except ImportError:  # numba missing: the kernels fall back to NumPy as well
                 self._decoder = None
             else:

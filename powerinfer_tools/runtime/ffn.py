@@ -15,12 +15,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..formats.constants import PowerInferTensor, block_part
-from ..formats.predictor_folder import predict
-from ..kernels.quant import QuantMatrix
-from ..models.layers import activate
-from ..formats.model_spec import FFNKind
-from ..xp import array_namespace
+from powerinfer_tools.formats.constants import PowerInferTensor, block_part
+from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.models.layers import activate
+from powerinfer_tools.formats.model_spec import FFNKind
+from powerinfer_tools.xp import array_namespace
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Optional
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
-from ..errors import PitoolsError
-from ..formats.constants import (
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.constants import (
     SPARSE_THRESHOLD_KEY,
     PowerInferTensor,
     TensorKind,
@@ -17,15 +17,15 @@ from ..formats.constants import (
     predictor_names,
     tensor_name,
 )
-from ..formats.gguf_spec import spec_from_model_file
-from ..formats.model_check import check_model_tensors
-from ..formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
-from ..formats.model_file import ModelFile, open_model_file
-from ..kernels.quant import SUPPORTED_TYPES, QuantMatrix
-from ..models.layers import Norm
-from .backends import CpuBackend, CudaDevice, EmulatedDevice
-from .engine import DenseBlock, RuntimeLayer, RuntimeModel
-from .ffn import FFNPartition, Predictor
+from powerinfer_tools.formats.gguf_spec import spec_from_model_file
+from powerinfer_tools.formats.model_check import check_model_tensors
+from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
+from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
+from powerinfer_tools.models.layers import Norm
+from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
+from powerinfer_tools.runtime.engine import DenseBlock, RuntimeLayer, RuntimeModel
+from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 
 DOWN_T = PowerInferTensor.FFN_DOWN_T
 

@@ -17,8 +17,8 @@ from typing import Iterable
 
 import regex
 
-from ..errors import PitoolsError
-from ..models.interfaces import Tokenizer
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import Tokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -1,6 +1,6 @@
 """The Python API: load a model once, then generate text as an iterator.
 
-    from powerinfer_tools.llm import LLM
+    from powerinfer_tools.runtime.llm import LLM
     llm = LLM.load("model.powerinfer.gguf", mode="sparse")
     for piece in llm.generate("def ", max_tokens=32):
         print(piece, end="", flush=True)
@@ -16,21 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .checkpoint import Checkpoint
-from .errors import PitoolsError
-from .generation import Generation, Sampler, SamplingConfig, SettingError, context_window, generate, stream_text
-from .models import load_model
-from .models.interfaces import Engine, FFNMode, Tokenizer
-from .runtime.backends import require_cupy
-from .runtime.engine import RuntimeModel, TokenStats
-from .runtime.loader import load_runtime_model
-from .runtime.tokenizer import GGUFTokenizer
-from .solver.hardware import DEFAULT_PRESET, load_profile
-from .solver.problem import DEFAULT_RESERVE_BYTES
-from .formats.gpu_split import default_split_path
-from .solver.split import ensure_split
-from .solver.units import format_size
-from .tokenizer import CheckpointTokenizer
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime.generation import Generation, Sampler, SamplingConfig, SettingError, context_window, generate, stream_text
+from powerinfer_tools.models import load_model
+from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
+from powerinfer_tools.runtime.backends import require_cupy
+from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
+from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
+from powerinfer_tools.solver.hardware import DEFAULT_PRESET, load_profile
+from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
+from powerinfer_tools.formats.gpu_split import default_split_path
+from powerinfer_tools.solver.split import ensure_split
+from powerinfer_tools.units import format_size
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 
 @dataclass

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint
-from .corpus import read_tokens, resolve_source
-from .formats.profile_folder import load_profile
-from .models import load_model
-from .predictors import TrainSettings, train_predictors
-from .profiling import Profiler, ProfileSettings
-from .reorder import profile_permutations
-from .tokenizer import CheckpointTokenizer
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
+from powerinfer_tools.formats.profile_folder import load_profile
+from powerinfer_tools.models import load_model
+from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
+from powerinfer_tools.conversion.reorder import profile_permutations
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
-from .bundled import BUNDLED_MODEL
-from .errors import PitoolsError
-from .formats.constants import tensor_name
-from .formats.model_file import open_model_file
-from .llamacpp import load_llama_cpp
-from .models.interfaces import FFNMode
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.constants import tensor_name
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.benchmarking.llamacpp import load_llama_cpp
+from powerinfer_tools.interfaces import FFNMode
 
 # The engines: our runtime in its FFN modes (named by them), and llama.cpp.
 SPARSE, DENSE, LLAMA_CPP = FFNMode.SPARSE.value, FFNMode.DENSE.value, "llama.cpp"
@@ -124,14 +124,14 @@ class _Runtime:
 
     @staticmethod
     def import_libraries() -> None:
-        from . import kernels
-        from .runtime import compiled_decode  # noqa: F401 - numba and the compiled decoding loops
+        from powerinfer_tools import kernels
+        from powerinfer_tools.runtime import compiled_decode  # noqa: F401 - numba and the compiled decoding loops
 
         kernels.available()  # loads ggml's CPU library
 
     def __init__(self, spec: EngineSpec):
-        from . import kernels
-        from .runtime.loader import load_runtime_model
+        from powerinfer_tools import kernels
+        from powerinfer_tools.runtime.loader import load_runtime_model
 
         kernels.set_threads(spec.threads)
         self.model = load_runtime_model(spec.path, use_split=False)
@@ -142,7 +142,7 @@ class _Runtime:
         self.caches = self.model.new_cache()
 
     def run(self, tokens: np.ndarray, n_prompt: int) -> Run:
-        from .runtime.engine import TokenStats
+        from powerinfer_tools.runtime.engine import TokenStats
 
         model = self.model
         self.caches = caches = model.new_cache()
@@ -236,7 +236,7 @@ def _serve(conn, spec: EngineSpec) -> None:
 
 
 class _Worker:
-    """One engine in its own interpreter, ``python -m powerinfer_tools.bench``, driven over a socket.
+    """One engine in its own interpreter, ``python -m powerinfer_tools.benchmarking.bench``, driven over a socket.
 
     Not a multiprocessing child: those re-import the parent's main module, which for the ``pitools``
     command is every subcommand and its libraries, and that would count in the engine's RSS.
@@ -294,7 +294,7 @@ def worker_environment(threads: int) -> dict[str, str]:
 
 def bench_tokens(model_path: Path, count: int) -> np.ndarray:
     """The first ``count`` tokens of the benchmark text, in the model's own vocabulary."""
-    from .runtime.tokenizer import GGUFTokenizer
+    from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
     tokenizer = GGUFTokenizer(open_model_file(model_path).metadata)
     ids = tokenizer.encode(TEXT.read_text(encoding="utf-8")[:TEXT_CHARS], add_bos=False)[:count]
@@ -400,6 +400,6 @@ def format_report(rep: dict) -> str:
 
 if __name__ == "__main__":
     # Through the module proper, not this __main__ copy: results must pickle under its name.
-    from powerinfer_tools.bench import worker_main
+    from powerinfer_tools.benchmarking.bench import worker_main
 
     worker_main(sys.argv[1])

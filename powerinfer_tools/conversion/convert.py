@@ -23,19 +23,19 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
-from .checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
-from .errors import PitoolsError
-from .fileio import atomic_output, check_writable_output
-from .formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
-from .formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
-from .formats.model_file import ModelFileWriter, OutputTensor
-from .formats.predictor_folder import PredictorFolder, read_predictor_folder
-from .formats.quantization import OUTTYPES, OutType, tensor_type
-from .formats.tensor_table import gguf_neuron_axis
-from .formats.tokenizer_gguf import GGUFVocab, read_vocab
-from .hub import looks_local, resolve_checkpoint
-from .models import ModelSpec, spec_from_config
-from .sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import atomic_output, check_writable_output
+from powerinfer_tools.formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
+from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
+from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictor_folder
+from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
+from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
+from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
+from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
+from powerinfer_tools.models import ModelSpec, spec_from_config
+from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
 

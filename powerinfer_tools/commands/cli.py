@@ -8,18 +8,18 @@ import sys
 
 import click
 
-from . import __version__
-from .commands.bench import bench
-from .commands.convert import convert
-from .commands.inspect import inspect
-from .commands.perplexity import perplexity
-from .commands.profile import profile
-from .commands.pull import pull
-from .commands.run import run
-from .commands.solve import probe, solve
-from .commands.synth import synth
-from .commands.train_predictors import train_predictors
-from .errors import Interrupted, PitoolsError
+from powerinfer_tools import __version__
+from powerinfer_tools.commands.bench import bench
+from powerinfer_tools.commands.convert import convert
+from powerinfer_tools.commands.inspect import inspect
+from powerinfer_tools.commands.perplexity import perplexity
+from powerinfer_tools.commands.profile import profile
+from powerinfer_tools.commands.pull import pull
+from powerinfer_tools.commands.run import run
+from powerinfer_tools.commands.solve import probe, solve
+from powerinfer_tools.commands.synth import synth
+from powerinfer_tools.commands.train_predictors import train_predictors
+from powerinfer_tools.errors import Interrupted, PitoolsError
 
 
 def _interrupt_on_sigterm(signum, frame) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError
 
 
 class SettingError(PitoolsError, ValueError):

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .formats.constants import PowerInferTensor
-from .formats.tensor_table import stored_neuron_axis
-from .models.layers import FFNWeights
+from powerinfer_tools.formats.constants import PowerInferTensor
+from powerinfer_tools.formats.tensor_table import stored_neuron_axis
+from powerinfer_tools.models.layers import FFNWeights
 
 # The axis that indexes the neurons in each FFNWeights field ([out_features, in_features] layout).
 _FFN_NEURON_AXIS = {"gate": 0, "up": 0, "gate_bias": 0, "up_bias": 0, "down": 1}

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .errors import PitoolsError
-from .formats.profile_folder import (
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.profile_folder import (
     FORMAT,
     PAIRS_DIR,
     PLOT_FILE,
@@ -37,8 +37,8 @@ from .formats.profile_folder import (
     read_profile_json,
     write_profile_json,
 )
-from .models.interfaces import FFNTracer
-from .models.layers import FFNTrace
+from powerinfer_tools.interfaces import FFNTracer
+from powerinfer_tools.models.layers import FFNTrace
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import tokenizers
 
-from .errors import PitoolsError
-from .models.interfaces import Tokenizer
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import Tokenizer
 
 
 class CheckpointTokenizer(Tokenizer):

@@ -19,8 +19,8 @@ from typing import Iterator
 
 import numpy as np
 
-from .errors import PitoolsError
-from .fileio import read_json
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import read_json
 
 # safetensors dtype names -> NumPy storage dtypes. BF16 is stored as uint16.
 _STORAGE_DTYPES = {

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from .errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError
 
 # Files beside the weights that conversion reads.
 CONFIG_FILES = ["config.json", "generation_config.json"]

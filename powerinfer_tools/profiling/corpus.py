@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import PitoolsError
-from .models.interfaces import Tokenizer
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import Tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # What the bundled model (and any checkpoint folder shipped the same way) keeps aside for evaluation.

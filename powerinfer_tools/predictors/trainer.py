@@ -32,8 +32,8 @@ from types import ModuleType
 import numpy as np
 from tqdm import tqdm
 
-from .errors import PitoolsError
-from .formats.predictor_folder import (
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.predictor_folder import (
     FORMAT,
     META_FILE,
     SPARSE_THRESHOLD,
@@ -42,8 +42,8 @@ from .formats.predictor_folder import (
     predict,
     read_predictors,
 )
-from .formats.profile_folder import PAIRS_DIR, PairStore, load_profile
-from .xp import cupy_or_none
+from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, load_profile
+from powerinfer_tools.xp import cupy_or_none
 
 EVAL_BATCH = 4096  # rows per step when scoring the held-out pairs
 

@@ -18,13 +18,14 @@ to it.
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 import numpy as np
 
-from ..generation import StepFn
-from .layers import FFNHook
-from ..formats.model_spec import ModelSpec
+if TYPE_CHECKING:  # names for annotations only: every stage imports this module, it imports none
+    from powerinfer_tools.formats.model_spec import ModelSpec
+    from powerinfer_tools.models.layers import FFNHook
+    from powerinfer_tools.runtime.generation import StepFn
 
 
 class FFNMode(str, enum.Enum):

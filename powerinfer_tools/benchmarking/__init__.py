@@ -1,0 +1,1 @@
+"""Measuring the pipeline: synthetic real-shape models and side-by-side benchmarks."""

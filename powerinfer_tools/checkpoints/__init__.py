@@ -1,0 +1,1 @@
+"""Stage 0: Hugging Face checkpoints on disk or on the hub, and their tokenizers."""

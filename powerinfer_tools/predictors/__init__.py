@@ -1,0 +1,1 @@
+"""Stage 2: training the per-layer neuron predictors from a profile."""

@@ -1,0 +1,1 @@
+"""Stage 1: running a model over calibration text: firing profiles, corpora, perplexity."""

@@ -1,0 +1,136 @@
+"""The package's layering rules (docs/architecture.md), checked on its source.
+
+- No import cycle between folders: the top-level modules (errors, fileio, progress, ...) import
+  no subpackage, and the subpackages' imports form no cycle.
+- No private name imported across modules.
+- GGUF tensor names are spelled only in formats/ (constants.py and the architecture tables).
+- No function longer than 60 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SOURCE_FOLDERS = ("powerinfer_tools", "solver", "formats")
+GGUF_NAME = re.compile(r"blk\.|ffn_down_t|token_embd|output_norm|output\.weight|gpu_idx|gpu_bucket")
+MAX_FUNCTION_LINES = 60
+
+
+def sources() -> dict[str, tuple[Path, ast.Module]]:
+    """Module name -> (path, syntax tree) for every module of the package."""
+    found = {}
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            parts = ["powerinfer_tools"] + parts if parts[0] != "powerinfer_tools" else parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = (path, ast.parse(path.read_text(encoding="utf-8")))
+    return found
+
+
+def runtime_imports(tree: ast.AST):
+    """ImportFrom nodes that run (those under ``if TYPE_CHECKING:`` only name types)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        if isinstance(node, ast.ImportFrom):
+            yield node
+        yield from runtime_imports(node)
+
+
+def folder_of(module: str) -> str:
+    """The subpackage a module belongs to (its ``__init__`` included), or "(top)"."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "(top)"
+    is_subpackage = parts[1] in ("solver", "formats") or (REPO / "powerinfer_tools" / parts[1]).is_dir()
+    return parts[1] if is_subpackage else "(top)"
+
+
+def folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, (_, tree) in sources().items():
+        for node in runtime_imports(tree):
+            assert node.level == 0, f"{module}: relative import (the package uses absolute imports)"
+            if node.module and node.module.startswith("powerinfer_tools"):
+                target = node.module if node.module != "powerinfer_tools" else f"powerinfer_tools.{node.names[0].name}"
+                a, b = folder_of(module), folder_of(target)
+                if a != b:
+                    graph.setdefault(a, set()).add(b)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt, path + [node])
+            if cycle:
+                return cycle
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_import_cycle_between_folders():
+    graph = folder_graph()
+    assert not graph.get("(top)"), f"top-level modules import subpackages: {graph.get('(top)')}"
+    assert find_cycle(graph) is None, f"folders import each other in a cycle: {find_cycle(graph)}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    private = [
+        f"{module}: {node.module}.{alias.name}"
+        for module, (_, tree) in sources().items()
+        for node in runtime_imports(tree)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert not private, private
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def test_gguf_tensor_names_are_spelled_only_in_formats():
+    spelled = []
+    for module, (path, tree) in sources().items():
+        if folder_of(module) == "formats":
+            continue
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if GGUF_NAME.search(node.value):
+                    spelled.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert not spelled, spelled
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = [
+        f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path, tree in sources().values()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
