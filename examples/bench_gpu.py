@@ -38,8 +38,8 @@ from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
 from powerinfer_tools.solver.split import model_problem, split_file
 from powerinfer_tools.solver.summary import layer_granular_placement
 
-from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 PROMPT = np.arange(5, 5 + 32)  # token ids: a random model's quality is irrelevant, its cost is not

@@ -24,10 +24,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from powerinfer_tools import kernels  # noqa: E402
-from powerinfer_tools.predictors.trainer import TrainSettings  # noqa: E402
-from powerinfer_tools.interfaces import FFNMode  # noqa: E402
-from powerinfer_tools.runtime.loader import load_runtime_model  # noqa: E402
 from powerinfer_tools.benchmarking.synth import Planting, Shape, synthesize  # noqa: E402
+from powerinfer_tools.interfaces import FFNMode  # noqa: E402
+from powerinfer_tools.predictors.trainer import TrainSettings  # noqa: E402
+from powerinfer_tools.runtime.loader import load_runtime_model  # noqa: E402
 
 
 def skeleton_of(model_path: Path, work: Path) -> Path:

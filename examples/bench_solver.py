@@ -20,6 +20,7 @@ from powerinfer_tools.solver import ilp
 from powerinfer_tools.solver.hardware import PRESETS
 from powerinfer_tools.solver.problem import kv_cache_bytes_per_token, problem_from_stats
 from powerinfer_tools.solver.summary import summary_dict
+
 from powerinfer_tools.units import parse_size
 
 BYTES_PER_WEIGHT = {"f16": 2.0, "q4_0": 18 / 32}  # q4_0: 32 weights in 16 bytes of nibbles + an f16 scale

@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.conversion.convert import convert
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
-from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
-from powerinfer_tools.interfaces import FFNMode
-from powerinfer_tools.runtime.loader import load_runtime_model
-from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
+from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
+from powerinfer_tools.runtime.loader import load_runtime_model
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:

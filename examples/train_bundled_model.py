@@ -31,10 +31,11 @@ import time
 # (3x slower steps measured here); sleeping waiters cost nothing when idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pydoc_data.topics import topics
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 

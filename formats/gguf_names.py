@@ -14,13 +14,18 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import MODEL_TENSOR, GGUFWriter, RopeScalingType
+from powerinfer_tools.formats import tensor_table
+from powerinfer_tools.formats.constants import (
+    FFN_ACTIVATION_KEY,
+    PowerInferTensor,
+    block_part,
+    tensor_base_name,
+    tensor_name,
+)
+from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.tensor_table import TABLES, TensorRow
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-
-from powerinfer_tools.formats.constants import FFN_ACTIVATION_KEY, PowerInferTensor, block_part, tensor_base_name, tensor_name
-from powerinfer_tools.formats import tensor_table
-from powerinfer_tools.formats.tensor_table import TABLES, TensorRow
 
 T = MODEL_TENSOR
 LLAMA, OPT = tensor_table.LLAMA.gguf_architecture, tensor_table.OPT.gguf_architecture

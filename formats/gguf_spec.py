@@ -15,13 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from gguf import MODEL_TENSOR, Keys
-
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
-
 from powerinfer_tools.formats.constants import FFN_ACTIVATION_KEY, tensor_name
 from powerinfer_tools.formats.gguf_names import BAMBOO, LLAMA, OPT
 from powerinfer_tools.formats.model_file import ModelFile
+from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
+
+from powerinfer_tools.errors import PitoolsError
 
 SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, OPT)
 

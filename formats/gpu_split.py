@@ -22,10 +22,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.fileio import atomic_output
-
 from powerinfer_tools.formats.constants import (
     DENSE_ON_GPU_KEY,
     GPU_INDEX_ARCHITECTURE,
@@ -38,6 +34,9 @@ from powerinfer_tools.formats.constants import (
     tensor_base_name,
 )
 from powerinfer_tools.formats.model_file import open_model_file
+
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.fileio import atomic_output
 
 POWERINFER_VERSION = 3
 BLOCK_COUNT_KEY = gguf.Keys.LLM.BLOCK_COUNT.format(arch=GPU_INDEX_ARCHITECTURE)

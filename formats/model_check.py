@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import MODEL_TENSOR
-
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_spec import ModelSpec
-
 from powerinfer_tools.formats.constants import PowerInferTensor, neuron_frequency_key, predictor_names, tensor_name
 from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.formats.model_file import ModelFile
+from powerinfer_tools.formats.model_spec import ModelSpec
+
+from powerinfer_tools.errors import PitoolsError
 
 
 def sparse_layout(model: ModelFile) -> bool:

@@ -22,12 +22,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter, Keys
+from powerinfer_tools.formats.constants import POWERINFER_MAGIC_BYTES
+from powerinfer_tools.formats.quantization import decode, encode, storage_shape
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.progress import progress_bar
-
-from powerinfer_tools.formats.constants import POWERINFER_MAGIC_BYTES
-from powerinfer_tools.formats.quantization import decode, encode, storage_shape
 
 GGUF_MAGIC_BYTES = b"GGUF"
 POWERINFER_MAGIC = int.from_bytes(POWERINFER_MAGIC_BYTES, "little")

@@ -23,16 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from powerinfer_tools.formats.constants import predictor_names
+from powerinfer_tools.formats.json_fields import check_fields, check_format
+from powerinfer_tools.formats.model_spec import ModelSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
-from powerinfer_tools.formats.model_spec import ModelSpec
-
-from powerinfer_tools.formats.constants import predictor_names
-from powerinfer_tools.formats.json_fields import check_fields, check_format
 
 FORMAT = "pitools-predictors"
 VERSION = 1

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import numpy as np
+from powerinfer_tools.formats.json_fields import check_fields, check_format
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
-
-from powerinfer_tools.formats.json_fields import check_fields, check_format
 
 FORMAT = "pitools-profile"
 VERSION = 1

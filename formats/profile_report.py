@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from powerinfer_tools.formats.profile_folder import PLOT_FILE, REPORT_JSON, FiringStats, load_profile
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, write_json
-
-from powerinfer_tools.formats.profile_folder import PLOT_FILE, REPORT_JSON, FiringStats, load_profile
 
 # The share of all firings whose carrying neurons PowerInfer's paper counts (its "hot" neurons).
 HOT_SHARE = 0.8

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gguf import MODEL_TENSOR
-
 from powerinfer_tools.formats.constants import PowerInferTensor, TensorKind, tensor_name
 
 T = MODEL_TENSOR

@@ -9,6 +9,7 @@ and sizes) is solved by ``solve`` as an ILP under one VRAM budget, for the ``lat
 from powerinfer_tools.solver.hardware import PRESETS, HardwareProfile, load_profile, probe_profile, save_profile
 from powerinfer_tools.solver.ilp import OBJECTIVES, SolveReport, solve
 from powerinfer_tools.solver.problem import Placement, PlacementProblem, Prediction, predict, problem_from_stats
+
 from powerinfer_tools.units import format_size, parse_size
 
 __all__ = [

@@ -23,7 +23,6 @@ import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
-
 from powerinfer_tools.units import format_size
 
 

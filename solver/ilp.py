@@ -48,10 +48,9 @@ from typing import Literal
 
 import numpy as np
 import pulp
+from powerinfer_tools.solver.problem import HeadCost, Layer, LayerCost, Placement, PlacementProblem, Prediction, predict
 
 from powerinfer_tools.errors import PitoolsError
-
-from powerinfer_tools.solver.problem import HeadCost, Layer, LayerCost, Placement, PlacementProblem, Prediction, predict
 from powerinfer_tools.units import format_size
 
 Objective = Literal["latency", "activations"]

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from gguf import MODEL_TENSOR as T
 from powerinfer_tools.formats.constants import PowerInferTensor, TensorKind, neuron_frequency_key, tensor_name
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.solver.problem import kv_cache_bytes_per_token
 
 from powerinfer_tools.errors import PitoolsError
-
-from powerinfer_tools.solver.problem import kv_cache_bytes_per_token
 
 # Tensors of a layer's dense block: attention and both norms (read every token, wherever the block runs).
 _DENSE_PARTS = (T.ATTN_NORM, T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_NORM)

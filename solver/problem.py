@@ -32,10 +32,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+from powerinfer_tools.solver.hardware import HardwareProfile
 
 from powerinfer_tools.errors import PitoolsError
-
-from powerinfer_tools.solver.hardware import HardwareProfile
 
 DEFAULT_RESERVE_BYTES = 512 * 2**20
 

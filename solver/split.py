@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.formats.constants import (
     GPU_NEURONS_KEY,
     HARDWARE_KEY,
@@ -17,12 +15,12 @@ from powerinfer_tools.formats.constants import (
     PREDICTED_TOKEN_MS_KEY,
     VRAM_USED_KEY,
 )
+from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.formats.gpu_split import GpuSplit, read_gpu_split, write_gpu_split
 from powerinfer_tools.solver import ilp
 from powerinfer_tools.solver.hardware import HardwareProfile
 from powerinfer_tools.solver.ilp import SolveReport
 from powerinfer_tools.solver.model_stats import read_model_stats
-from powerinfer_tools.units import check_size
 from powerinfer_tools.solver.problem import (
     DEFAULT_RESERVE_BYTES,
     Placement,
@@ -30,6 +28,10 @@ from powerinfer_tools.solver.problem import (
     predict,
     problem_from_stats,
 )
+
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.units import check_size
+
 
 def split_file(problem: PlacementProblem, placement: Placement, objective: str,
                fingerprint: str | None = None) -> GpuSplit:

@@ -14,6 +14,7 @@ from typing import Any
 
 from powerinfer_tools.solver.ilp import SolveReport
 from powerinfer_tools.solver.problem import Placement, PlacementProblem, Prediction, predict
+
 from powerinfer_tools.units import format_size
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from powerinfer_tools.benchmarking.synth import Planting, synthesize
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.sparsify import SparsifySettings
-from powerinfer_tools.benchmarking.synth import Planting, synthesize
 
 
 def pytest_addoption(parser):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFWriter
+from powerinfer_tools.formats.gguf_names import tensor_names
 from safetensors.numpy import save_file
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.models import spec_from_config
 
 TINY = dict(model_type="llama", hidden_act="relu", hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from cli_checks import fails, invoke, snapshot
 from numpy_models import TINY, edit_config, write_gguf
+from powerinfer_tools.formats.model_spec import MAX_POSITIONS
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import spec_from_config
-from powerinfer_tools.formats.model_spec import MAX_POSITIONS
+
 
 @pytest.fixture
 def model(tmp_path, numpy_checkpoint):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from cli_checks import fails
 from click.testing import CliRunner
+from powerinfer_tools.solver.split import ensure_split
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.runtime.llm import LLM, GenerationStats
-from powerinfer_tools.solver.split import ensure_split
 from powerinfer_tools.units import MAX_SIZE, parse_size
 
 # --- run: sampling, token count, context size, prompt text -----------------------------------------------

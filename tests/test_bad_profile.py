@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_checks import fails, invoke, snapshot
-
 from powerinfer_tools.formats import profile_folder as profiling
 
 PROFILE = ("--tokens", "2000", "--seq-len", "64", "-q")  # 32 windows, every token's pairs kept

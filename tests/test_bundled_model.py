@@ -8,9 +8,9 @@ import numpy as np
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
-from powerinfer_tools.models import load_model
 from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
+from powerinfer_tools.models import load_model
+from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 
 SLICE_TOKENS = 4096  # a small held-out slice: the card's figures are over 86k tokens
 

@@ -29,12 +29,12 @@ import pytest
 from cli_checks import snapshot
 from click.testing import CliRunner, Result
 from gguf import GGUFReader, GGUFValueType
-
-from powerinfer_tools.commands.cli import cli
-from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.formats.gpu_split import read_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.hardware import load_profile
+
+from powerinfer_tools.commands.cli import cli
+from powerinfer_tools.conversion.convert import convert
 
 SEED = 20_240_000
 DEFAULT_CASES = 400

@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from cli_checks import invoke
 from hf_models import build
+from powerinfer_tools.formats.predictor_folder import load_predictors
 from tiny_models import TINY_RELU_LLAMA
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
-from powerinfer_tools.models import load_model
-from powerinfer_tools.profiling.perplexity import oracle_chooser, perplexity, predictor_chooser
-from powerinfer_tools.formats.predictor_folder import load_predictors
-from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
-from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
+from powerinfer_tools.models import load_model
+from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
+from powerinfer_tools.profiling.perplexity import oracle_chooser, perplexity, predictor_chooser
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
 # The bound: computing only the predicted neurons costs at most 2% relative perplexity.
 PREDICTED_BOUND = 0.02

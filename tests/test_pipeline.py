@@ -17,12 +17,12 @@ from powerinfer_tools import kernels
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.conversion.convert import convert
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime.llm import LLM
-from powerinfer_tools.models import load_model
-from powerinfer_tools.interfaces import FFNMode
-from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.models import load_model
+from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.runtime.loader import load_runtime_model
 
 MODELS = {
     "llama": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

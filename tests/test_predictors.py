@@ -7,17 +7,17 @@ import json
 import numpy as np
 import pytest
 from cli_checks import invoke
+from powerinfer_tools.formats.predictor_folder import predict, predictor_report
+from powerinfer_tools.formats.profile_folder import FORMAT as PROFILE_FORMAT
+from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PROFILE_JSON, STATS_FILE, FiringStats, PairStore
 from safetensors.numpy import load_file
 from tiny_models import run_profiler
 
-from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import write_json
 from powerinfer_tools.models import load_model
-from powerinfer_tools.formats.predictor_folder import predict, predictor_report
-from powerinfer_tools.formats.profile_folder import FORMAT as PROFILE_FORMAT
-from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PROFILE_JSON, STATS_FILE, FiringStats, PairStore
+from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.predictors.trainer import TrainSettings, gradients, hidden_ladder, train_predictors
 
 FAST = TrainSettings(budget=0.3, batch_size=128, epochs=6)

@@ -9,18 +9,18 @@ import pytest
 import torch
 from cli_checks import invoke
 from hf_models import build
+from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, pair_capacity, predictor_input
+from powerinfer_tools.formats.profile_report import hot_fraction
 from safetensors.numpy import load_file
 from tiny_models import OPT, TINY_RELU_LLAMA, build_tiny_model, run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
-from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, pair_capacity, predictor_input
-from powerinfer_tools.formats.profile_report import hot_fraction
+from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.profiling.profiler import PairSampler, Profiler, ProfileSettings, windows_of
-from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 
 @pytest.fixture(scope="module")

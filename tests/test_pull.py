@@ -16,9 +16,9 @@ import huggingface_hub.hf_api
 import pytest
 from click.testing import CliRunner
 
+from powerinfer_tools.checkpoints.hub import download_patterns, resolve_checkpoint
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.checkpoints.hub import download_patterns, resolve_checkpoint
 
 REPO = "pitools-test/tiny-relu"
 # RFC 2606: names under .invalid never resolve, so no test here can reach a real hub.

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_models import build
+from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from tiny_models import OPT, TINY_RELU_LLAMA, run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.models import load_model
-from powerinfer_tools.formats.predictor_folder import predict
-from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.conversion.reorder import (
     hot_first_permutation,
     permute_ffn,
@@ -18,6 +17,7 @@ from powerinfer_tools.conversion.reorder import (
     permute_predictor,
     profile_permutations,
 )
+from powerinfer_tools.models import load_model
 
 CASES = {
     "llama-reglu-biases": ("llama", dict(TINY_RELU_LLAMA, mlp_bias=True), {}),

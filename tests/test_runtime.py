@@ -16,8 +16,8 @@ from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
-from powerinfer_tools.models import load_model
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.models import load_model
 from powerinfer_tools.runtime.ffn import Predictor
 from powerinfer_tools.runtime.loader import load_runtime_model
 

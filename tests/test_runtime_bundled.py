@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
-from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 pytestmark = pytest.mark.slow
 HELDOUT_TOKENS = 512

@@ -30,10 +30,10 @@ from powerinfer_tools.solver.summary import (
     summary_dict,
     summary_text,
 )
-from powerinfer_tools.units import parse_size
 
 from powerinfer_tools.commands.solve import probe, solve
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.units import parse_size
 
 # GPU 10x the CPU's bandwidth, and a sync cost comparable to a small layer's time.
 TEST_HW = HardwareProfile("test", gpu_bandwidth_gbs=100.0, cpu_bandwidth_gbs=10.0, pcie_bandwidth_gbs=10.0,

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf_fixtures import random_predictors, save_predictors
+from powerinfer_tools.formats.constants import MODEL_FINGERPRINT_KEY
+from powerinfer_tools.formats.fingerprint import model_fingerprint
+from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
+from powerinfer_tools.solver.hardware import load_profile
+from powerinfer_tools.solver.split import ensure_split
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.conversion.convert import convert
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.fingerprint import model_fingerprint
-from powerinfer_tools.formats.constants import MODEL_FINGERPRINT_KEY
-from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
-from powerinfer_tools.solver.hardware import load_profile
-from powerinfer_tools.solver.split import ensure_split
 from powerinfer_tools.conversion.sparsify import SparsifySettings, profile_checkpoint
+from powerinfer_tools.errors import PitoolsError
 
 N_LAYERS, D_MODEL, D_FF = 6, 256, 1024  # the bundled model
 BUDGET = 10**7

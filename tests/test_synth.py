@@ -9,13 +9,9 @@ import pytest
 from click.testing import CliRunner
 from gguf_fixtures import FAST_TRAINING, llama
 from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.solver.model_stats import read_model_stats
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.commands.cli import cli
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models import load_model
-from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.benchmarking.synth import (
     P_MAX,
     SHAPES,
@@ -27,6 +23,11 @@ from powerinfer_tools.benchmarking.synth import (
     synthesize,
     write_checkpoint,
 )
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.commands.cli import cli
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.models import load_model
+
 
 def test_frequencies_have_the_planted_mean_and_a_power_law_skew():
     p = firing_frequencies(5632, 0.1, np.random.default_rng(0))

@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
+from powerinfer_tools.benchmarking.llamacpp import load_llama_cpp
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
 from powerinfer_tools.formats.model_file import open_model_file
-from powerinfer_tools.benchmarking.llamacpp import load_llama_cpp
 from powerinfer_tools.interfaces import FFNMode
 
 # The engines: our runtime in its FFN modes (named by them), and llama.cpp.

@@ -47,17 +47,17 @@ from scipy.special import ndtri
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import DENSE_SUFFIX, POWERINFER_SUFFIX, convert
+from powerinfer_tools.conversion.sparsify import SparsifySettings, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
 from powerinfer_tools.formats.tensor_table import LLAMA
-from powerinfer_tools.models import spec_from_config
 from powerinfer_tools.interfaces import FFNTracer
+from powerinfer_tools.models import spec_from_config
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.units import format_size
-from powerinfer_tools.conversion.sparsify import SparsifySettings, work_folder
 
 _hf = LLAMA.hf_name  # the synthetic checkpoints are LLaMA's: the checkpoint name of a tensor
 

@@ -17,9 +17,9 @@ from powerinfer_tools.benchmarking.bench import (
     report,
     run_bench,
 )
+from powerinfer_tools.benchmarking.synth import dense_companion
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.solver.hardware import load_profile
-from powerinfer_tools.benchmarking.synth import dense_companion
 
 _DEFAULTS = BenchSettings()
 

@@ -8,10 +8,10 @@ import click
 
 from powerinfer_tools.conversion.convert import ConversionPlan
 from powerinfer_tools.conversion.convert import convert as convert_checkpoint
+from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part, predictor_names
 from powerinfer_tools.formats.quantization import F16, OUTTYPES, Q4_0
 from powerinfer_tools.predictors.trainer import TrainSettings
-from powerinfer_tools.conversion.sparsify import SparsifySettings
 
 
 def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> list[str]:

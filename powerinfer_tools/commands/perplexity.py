@@ -8,9 +8,11 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.profiling.corpus import HELDOUT_FILE, resolve_source
+from powerinfer_tools.commands.options import corpus_options
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.predictor_folder import load_predictors
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.profiling.corpus import HELDOUT_FILE, corpus_tokens, load_model_and_corpus, resolve_source
 from powerinfer_tools.profiling.perplexity import (
     PerplexityResult,
     format_result,
@@ -19,10 +21,8 @@ from powerinfer_tools.profiling.perplexity import (
     runtime_perplexity,
 )
 from powerinfer_tools.profiling.perplexity import perplexity as measure
-from powerinfer_tools.formats.predictor_folder import load_predictors
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
-from powerinfer_tools.commands.profile import corpus_options, corpus_tokens, load_model_and_corpus
 
 
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})

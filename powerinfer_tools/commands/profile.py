@@ -3,82 +3,17 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import click
-import numpy as np
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
+from powerinfer_tools.commands.options import corpus_options
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.formats.profile_folder import load_profile
 from powerinfer_tools.formats.profile_report import export_powerinfer_activations, write_report
-from powerinfer_tools.checkpoints.hub import resolve_checkpoint
-from powerinfer_tools.models import DecoderModel, load_model
+from powerinfer_tools.profiling.corpus import load_model_and_corpus
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
-from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
-
-DEFAULT_SEQ_LEN = 512  # capped by the model's context length
-
-
-def corpus_options(f):
-    """--corpus/--dataset/--split/--text-field/--tokens/--seq-len/--skip-tokens, shared with `perplexity`."""
-    options = [
-        click.option("--corpus", "corpus", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-                     help="Text file (one document) or JSON-lines file (*.jsonl, one document per line). "
-                          "Repeatable. Default: the model folder's heldout.txt."),
-        click.option("--dataset", metavar="NAME[:CONFIG]", default=None,
-                     help="A Hugging Face hub dataset instead (needs the optional `datasets` package)."),
-        click.option("--split", default="train", show_default=True, help="Split of --dataset."),
-        click.option("--text-field", default="text", show_default=True,
-                     help="Field holding the text in JSON-lines records and --dataset records."),
-        click.option("--tokens", "n_tokens", type=click.IntRange(min=2), default=100_000, show_default=True,
-                     help="Tokens to read (fewer if the corpus is shorter)."),
-        click.option("--seq-len", type=click.IntRange(min=1), default=None,
-                     help=f"Tokens per forward pass, each with a fresh cache [default: {DEFAULT_SEQ_LEN}, "
-                          "at most the model's context length]."),
-        click.option("--skip-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-                     help="Start this many tokens into the corpus (to evaluate on text a profile did not see)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-@dataclass
-class ModelOnCorpus:
-    """A loaded model and the corpus tokens it will read."""
-
-    folder: Path
-    model: DecoderModel
-    source: CorpusSource
-    tokens: np.ndarray
-    seq_len: int
-
-
-def load_model_and_corpus(model_arg: str, corpus: tuple[Path, ...], dataset: str | None, split: str,
-                          text_field: str, n_tokens: int, seq_len: int | None, skip_tokens: int) -> ModelOnCorpus:
-    folder = resolve_checkpoint(model_arg)
-    model = load_model(Checkpoint(folder))
-    spec = model.spec
-    source = resolve_source(corpus, dataset, folder, split, text_field)
-    tokenizer = CheckpointTokenizer(folder, spec.bos_token_id, spec.eos_token_id)
-    tokens, seq_len = corpus_tokens(source, tokenizer, spec.max_positions, n_tokens, seq_len, skip_tokens)
-    return ModelOnCorpus(folder, model, source, tokens, seq_len)
-
-
-def corpus_tokens(source: CorpusSource, tokenizer, max_positions: int, n_tokens: int, seq_len: int | None,
-                  skip_tokens: int) -> tuple[np.ndarray, int]:
-    """The corpus tokens a model reads, and the window length (checked against its context)."""
-    if seq_len is not None and seq_len > max_positions:
-        raise PitoolsError(f"--seq-len {seq_len} exceeds the model's context length {max_positions}")
-    tokens = read_tokens(source, tokenizer, n_tokens, skip_tokens)
-    if len(tokens) < n_tokens:
-        click.echo(f"pitools: the corpus has only {len(tokens)} tokens (after skipping {skip_tokens}); "
-                   "using all of them", err=True)
-    return tokens, seq_len or min(DEFAULT_SEQ_LEN, max_positions)
 
 
 @click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})

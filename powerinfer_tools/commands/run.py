@@ -10,9 +10,9 @@ import click
 from powerinfer_tools import kernels
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.runtime.llm import LLM
-from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.benchmarking import synth as synth_module
-from powerinfer_tools.formats.quantization import OUTTYPES
 from powerinfer_tools.benchmarking.synth import SHAPES, SYNTH_TRAINING, Planting, synthesize
+from powerinfer_tools.formats.quantization import OUTTYPES
 
 _DEFAULTS = Planting()
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
+from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.predictors.trainer import TrainSettings
 
 _DEFAULTS = TrainSettings()

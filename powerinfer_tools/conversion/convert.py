@@ -24,6 +24,8 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
+from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
+from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, check_writable_output
 from powerinfer_tools.formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
@@ -33,9 +35,7 @@ from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_pred
 from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
-from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
 from powerinfer_tools.models import ModelSpec, spec_from_config
-from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
 

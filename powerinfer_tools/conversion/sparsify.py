@@ -13,14 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
-from powerinfer_tools.formats.profile_folder import load_profile
-from powerinfer_tools.models import load_model
-from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
-from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.conversion.reorder import profile_permutations
-from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
+from powerinfer_tools.formats.profile_folder import load_profile
+from powerinfer_tools.models import load_model_and_tokenizer
+from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
 
 @dataclass(frozen=True)
@@ -47,11 +45,10 @@ def work_folder(output: Path) -> Path:
 
 def profile_checkpoint(folder: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
     """Profile (or finish profiling) ``folder`` into ``profile_dir``."""
-    model = load_model(Checkpoint(folder))
-    spec = model.spec
+    model, tokenizer = load_model_and_tokenizer(folder)
     source = resolve_source(settings.corpus, None, folder)
-    tokens = read_tokens(source, CheckpointTokenizer(folder, spec.bos_token_id, spec.eos_token_id), settings.tokens)
-    seq_len = min(settings.seq_len, spec.max_positions)
+    tokens = read_tokens(source, tokenizer, settings.tokens)
+    seq_len = min(settings.seq_len, model.spec.max_positions)
     Profiler(model, str(folder), tokens, source.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
         progress=progress
     )

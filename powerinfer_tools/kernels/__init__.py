@@ -23,8 +23,8 @@ import warnings
 
 import numpy as np
 
-from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.kernels import ggml_ops
+from powerinfer_tools.kernels.quant import QuantMatrix
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
 

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
 from powerinfer_tools.models import llama, mistral, opt
 from powerinfer_tools.models.base import DecoderModel
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
 
 # config.json "model_type" -> the module that reads it.
 ARCHITECTURES: dict[str, ModuleType] = {
@@ -47,4 +49,11 @@ def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
     return _module_for(checkpoint.config).Model.from_checkpoint(spec, checkpoint, dtype)
 
 
-__all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "spec_from_config"]
+def load_model_and_tokenizer(folder: Path) -> tuple[DecoderModel, CheckpointTokenizer]:
+    """A checkpoint folder's reference model and its tokenizer (with the model's special tokens)."""
+    model = load_model(Checkpoint(folder))
+    return model, CheckpointTokenizer(folder, model.spec.bos_token_id, model.spec.eos_token_id)
+
+
+__all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "load_model_and_tokenizer",
+           "spec_from_config"]

@@ -10,8 +10,9 @@ from gguf import MODEL_TENSOR as T
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.interfaces import Engine, FFNTracer
+from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.tensor_table import ArchitectureTable
+from powerinfer_tools.interfaces import Engine, FFNTracer
 from powerinfer_tools.models.layers import (
     FFNHook,
     FFNWeights,
@@ -23,7 +24,6 @@ from powerinfer_tools.models.layers import (
     linear,
     self_attention,
 )
-from powerinfer_tools.formats.model_spec import ModelSpec
 
 
 def require(config: dict, key: str, architecture: str) -> Any:

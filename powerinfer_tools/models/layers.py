@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from powerinfer_tools.xp import array_namespace
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.xp import array_namespace
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.tensor_table import LLAMA
-from powerinfer_tools.models.base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, rope_settings, token_id
-from powerinfer_tools.models.layers import KVCache, apply_rope, rms_norm, rope_tables
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.tensor_table import LLAMA
+from powerinfer_tools.models.base import (
+    Block,
+    CheckpointWeights,
+    DecoderModel,
+    load_block,
+    optional,
+    require,
+    rope_settings,
+    token_id,
+)
+from powerinfer_tools.models.layers import KVCache, apply_rope, rms_norm, rope_tables
 
 # hidden_act values and the FFN they mean in a gated (gate/up/down) MLP.
 GATED_ACTIVATIONS = {"relu": FFNKind.REGLU, "drelu": FFNKind.DRELU, "silu": FFNKind.SWIGLU}

@@ -8,8 +8,8 @@ symmetric gate: ``down(relu(gate x) * relu(up x))``.
 
 from __future__ import annotations
 
-from powerinfer_tools.models import llama
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec
+from powerinfer_tools.models import llama
 
 Model = llama.Model
 CONFIG_KEYS = llama.CONFIG_KEYS

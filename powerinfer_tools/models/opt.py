@@ -7,17 +7,15 @@ and 512-wide embeddings projected in and out of the 1024-wide decoder
 
 from __future__ import annotations
 
-
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import OPT
 from powerinfer_tools.models.base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, token_id
 from powerinfer_tools.models.layers import KVCache, Norm, linear, normalize
-from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
-
 
 # ModelSpec fields -> the config.json keys they come from, for error messages.
 CONFIG_KEYS = {

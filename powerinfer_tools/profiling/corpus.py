@@ -11,19 +11,22 @@ tokens are in hand, so a large corpus costs only what is used.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from powerinfer_tools.checkpoints.hub import resolve_checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import Tokenizer
+from powerinfer_tools.models import DecoderModel, load_model_and_tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # What the bundled model (and any checkpoint folder shipped the same way) keeps aside for evaluation.
 HELDOUT_FILE = "heldout.txt"
-
+DEFAULT_SEQ_LEN = 512  # tokens per forward pass, capped by the model's context length
 
 @dataclass(frozen=True)
 class CorpusSource:
@@ -94,6 +97,38 @@ def read_tokens(source: CorpusSource, tokenizer: Tokenizer, max_tokens: int,
         )
     return tokens
 
+
+@dataclass
+class ModelOnCorpus:
+    """A loaded model and the corpus tokens it will read."""
+
+    folder: Path
+    model: DecoderModel
+    source: CorpusSource
+    tokens: np.ndarray
+    seq_len: int
+
+
+def load_model_and_corpus(model_arg: str, corpus: tuple[Path, ...], dataset: str | None, split: str,
+                          text_field: str, n_tokens: int, seq_len: int | None, skip_tokens: int) -> ModelOnCorpus:
+    """A checkpoint (folder or hub id) on the reference engine, and the corpus tokens it will read."""
+    folder = resolve_checkpoint(model_arg)
+    model, tokenizer = load_model_and_tokenizer(folder)
+    source = resolve_source(corpus, dataset, folder, split, text_field)
+    tokens, seq_len = corpus_tokens(source, tokenizer, model.spec.max_positions, n_tokens, seq_len, skip_tokens)
+    return ModelOnCorpus(folder, model, source, tokens, seq_len)
+
+
+def corpus_tokens(source: CorpusSource, tokenizer, max_positions: int, n_tokens: int, seq_len: int | None,
+                  skip_tokens: int) -> tuple[np.ndarray, int]:
+    """The corpus tokens a model reads, and the window length (checked against its context)."""
+    if seq_len is not None and seq_len > max_positions:
+        raise PitoolsError(f"--seq-len {seq_len} exceeds the model's context length {max_positions}")
+    tokens = read_tokens(source, tokenizer, n_tokens, skip_tokens)
+    if len(tokens) < n_tokens:
+        print(f"pitools: the corpus has only {len(tokens)} tokens (after skipping {skip_tokens}); using all of them",
+              file=sys.stderr)
+    return tokens, seq_len or min(DEFAULT_SEQ_LEN, max_positions)
 
 def _read_text(path: Path) -> str:
     try:

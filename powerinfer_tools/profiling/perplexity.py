@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerinfer_tools.models import DecoderModel
-from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.formats.profile_folder import predictor_input
+from powerinfer_tools.interfaces import Engine, FFNMode
+from powerinfer_tools.models import DecoderModel
 from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
 

@@ -24,13 +24,13 @@ from numba import njit, prange, types
 from numba.experimental import structref
 
 from powerinfer_tools import kernels
+from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models.layers import KVCache
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 
 # FFN kinds as integers for the compiled code.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}

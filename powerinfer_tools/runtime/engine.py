@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import numpy as np
 
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_spec import ModelSpec
+from powerinfer_tools.interfaces import Engine, FFNMode
+from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
@@ -18,13 +22,9 @@ from powerinfer_tools.models.layers import (
     rope_tables,
     self_attention,
 )
-from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime.generation import context_window
-from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.interfaces import Engine, FFNMode
-from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.runtime.backends import CpuBackend, move
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
+from powerinfer_tools.runtime.generation import context_window
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 

@@ -16,10 +16,10 @@ from typing import Optional
 import numpy as np
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
+from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
-from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.xp import array_namespace
 
 

@@ -16,21 +16,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime.generation import Generation, Sampler, SamplingConfig, SettingError, context_window, generate, stream_text
-from powerinfer_tools.models import load_model
+from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
+from powerinfer_tools.models import load_model_and_tokenizer
 from powerinfer_tools.runtime.backends import require_cupy
 from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
+from powerinfer_tools.runtime.generation import (
+    Generation,
+    Sampler,
+    SamplingConfig,
+    SettingError,
+    context_window,
+    generate,
+    stream_text,
+)
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, load_profile
 from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
-from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.solver.split import ensure_split
 from powerinfer_tools.units import format_size
-from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 
 
 @dataclass
@@ -89,10 +95,8 @@ class LLM:
         if path.is_dir():
             if vram is not None or split is not None:
                 raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split")
-            engine = load_model(Checkpoint(path))
-            s = engine.spec
-            return cls(engine, CheckpointTokenizer(path, s.bos_token_id, s.eos_token_id), "reference engine (NumPy)",
-                       context_window(s.max_positions, ctx_size))
+            engine, tokenizer = load_model_and_tokenizer(path)
+            return cls(engine, tokenizer, "reference engine (NumPy)", context_window(engine.spec.max_positions, ctx_size))
         solved = ""
         if vram is not None:
             if device == "cpu" or not use_split:

@@ -18,8 +18,8 @@ from powerinfer_tools.formats.constants import (
     tensor_name,
 )
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
-from powerinfer_tools.formats.model_check import check_model_tensors
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
+from powerinfer_tools.formats.model_check import check_model_tensors
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models.layers import Norm
