@@ -88,7 +88,13 @@ def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware
     if split_path.is_file() and _reusable(split_path, fingerprint, [len(f) for f in stats["freqs"]], budget_bytes):
         return None
     problem = model_problem(model_path, budget_bytes, hardware, reserve_bytes=reserve_bytes, stats=stats)
-    report = ilp.solve(problem)
+    return solve_into(problem, split_path, fingerprint)
+
+
+def solve_into(problem: PlacementProblem, split_path: Path, fingerprint: str | None, objective: str = "latency",
+               **ilp_options) -> SolveReport:
+    """Solve ``problem`` and write its split to ``split_path``, naming the model by ``fingerprint``."""
+    report = ilp.solve(problem, objective, **ilp_options)
     write_gpu_split(split_path, split_file(problem, report.placement, report.objective, fingerprint))
     return report
 

@@ -15,6 +15,7 @@ from powerinfer_tools.formats.gguf_names import tensor_kind
 from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
 from powerinfer_tools.formats.model_check import sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.units import format_size
 
 KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
 _ARRAY_HEAD = 8  # array values show this many items
@@ -62,14 +63,6 @@ def describe(model: ModelFile) -> dict:
     }
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _layout_line(report: dict) -> str:
     if report["layout"] == "dense":
         return f"dense GGUF v{report['gguf_version']}"
@@ -89,7 +82,7 @@ def _metadata_value(value: Any) -> str:
 
 
 def render(report: dict) -> str:
-    size = f"{_size(report['total_bytes'])}, {report['total_parameters']:,} parameters, {len(report['tensors'])} tensors"
+    size = f"{format_size(report['total_bytes'])}, {report['total_parameters']:,} parameters, {len(report['tensors'])} tensors"
     lines = [
         f"file          {report['path']}",
         f"layout        {_layout_line(report)}",
@@ -104,12 +97,12 @@ def render(report: dict) -> str:
     width = max((len(t["name"]) for t in report["tensors"]), default=0)
     for t in report["tensors"]:
         shape = " x ".join(str(n) for n in t["shape"])
-        lines.append(f"  {t['name']:<{width}}  {t['type']:<5}  {shape:<14}  {_size(t['bytes']):>10}  {t['kind']}")
+        lines.append(f"  {t['name']:<{width}}  {t['type']:<5}  {shape:<14}  {format_size(t['bytes']):>10}  {t['kind']}")
     lines += ["", "totals by kind", f"  {'kind':<10}  {'tensors':>7}  {'parameters':>14}  {'bytes':>10}  share"]
     for kind, total in report["totals"].items():
         share = total["bytes"] / report["total_bytes"] if report["total_bytes"] else 0.0
         lines.append(
-            f"  {kind:<10}  {total['tensors']:>7}  {total['parameters']:>14,}  {_size(total['bytes']):>10}  {share:6.1%}"
+            f"  {kind:<10}  {total['tensors']:>7}  {total['parameters']:>14,}  {format_size(total['bytes']):>10}  {share:6.1%}"
         )
     return "\n".join(lines)
 

@@ -16,8 +16,7 @@ import numpy as np
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
 from powerinfer_tools.formats.fingerprint import model_fingerprint
-from powerinfer_tools.formats.gpu_split import SPLIT_SUFFIX, default_split_path, write_gpu_split
-from powerinfer_tools.solver import ilp
+from powerinfer_tools.formats.gpu_split import SPLIT_SUFFIX, default_split_path
 from powerinfer_tools.solver.hardware import (
     DEFAULT_PRESET,
     MIN_PROBE_BYTES,
@@ -34,7 +33,7 @@ from powerinfer_tools.solver.problem import (
     STATS_KEYS,
     problem_from_stats,
 )
-from powerinfer_tools.solver.split import split_file
+from powerinfer_tools.solver.split import solve_into
 from powerinfer_tools.solver.summary import summary_dict, summary_text
 from powerinfer_tools.units import format_size, parse_size
 
@@ -118,10 +117,10 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
         reserve_bytes=reserve_bytes,
         min_gpu_share=min_share,
     )
-    report = ilp.solve(problem, objective, batch=batch, solver=solver, gap_rel=gap, time_limit=time_limit)
     # The split names its model file; with --stats, MODEL may be only the name of the split beside it.
     fingerprint = model_fingerprint(model) if model is not None and model.is_file() else None
-    write_gpu_split(output, split_file(problem, report.placement, report.objective, fingerprint))
+    report = solve_into(problem, output, fingerprint, objective, batch=batch, solver=solver, gap_rel=gap,
+                        time_limit=time_limit)
     summary = {**summary_dict(problem, report), "output": str(output)}
     if as_json:
         click.echo(json.dumps(summary, indent=2))
