@@ -121,3 +121,16 @@ def test_progress_on_a_pipe_is_one_line_per_stage(small_checkpoint, tmp_path):
     assert process.returncode == 0, stderr
     assert "\r" not in stderr, stderr
     assert any(line.startswith("wrote ") for line in stderr.splitlines()), stderr
+
+
+def test_profiling_and_training_on_a_pipe_print_lines_not_bars(small_checkpoint, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 600)
+    steps = [("profile", str(small_checkpoint), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "32",
+              "-o", str(tmp_path / "profile")),
+             ("train-predictors", str(tmp_path / "profile"), "-o", str(tmp_path / "predictors"), "--epochs", "1",
+              "--budget", "0.5")]
+    for step, stage in zip(steps, ("profile: ", "predictors: ")):
+        stderr = _pitools(*step, cwd=tmp_path).communicate(timeout=300)[1].decode()
+        assert "\r" not in stderr, stderr
+        assert stderr.splitlines()[0].startswith(stage), stderr

@@ -24,13 +24,11 @@ per layer: the output folder is rewritten after every layer.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
-from tqdm import tqdm
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.predictor_folder import (
@@ -43,6 +41,7 @@ from powerinfer_tools.formats.predictor_folder import (
     read_predictors,
 )
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, load_profile
+from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.xp import cupy_or_none
 
 EVAL_BATCH = 4096  # rows per step when scoring the held-out pairs
@@ -300,8 +299,8 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
     state = _resume(out, identity, force)
     store, n_train = open_pairs(profile_dir, profile, settings)  # every input check before the output exists
     ladder = hidden_ladder(d_ff)
-    bar = tqdm(total=n_layers, initial=len(state.meta["layers"]), unit="layer", desc="predictors",
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=n_layers, initial=len(state.meta["layers"]), unit="layer", desc="predictors",
+                       enabled=progress)
     log = bar.write if progress else (lambda message: None)
     out.mkdir(parents=True, exist_ok=True)
     with bar:

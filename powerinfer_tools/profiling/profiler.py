@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.profile_folder import (
@@ -39,6 +37,7 @@ from powerinfer_tools.formats.profile_folder import (
 )
 from powerinfer_tools.interfaces import FFNTracer
 from powerinfer_tools.models.layers import FFNTrace
+from powerinfer_tools.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -132,8 +131,8 @@ class Profiler:
         pairs = PairStore.open(self.folder / PAIRS_DIR, n_layers, shape) if self.sampler.capacity else None
         starts = np.cumsum([0] + [len(w) for w in self.windows])
         last_checkpoint = time.monotonic()
-        bar = tqdm(total=int(starts[-1]), initial=int(starts[done]), unit="tok", desc="profile",
-                   file=sys.stderr, disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(total=int(starts[-1]), initial=int(starts[done]), unit="tok", desc="profile",
+                           enabled=progress)
         with bar:
             for w in range(done, len(self.windows)):
                 self._profile_window(w, int(starts[w]), stats, pairs)
