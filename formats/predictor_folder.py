@@ -26,10 +26,9 @@ import numpy as np
 from powerinfer_tools.formats.constants import predictor_names
 from powerinfer_tools.formats.json_fields import check_fields, check_format
 from powerinfer_tools.formats.model_spec import ModelSpec
-from safetensors import safe_open
+from powerinfer_tools.formats.safetensors_file import SafetensorsTensors
 from safetensors.numpy import save_file
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, read_json, write_json
 
@@ -51,10 +50,10 @@ def predict(xp, fc1, fc2, x, threshold: float = SPARSE_THRESHOLD):
 @dataclass
 class PredictorFolder:
     """What ``predictors.json`` records (``meta``) and the finished layers' tensors by their GGUF
-    names: a dict in memory (training, evaluation), or memory-mapped (merging into a model file)."""
+    names: a dict in memory while training, memory-mapped when read from a folder."""
 
     meta: dict
-    tensors: dict[str, np.ndarray] | Checkpoint = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] | SafetensorsTensors = field(default_factory=dict)
 
     @property
     def sparse_threshold(self) -> float | None:
@@ -62,7 +61,7 @@ class PredictorFolder:
         return None if threshold is None else float(threshold)
 
     def layer(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Layer ``index``'s (fc1, fc2), from tensors held in memory."""
+        """Layer ``index``'s (fc1, fc2)."""
         fc1, fc2 = predictor_names(index)
         return self.tensors[fc1], self.tensors[fc2]
 
@@ -73,32 +72,52 @@ class PredictorFolder:
     def save(self, folder: Path) -> None:
         # Weights first: predictors.json, written last, is what says which layers are finished.
         with atomic_output(folder / WEIGHTS_FILE) as tmp:
-            save_file(self.tensors, str(tmp), metadata={"format": FORMAT})
+            tensors = {name: np.ascontiguousarray(self.tensors[name]) for name in self.tensors}
+            save_file(tensors, str(tmp), metadata={"format": FORMAT})
         write_json(folder / META_FILE, self.meta)
 
 
-def read_predictors(folder: Path, require_complete: bool = True) -> PredictorFolder:
-    """The folder with its finished layers' weights in memory, predictors.json checked in full."""
+def read_predictors(folder: str | Path, spec: ModelSpec | None = None,
+                    require_complete: bool = True) -> PredictorFolder:
+    """The folder, predictors.json checked in full and its finished layers' weights memory-mapped;
+    with ``spec``, also checked to hold one fc1/fc2 pair per layer of that model, shaped to fit."""
     folder = Path(folder)
     meta_path = folder / META_FILE
     if not meta_path.is_file():
-        raise PitoolsError(f"{folder}: no {META_FILE}; is this a folder written by `pitools train-predictors`?")
+        pickles = any(folder.glob("model_*.pt"))
+        hint = " (PowerInfer's model_N.pt predictors are not supported)" if pickles else ""
+        raise PitoolsError(f"{folder}: not a predictor folder: no {META_FILE}{hint}")
     meta = _checked_meta(meta_path, read_json(meta_path))
     if require_complete and not meta["complete"]:
         raise PitoolsError(
-            f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; "
-            "run `pitools train-predictors` again to finish"
+            f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; training is "
+            "not complete: run `pitools train-predictors` again to finish"
         )
-    tensors = {}
-    try:
-        if meta["layers"]:
-            with safe_open(str(folder / WEIGHTS_FILE), "np") as f:
-                for entry in meta["layers"]:
-                    for name in predictor_names(entry["layer"]):
-                        tensors[name] = f.get_tensor(name)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
-        raise PitoolsError(f"{folder / WEIGHTS_FILE}: not readable predictor weights ({exc!r})") from None
+    weights = folder / WEIGHTS_FILE
+    if meta["layers"] and not weights.is_file():
+        raise PitoolsError(f"{folder}: predictor folder has no {WEIGHTS_FILE}")
+    tensors = SafetensorsTensors([weights] if meta["layers"] else [], where=weights)
+    finished = {name for entry in meta["layers"] for name in predictor_names(entry["layer"])}
+    for name in finished:
+        tensors.info(name)  # each finished layer's tensors are there
+    if spec is not None:
+        _check_fits(tensors, spec)
     return PredictorFolder(meta, tensors)
+
+
+def _check_fits(tensors: SafetensorsTensors, spec: ModelSpec) -> None:
+    expected = {name for layer in range(spec.n_layers) for name in predictor_names(layer)}
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise PitoolsError(f"{tensors.where}: unexpected tensor {extra[0]!r} (the model has {spec.n_layers} layers)")
+    for layer in range(spec.n_layers):
+        fc1, fc2 = (tensors.info(name) for name in predictor_names(layer))
+        hidden = fc1.shape[0] if len(fc1.shape) == 2 else -1
+        if fc1.shape != (hidden, spec.d_model) or fc2.shape != (spec.d_ff, hidden):
+            raise PitoolsError(
+                f"{tensors.where}: layer {layer} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
+                f"expected [hidden, {spec.d_model}] and [{spec.d_ff}, hidden]"
+            )
 
 
 def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndarray]]]:
@@ -165,46 +184,3 @@ def _checked_meta(path: Path, meta) -> dict:
         raise PitoolsError(f"{path}: {len(layers)} of {meta['n_layers']} layers finished, "
                            f"yet complete is {str(meta['complete']).lower()}")
     return meta
-
-
-class _MappedTensors(Checkpoint):
-    """The folder's tensors, memory-mapped; its "config" is predictors.json, checked for merging:
-    complete, with its weights file (the training provenance is not needed there)."""
-
-    def _read_config(self) -> dict:
-        path = self.folder / META_FILE
-        if not path.is_file():
-            pickles = any(self.folder.glob("model_*.pt"))
-            hint = " (PowerInfer's model_N.pt predictors are not supported)" if pickles else ""
-            raise PitoolsError(f"{self.folder}: not a predictor folder: no {META_FILE}{hint}")
-        meta = read_json(path)
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise PitoolsError(f"{path}: not a pitools predictor folder (format is not {FORMAT!r})")
-        if not meta.get("complete"):
-            raise PitoolsError(f"{self.folder}: predictor training is not complete")
-        if not (self.folder / WEIGHTS_FILE).is_file():
-            raise PitoolsError(f"{self.folder}: predictor folder has no {WEIGHTS_FILE}")
-        return meta
-
-
-def read_predictor_folder(folder: str | Path, spec: ModelSpec) -> PredictorFolder:
-    """The folder with its weights memory-mapped, checked to hold one fc1/fc2 pair per layer of
-    ``spec``, shaped to fit: what merging it into a model file needs."""
-    tensors = _MappedTensors(folder)
-    where = tensors.folder / WEIGHTS_FILE
-    threshold = tensors.config.get("sparse_threshold")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-        raise PitoolsError(f"{tensors.folder / META_FILE}: sparse_threshold must be a number, not {threshold!r}")
-    expected = {name for layer in range(spec.n_layers) for name in predictor_names(layer)}
-    extra = sorted(set(tensors) - expected)
-    if extra:
-        raise PitoolsError(f"{where}: unexpected tensor {extra[0]!r} (the model has {spec.n_layers} layers)")
-    for layer in range(spec.n_layers):
-        fc1, fc2 = (tensors.info(name) for name in predictor_names(layer))
-        hidden = fc1.shape[0] if len(fc1.shape) == 2 else -1
-        if fc1.shape != (hidden, spec.d_model) or fc2.shape != (spec.d_ff, hidden):
-            raise PitoolsError(
-                f"{where}: layer {layer} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
-                f"expected [hidden, {spec.d_model}] and [{spec.d_ff}, hidden]"
-            )
-    return PredictorFolder(tensors.config, tensors)

@@ -2,6 +2,7 @@
 
 - No import cycle between folders: the top-level modules (errors, fileio, progress, ...) import
   no subpackage, and the subpackages' imports form no cycle.
+- formats/ imports no pipeline stage: only the top-level utilities and itself.
 - No private name imported across modules.
 - GGUF tensor names are spelled only in formats/ (constants.py and the architecture tables).
 - No function longer than 60 lines.
@@ -89,6 +90,10 @@ def test_no_import_cycle_between_folders():
     graph = folder_graph()
     assert not graph.get("(top)"), f"top-level modules import subpackages: {graph.get('(top)')}"
     assert find_cycle(graph) is None, f"folders import each other in a cycle: {find_cycle(graph)}"
+
+
+def test_formats_import_no_pipeline_stage():
+    assert folder_graph().get("formats", set()) <= {"(top)"}, folder_graph()["formats"]
 
 
 def test_no_private_name_is_imported_across_modules():

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint, NonFiniteTensor, bf16_to_float32
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 from powerinfer_tools.errors import PitoolsError
@@ -31,8 +31,9 @@ from powerinfer_tools.fileio import atomic_output, check_writable_output
 from powerinfer_tools.formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
 from powerinfer_tools.formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
 from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
-from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictor_folder
+from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictors
 from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
+from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, bf16_to_float32
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
 from powerinfer_tools.models import ModelSpec, spec_from_config
@@ -241,7 +242,7 @@ def convert(
                 progress,
             )
             predictors = sparsity.predictors
-        predictor_folder = read_predictor_folder(predictors, spec) if predictors is not None else None
+        predictor_folder = read_predictors(predictors, spec) if predictors is not None else None
         plan = plan_conversion(checkpoint, name, outtype, dense, predictor_folder, sparsity, allow_nonfinite)
         write_model(plan, path, progress)
     except NonFiniteTensor as exc:

@@ -349,5 +349,6 @@ def _resume(out: Path, identity: dict, force: bool) -> PredictorFolder:
                 f"{out} holds predictors trained with other settings or from another profile "
                 f"(differs: {', '.join(changed)}); use another output folder, or --force to start over"
             )
-        return previous
+        # Training adds layers in memory; the finished ones are read from their memory map once.
+        return PredictorFolder(previous.meta, {name: np.array(previous.tensors[name]) for name in previous.tensors})
     return PredictorFolder({**identity, "complete": False, "layers": []})

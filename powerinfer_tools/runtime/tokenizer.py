@@ -16,6 +16,7 @@ import functools
 from typing import Iterable
 
 import regex
+from gguf import Keys
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import Tokenizer
@@ -54,28 +55,28 @@ class GGUFTokenizer(Tokenizer):
         as in llama.cpp's default (the prompts of ``pitools run``)."""
         self.parse_special = parse_special
         try:
-            self.kind = metadata["tokenizer.ggml.model"]
-            self.tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
+            self.kind = metadata[Keys.Tokenizer.MODEL]
+            self.tokens: list[str] = list(metadata[Keys.Tokenizer.LIST])
         except KeyError as exc:
             raise PitoolsError(f"the model file has no embedded tokenizer ({exc.args[0]} missing)") from None
-        self.types = list(metadata.get("tokenizer.ggml.token_type", [NORMAL] * len(self.tokens)))
-        self.bos_token_id = metadata.get("tokenizer.ggml.bos_token_id")
-        self.eos_token_id = metadata.get("tokenizer.ggml.eos_token_id")
+        self.types = list(metadata.get(Keys.Tokenizer.TOKEN_TYPE, [NORMAL] * len(self.tokens)))
+        self.bos_token_id = metadata.get(Keys.Tokenizer.BOS_ID)
+        self.eos_token_id = metadata.get(Keys.Tokenizer.EOS_ID)
         self.ids = {t: i for i, t in enumerate(self.tokens)}
         if self.kind == "gpt2":
-            pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
+            pre = metadata.get(Keys.Tokenizer.PRE, "gpt-2")
             if pre not in PRE_TOKENIZER_PATTERNS:
                 supported = ", ".join(PRE_TOKENIZER_PATTERNS)
                 raise PitoolsError(f"pre-tokenizer {pre!r} is not supported (supported: {supported})")
             self._split = regex.compile(PRE_TOKENIZER_PATTERNS[pre])
-            merges = metadata.get("tokenizer.ggml.merges", [])
+            merges = metadata.get(Keys.Tokenizer.MERGES, [])
             self._merge_rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
             self._byte_of = {c: b for b, c in byte_alphabet().items()}
-            self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+            self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, False))
         elif self.kind == "llama":
-            self.scores = list(metadata.get("tokenizer.ggml.scores", [0.0] * len(self.tokens)))
-            self.add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-            self.add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))
+            self.scores = list(metadata.get(Keys.Tokenizer.SCORES, [0.0] * len(self.tokens)))
+            self.add_space_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
+            self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, True))
         else:
             raise PitoolsError(f"tokenizer model {self.kind!r} is not supported (supported: gpt2, llama)")
 
