@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -48,14 +49,19 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     creates 0600).
     """
     path = Path(path)
+    # Ctrl-C or SIGTERM between creating the file and entering the ``try`` below would leave it
+    # behind: they are held back until then, and arrive inside the ``try``.
+    held = _hold_interrupts()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
     except OSError as exc:
+        _release_interrupts(held)
         raise PitoolsError(f"{path}: cannot write output: {exc.strerror or exc}") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        _release_interrupts(held)
         yield tmp
         os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
@@ -65,6 +71,20 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _hold_interrupts():
+    """Block SIGINT and SIGTERM (where the platform can); the mask to restore."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS) if hasattr(signal, "pthread_sigmask") else None
+
+
+def _release_interrupts(previous) -> None:
+    """Restore the mask; a signal that came meanwhile is handled now (CPython runs its handler here)."""
+    if previous is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def read_json(path: Path):

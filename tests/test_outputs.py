@@ -87,6 +87,23 @@ def test_outputs_get_the_permissions_of_the_umask(tmp_path, umask):
     assert (tmp_path / "out.bin").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_an_interrupt_just_after_the_temporary_file_is_made_removes_it(tmp_path, monkeypatch):
+    """The window the signal test below hits now and then, made certain: Ctrl-C lands the moment
+    mkstemp has created the file, before the writer holds its name."""
+    make = tempfile.mkstemp
+
+    def mkstemp_then_interrupt(*args, **kwargs):
+        made = make(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return made
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(tmp_path / "out.bin") as tmp:
+            tmp.write_bytes(b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _pitools(*args: str, cwd: Path) -> subprocess.Popen:
     code = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
     # Bytes, not text: text mode would translate the carriage returns a progress bar writes.
