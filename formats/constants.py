@@ -58,6 +58,12 @@ GPU_NEURONS_KEY = "pitools.gpu_neurons"
 VRAM_USED_KEY = "pitools.vram_used"
 N_CTX_KEY = "pitools.n_ctx"
 HARDWARE_KEY = "pitools.hardware"
+# In a model file with predictors: how well each layer's predictor did on the held-out profile
+# pairs when it was trained (float32 arrays, one value per layer), so that a benchmark can state
+# the predictability of the model it ran on.
+PREDICTOR_RECALL_KEY = "pitools.predictor.recall"
+PREDICTOR_PRECISION_KEY = "pitools.predictor.precision"
+PREDICTOR_COMPUTED_KEY = "pitools.predictor.computed"  # share of the neurons it selects
 
 
 def neuron_frequency_key(layer: int) -> str:

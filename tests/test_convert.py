@@ -121,6 +121,15 @@ def test_powerinfer_layout_round_trip(tmp_path, relu_llama, outtype):
     assert model.get("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[outtype]
 
 
+def test_the_predictors_training_quality_goes_into_the_file(relu_llama, tmp_path):
+    folder, predictors = relu_llama
+    path, _ = convert(str(folder), tmp_path / "m.gguf", predictors=predictors, progress=False)
+    layers = json.loads((predictors / "predictors.json").read_text())["layers"]
+    model = open_model_file(path)
+    for key, field in [("recall", "recall"), ("precision", "precision"), ("computed", "predicted_density")]:
+        assert list(model.get(f"pitools.predictor.{key}")) == pytest.approx([e[field] for e in layers]), key
+
+
 def plan_names(plan):
     return [t.name for t in plan.tensors]
 

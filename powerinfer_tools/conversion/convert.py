@@ -28,7 +28,15 @@ from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, check_writable_output
-from powerinfer_tools.formats.constants import SPARSE_THRESHOLD_KEY, neuron_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.constants import (
+    PREDICTOR_COMPUTED_KEY,
+    PREDICTOR_PRECISION_KEY,
+    PREDICTOR_RECALL_KEY,
+    SPARSE_THRESHOLD_KEY,
+    neuron_frequency_key,
+    predictor_names,
+    tensor_name,
+)
 from powerinfer_tools.formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
 from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
 from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictors
@@ -82,6 +90,7 @@ class ConversionPlan:
     tensors: list[OutputTensor]
     sparse_threshold: float | None = None
     neuron_frequencies: list[np.ndarray] | None = None  # per layer, in the file's neuron order
+    predictor_layers: list[dict] | None = None  # predictors.json's per-layer quality, when predictors are merged
 
 
 
@@ -161,7 +170,8 @@ def plan_conversion(
     if sparsity is not None and sparsity.frequencies is not None and powerinfer:
         frequencies = list(sparsity.frequencies) if orders is None else [f[o] for f, o in zip(sparsity.frequencies, orders)]
     return ConversionPlan(
-        name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies
+        name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies,
+        predictors.meta["layers"] if predictors is not None else None,
     )
 
 
@@ -174,6 +184,10 @@ def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
         writer.add_float32(SPARSE_THRESHOLD_KEY, plan.sparse_threshold)
     for layer, freq in enumerate(plan.neuron_frequencies or []):
         writer.add_array(neuron_frequency_key(layer), [float(f) for f in freq])
+    if plan.predictor_layers:
+        for key, field in ((PREDICTOR_RECALL_KEY, "recall"), (PREDICTOR_PRECISION_KEY, "precision"),
+                           (PREDICTOR_COMPUTED_KEY, "predicted_density")):
+            writer.add_array(key, [float(layer[field]) for layer in plan.predictor_layers])
     plan.vocab.add_to(writer)
 
 
