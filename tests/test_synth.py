@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,6 +14,7 @@ from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.solver.model_stats import read_model_stats
 
 from powerinfer_tools.benchmarking.synth import (
+    HARDNESS,
     P_MAX,
     SHAPES,
     Geometry,
@@ -20,6 +22,7 @@ from powerinfer_tools.benchmarking.synth import (
     Planting,
     dense_companion,
     firing_frequencies,
+    ideal_selection,
     synthesize,
     write_checkpoint,
 )
@@ -47,6 +50,35 @@ def test_gate_rows_fire_with_their_planted_probabilities():
     fired = x @ geometry.gate(p, 0.15, rng).T > 0
     assert fired.mean() == pytest.approx(0.1, abs=0.01)
     assert np.corrcoef(fired.mean(axis=0), p)[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("noise", [0.15, 0.35])
+def test_the_ideal_selection_is_what_a_predictor_seeing_the_latent_space_achieves(noise):
+    """The model's stated predictability, checked on the construction itself: rank (token, neuron)
+    pairs by the gate's pre-activation projected onto the mean and latent directions (what a
+    predictor of 2(rank+1) units can compute exactly), and count what 95% recall costs."""
+    rng = np.random.default_rng(2)
+    geometry = Geometry.random(512, 8, rng)
+    p = firing_frequencies(1024, 0.1, np.random.default_rng([0, 2, 0]))
+    gate = geometry.gate(p, noise, rng)
+    x = geometry.embeddings(2000, rng)
+    fires = (x @ gate.T > 0).ravel()
+    seen = np.column_stack([geometry.mean, geometry.latent])
+    visible = ((x @ seen) @ (seen.T @ gate.T)).ravel()
+    found = np.cumsum(fires[np.argsort(-visible)])
+    computed = (np.searchsorted(found, 0.95 * found[-1]) + 1) / fires.size
+    shape = dataclasses.replace(SHAPES["test-tiny"], d_model=512, d_ff=1024)
+    ideal = ideal_selection(Planting(density=0.1, rank=8, noise=noise), shape, tokens=1000)
+    assert ideal["computed"] == pytest.approx(computed, rel=0.05)
+    assert ideal["precision"] == pytest.approx(0.95 * fires.mean() / computed, rel=0.05)
+
+
+def test_harder_levels_need_larger_predictors_and_compute_more():
+    shape = SHAPES["tinyllama-1.1b"]
+    plantings = [HARDNESS[level].planting(shape, 0.1, 0) for level in ("easy", "medium", "hard")]
+    assert [p.rank for p in plantings] == [4, 32, 128]
+    computed = [ideal_selection(p, shape)["computed"] for p in plantings]
+    assert 0.095 < computed[0] < computed[1] < computed[2] < 0.2
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,63 @@ class Planting:
         return np.random.default_rng([self.seed, *stream])
 
 
+@dataclass(frozen=True)
+class Hardness:
+    """How hard a synthetic model's firing is to predict. The rank (``rank_share`` of d_model, at
+    least 4) sets the size a predictor needs: 2(rank+1) hidden units see the latent part exactly;
+    ``noise`` sets what even such a predictor cannot see, so the share of neurons it must compute to
+    reach a recall target (``ideal_selection``); ``min_precision`` is the training floor that suits
+    that noise."""
+
+    rank_share: float
+    noise: float
+    min_precision: float
+
+    def planting(self, shape: Shape, density: float, seed: int) -> Planting:
+        return Planting(density=density, rank=max(4, round(self.rank_share * shape.d_model)), noise=self.noise,
+                        seed=seed)
+
+
+# The levels `pitools synth --hardness` offers. Published predictors are large: Deja Vu trains a
+# hidden size of 1000 for OPT-66B/175B (d_model 9216/12288: 8-11%) on 400,000 tokens per layer
+# (FMInference/DejaVu sparse_predictor/main_mlp.py), and PowerInfer's released ReluLLaMA predictors
+# are hundreds to a thousand wide at d_model 4096. "hard" asks for predictors of ~1/8 of d_model
+# (rank d_model/16) and, with noise 0.35, lets even an ideal predictor of that size reach 95% recall
+# only by computing ~1.5x the neurons that fire; "easy" is the rank-4 model earlier benchmarks ran on.
+HARDNESS = {
+    "easy": Hardness(1 / 512, 0.15, 0.65),
+    "medium": Hardness(1 / 64, 0.25, 0.6),
+    "hard": Hardness(1 / 16, 0.35, 0.5),
+}
+
+
+def ideal_selection(planting: Planting, shape: Shape, recall: float = 0.95, tokens: int = 256) -> dict:
+    """What the best predictor that sees a model's latent part exactly must compute to reach
+    ``recall``: the share of neurons it selects and its precision (Monte Carlo over ``tokens``).
+
+    Neuron i fires when ``c_i + sqrt(1-noise²)·u + noise·v > 0``, u the latent part (visible to a
+    predictor of 2(rank+1) units) and v the rest, each sqrt(n) times one coordinate of a uniform unit
+    vector in n dimensions (n = rank, and the complement's dimension), as ``Geometry`` builds them;
+    the ideal rule ranks (token, neuron) pairs by their probability of firing given u."""
+    rng = planting.rng(4)
+    c = ndtri(firing_frequencies(shape.d_ff, planting.density, planting.rng(2, 0)))
+    u = _sphere_coordinate(planting.rank, (tokens, shape.d_ff), rng)
+    v = _sphere_coordinate(shape.d_model - planting.rank - 1, (tokens, shape.d_ff), rng)
+    visible = c + np.sqrt(1 - planting.noise**2) * u
+    fires = (visible + planting.noise * v > 0).ravel()
+    found = np.cumsum(fires[np.argsort(-visible.ravel(), kind="stable")])  # same noise for all: rank by u's part
+    selected = int(np.searchsorted(found, recall * found[-1])) + 1
+    return {"computed": selected / fires.size, "precision": float(found[selected - 1]) / selected}
+
+
+def _sphere_coordinate(n: int, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """sqrt(n) times one coordinate of uniform unit vectors in n dimensions (its square / n is
+    Beta(1/2, (n-1)/2)): unit variance, bounded by sqrt(n), normal as n grows."""
+    if n == 1:
+        return rng.choice([-1.0, 1.0], size)
+    return rng.choice([-1.0, 1.0], size) * np.sqrt(n * rng.beta(0.5, (n - 1) / 2, size))
+
+
 def firing_frequencies(d_ff: int, density: float, rng: np.random.Generator) -> np.ndarray:
     """Per-neuron firing probabilities, ``min(P_MAX, a·rank^-SKEW)`` with mean ``density``, shuffled."""
     power = np.arange(1, d_ff + 1, dtype=np.float64) ** -SKEW
@@ -325,6 +382,7 @@ class SynthResult:
     planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (layer mean)
     profile_report: dict  # formats.profile_report.firing_report of the profiled tokens
     predictors: dict  # predictors.json
+    ideal: dict  # ideal_selection of the planting: what a predictor that sees the latent part must compute
 
     def summary(self) -> dict:
         layers = self.predictors["layers"]
@@ -341,6 +399,8 @@ class SynthResult:
             "predictor_recall": min(e["recall"] for e in layers),
             "predictor_precision": min(e["precision"] for e in layers),
             "predicted_density": float(np.mean([e["predicted_density"] for e in layers])),
+            "ideal_computed": self.ideal["computed"],
+            "ideal_precision": self.ideal["precision"],
         }
 
 
@@ -404,4 +464,5 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     if not keep_work:
         shutil.rmtree(work)
     return SynthResult(output, dense, shape_name, planting, float(frequencies.mean()),
-                       float(np.mean([hot_fraction(p) for p in frequencies])), profile_report, predictors)
+                       float(np.mean([hot_fraction(p) for p in frequencies])), profile_report, predictors,
+                       ideal_selection(planting, shape))

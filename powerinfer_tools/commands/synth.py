@@ -9,39 +9,48 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.benchmarking import synth as synth_module
-from powerinfer_tools.benchmarking.synth import SHAPES, SYNTH_TRAINING, Planting, synthesize
+from powerinfer_tools.benchmarking.synth import (
+    HARDNESS,
+    SHAPES,
+    SYNTH_TRAINING,
+    synthesize,
+)
 from powerinfer_tools.formats.quantization import OUTTYPES
-
-_DEFAULTS = Planting()
 
 
 @click.command("synth", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), required=True, help="Architecture shape to copy.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="PowerInfer GGUF to write (name it *.powerinfer.gguf: the dense file is then *.gguf).")
-@click.option("--density", type=float, default=_DEFAULTS.density, show_default=True,
+@click.option("--density", type=float, default=0.1, show_default=True,
               help="Mean fraction of FFN neurons that fire per token.")
+@click.option("--hardness", type=click.Choice(list(HARDNESS)), default="easy", show_default=True,
+              help="How hard firing is to predict: sets --rank, --noise and --min-precision (each can be "
+                   "overridden). hard: predictors of ~1/8 of d_model, as published ones are, that must compute "
+                   "~1.5x the neurons that fire to reach 95% recall; easy: tiny predictors, near-exact.")
 @click.option("--outtype", type=click.Choice(list(OUTTYPES)), default="q4_0", show_default=True)
-@click.option("--rank", type=click.IntRange(min=1), default=_DEFAULTS.rank, show_default=True,
-              help="Latent dimensions that decide which neurons fire (what the predictors must learn).")
-@click.option("--noise", type=click.FloatRange(0, 1, max_open=True), default=_DEFAULTS.noise, show_default=True,
-              help="Share of a gate pre-activation outside the latent space (harder to predict).")
+@click.option("--rank", type=click.IntRange(min=1), default=None,
+              help="Latent dimensions that decide which neurons fire (what the predictors must learn) "
+                   "[default: from --hardness].")
+@click.option("--noise", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Share of a gate pre-activation outside the latent space (harder to predict) "
+                   "[default: from --hardness].")
 @click.option("--profile-tokens", type=click.IntRange(min=64), default=4096, show_default=True,
               help="Tokens profiled for predictor training.")
 @click.option("--epochs", type=click.IntRange(min=1), default=SYNTH_TRAINING.epochs, show_default=True,
               help="Predictor training epochs per candidate size (fewer: faster, for large shapes).")
-@click.option("--min-precision", type=click.FloatRange(0, 1), default=SYNTH_TRAINING.min_precision,
-              show_default=True, help="Least share of the neurons a predictor selects that must fire "
-                                      "(higher: larger predictors that compute fewer idle neurons).")
-@click.option("--seed", default=_DEFAULTS.seed, show_default=True)
+@click.option("--min-precision", type=click.FloatRange(0, 1), default=None,
+              help="Least share of the neurons a predictor selects that must fire (higher: larger predictors "
+                   "that compute fewer idle neurons) [default: from --hardness].")
+@click.option("--seed", default=0, show_default=True)
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the f16 checkpoint, profile and predictors [default: OUTPUT.work].")
 @click.option("--keep-work", is_flag=True, help="Keep the work folder instead of deleting it at the end.")
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work, keep_work,
-          force, as_json, quiet) -> None:
+def synth(shape, output, density, hardness, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work,
+          keep_work, force, as_json, quiet) -> None:
     """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
@@ -60,10 +69,13 @@ def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, 
       pitools synth --shape tinyllama-1.1b --density 0.1 -o /tmp/tl.powerinfer.gguf
       pitools bench /tmp/tl.powerinfer.gguf
     """
-    planting = Planting(density=density, rank=rank, noise=noise, seed=seed)
-    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens,
-                        train=dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
-                                                  min_precision=min_precision), work=work,
+    level = HARDNESS[hardness]
+    planting = level.planting(SHAPES[shape], density, seed)
+    planting = dataclasses.replace(planting, rank=rank or planting.rank,
+                                   noise=planting.noise if noise is None else noise)
+    train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
+                                min_precision=level.min_precision if min_precision is None else min_precision)
+    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train, work=work,
                         keep_work=keep_work, force=force, progress=not quiet)
     summary = result.summary()
     if as_json:
@@ -76,5 +88,8 @@ def synth(shape, output, density, outtype, rank, noise, profile_tokens, epochs, 
         f"hot neurons carrying 80% of firings: {summary['profiled_hot80']:.1%}\n"
         f"predictors: hidden {min(hidden)}-{max(hidden)}, worst layer recall {summary['predictor_recall']:.1%} "
         f"and precision {summary['predictor_precision']:.1%}, computing {summary['predicted_density']:.1%} "
-        "of the neurons on held-out tokens"
+        "of the neurons on held-out tokens\n"
+        f"predictability (rank {summary['rank']}, noise {summary['noise']}): an ideal predictor of "
+        f"{2 * (summary['rank'] + 1)} hidden units computes {summary['ideal_computed']:.1%} of the neurons "
+        f"at 95% recall (precision {summary['ideal_precision']:.1%})"
     )
