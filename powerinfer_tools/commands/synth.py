@@ -9,12 +9,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.benchmarking import synth as synth_module
-from powerinfer_tools.benchmarking.synth import (
-    HARDNESS,
-    SHAPES,
-    SYNTH_TRAINING,
-    synthesize,
-)
+from powerinfer_tools.benchmarking.synth import HARDNESS, SHAPES, SYNTH_TRAINING, synthesize
 from powerinfer_tools.formats.quantization import OUTTYPES
 
 
