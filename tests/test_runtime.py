@@ -13,12 +13,12 @@ from gguf_fixtures import (
     stepwise_logits,
 )
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
+from powerinfer_tools.formats.predictor_folder import predict
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model
-from powerinfer_tools.runtime.ffn import Predictor
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
@@ -56,8 +56,7 @@ def reference(folder, predictors=None):
     """
     model = load_model(Checkpoint(folder), np.float64)
     if predictors is not None:
-        selectors = [Predictor(fc1, fc2) for fc1, fc2 in predictors]
-        model.neuron_selector = lambda layer, residual, fired: selectors[layer](residual)
+        model.neuron_selector = lambda layer, residual, fired: predict(np, *predictors[layer], residual)
     return model.forward(TOKENS, model.new_cache())
 
 

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
 from numba import njit, prange, types
 from numba.experimental import structref
 
@@ -68,11 +69,12 @@ class Scratch(structref.StructRefProxy):
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_type",
-    "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc2", "threshold",
+    "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2", "fc2_type",
+    "threshold",
 ])
 structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
-    "all_rows",
+    "all_rows", "predicted",
 ])
 
 
@@ -179,22 +181,42 @@ def _attend(q, keys, values, first, last, n_heads, scores, out):
                 o[j] += weight * values[s, kv, j]
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _predict(x, fc1, fc2, threshold, hidden, active):
-    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches ``threshold``, into ``active``;
-    returns their count. Serial: with a small hidden size it is cheaper than a fork/join."""
-    for i in range(fc1.shape[0]):
-        total = np.float32(0.0)
-        for j in range(x.shape[0]):
-            total += fc1[i, j] * x[j]
-        hidden[i] = max(total, 0.0)
+# A predictor matrix smaller than this is multiplied on one thread: a fork/join of the thread pool costs
+# more than the rows (hidden size 8 at d_ff 5632 in f16: 90 KB).
+PARALLEL_PREDICTOR_BYTES = 256 * 1024
+
+
+@njit(nogil=True, cache=True)
+def _matvec_serial(vec_dot, w, x_encoded, cols, out):
+    """``out = W · x`` over all rows of ``w``, on the calling thread."""
+    for i in range(w.shape[0]):
+        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
+
+
+@njit(nogil=True, cache=True)
+def _predictor_product(from_float, vec_dot, w, x, x_encoded, out):
+    """``out = W · x`` with ``w`` in its stored type: x encoded for ``vec_dot``, rows as the weights' are."""
+    cols = x.shape[0]
+    ggml_from_float(from_float, x.ctypes.data, x_encoded.ctypes.data, cols)
+    if w.size >= PARALLEL_PREDICTOR_BYTES:
+        _matvec(vec_dot, w, x_encoded, cols, out)
+    else:
+        _matvec_serial(vec_dot, w, x_encoded, cols, out)
+
+
+@njit(nogil=True, cache=True)
+def _predict(x, w, s, fns):
+    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches the threshold, into ``s.active``;
+    returns their count. Both products read the predictor in its stored type."""
+    hidden = s.hidden[: w.fc1.shape[0]]
+    _predictor_product(fns[w.fc1_type, 0], fns[w.fc1_type, 1], w.fc1, x, s.x_encoded, hidden)
+    for i in range(hidden.shape[0]):
+        hidden[i] = max(hidden[i], 0.0)
+    _predictor_product(fns[w.fc2_type, 0], fns[w.fc2_type, 1], w.fc2, hidden, s.x_encoded, s.predicted)
     n = 0
-    for neuron in range(fc2.shape[0]):
-        total = np.float32(0.0)
-        for i in range(fc1.shape[0]):
-            total += fc2[neuron, i] * hidden[i]
-        if total >= threshold:
-            active[n] = neuron
+    for neuron in range(w.fc2.shape[0]):
+        if s.predicted[neuron] >= w.threshold:
+            s.active[n] = neuron
             n += 1
     return n
 
@@ -218,7 +240,7 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
     if sparse:  # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
-        n = _predict(x, w.fc1, w.fc2, w.threshold, s.hidden, s.active)
+        n = _predict(x, w, s, fns)
         rows = s.active[:n]
     else:
         n = w.up.shape[0]
@@ -257,13 +279,13 @@ class CompiledDecoder:
                 or not all(_supported(layer) for layer in model.layers)):
             return None
         ggml = kernels.ggml_routines()
-        matrices = [m for layer in model.layers for m in _layer_matrices(layer)]
+        matrices = [m for layer in model.layers for m in _layer_matrices(layer) + _predictor_matrices(layer)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
         max_context = model.context_size
-        hidden = max((layer.dense.predictor.fc1.shape[0] for layer in model.layers if layer.dense.predictor),
+        hidden = max((layer.dense.predictor.fc1.rows for layer in model.layers if layer.dense.predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
@@ -272,7 +294,7 @@ class CompiledDecoder:
             f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             np.zeros(s.d_ff, np.intp), f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
-            np.arange(s.d_ff, dtype=np.intp),  # all_rows
+            np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         layers = [_layer_weights(layer) for layer in model.layers]
@@ -323,16 +345,21 @@ def _layer_matrices(layer) -> list[QuantMatrix]:
     return [d.wq, d.wk, d.wv, d.wo, p.gate, p.up, p.down_t if p.down_t is not None else p.down]
 
 
+def _predictor_matrices(layer) -> list[QuantMatrix]:
+    predictor = layer.dense.predictor
+    return [] if predictor is None else [predictor.fc1, predictor.fc2]
+
+
 def _layer_weights(layer) -> LayerWeights:
     d, p = layer.dense, layer.partitions[0]
     down = p.down_t if p.down_t is not None else p.down
     predictor = d.predictor
-    no_predictor = np.zeros((1, 1), dtype=np.float32)
+    # Without a predictor (dense mode only) the fields hold a placeholder of the same numba type.
+    fc1, fc2 = _predictor_matrices(layer) or [QuantMatrix(GGMLQuantizationType.F32, np.zeros((1, 1), np.float32))] * 2
     return LayerWeights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
         int(d.wq.qtype), d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
         weight_bytes(down), int(down.qtype), p.down_t is not None,
-        np.ascontiguousarray(predictor.fc1) if predictor is not None else no_predictor,
-        np.ascontiguousarray(predictor.fc2) if predictor is not None else no_predictor,
+        weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0),
     )

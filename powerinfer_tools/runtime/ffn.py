@@ -17,25 +17,35 @@ import numpy as np
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
-from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
-from powerinfer_tools.xp import array_namespace
 
 
 @dataclass
 class Predictor:
-    """PowerInfer's per-layer MLP: neuron ``i`` is computed when ``(fc2 relu(fc1 x))_i >= threshold``, as PowerInfer does."""
+    """PowerInfer's per-layer MLP: neuron ``i`` is computed when ``(fc2 relu(fc1 x))_i >= threshold``, as PowerInfer does.
 
-    fc1: np.ndarray  # [hidden, d_model]
-    fc2: np.ndarray  # [d_ff, hidden]
+    ``fc1`` and ``fc2`` stay in their stored type (q4_0, q8_0, f16 or f32) and are multiplied like the
+    weights, through ``backend.matmul``: on the CPU ggml's ``vec_dot`` with x (then the hidden vector)
+    encoded as llama.cpp encodes it, q8_0 for quantized rows; on a device a chunk of rows dequantized at
+    a time. ``formats.predictor_folder.predict`` on the dequantized weights is the float32 reference."""
+
+    backend: object
+    fc1: QuantMatrix  # [hidden, d_model]
+    fc2: QuantMatrix  # [d_ff, hidden]
     threshold: float = 0.0
 
+    def scores(self, x):
+        """``fc2 · relu(fc1 · x)``, float32 ``[T, d_ff]``, on the predictor's backend."""
+        hidden = self.backend.xp.maximum(self.backend.matmul(self.fc1, x), 0)
+        return self.backend.matmul(self.fc2, hidden)
+
     def __call__(self, x):
-        return predict(array_namespace(x), self.fc1, self.fc2, x, self.threshold)
+        return self.scores(x) >= self.threshold
 
     @property
     def nbytes(self) -> int:
+        """Bytes read per token: the stored size."""
         return self.fc1.nbytes + self.fc2.nbytes
 
 

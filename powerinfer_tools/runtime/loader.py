@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 from gguf import MODEL_TENSOR as T
+from gguf import GGMLQuantizationType
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import (
@@ -44,6 +45,15 @@ class _Tensors:
                                f"cannot compute with (supported: {supported})")
         data = t.data if backend is None else backend.upload(t.data)
         return QuantMatrix(t.qtype, data)
+
+    def predictor_matrix(self, name: str, backend=None) -> QuantMatrix:
+        """A predictor tensor in its stored type; one the kernels do not compute (the q5_0 of PowerInfer's own
+        quantizer) becomes f16 at load: as compact as a weight type the kernels compute, within f16 rounding."""
+        t = self.model[name]
+        if t.qtype in SUPPORTED_TYPES:
+            return self.matrix(name, backend)
+        data = t.dequantize().astype(np.float16)
+        return QuantMatrix(GGMLQuantizationType.F16, data if backend is None else backend.upload(data))
 
     def array(self, name: str, backend=None) -> Optional[np.ndarray]:
         if name not in self.model:
@@ -111,9 +121,10 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     biases["down"] = down_bias
     predictor = None
     fc1_name, fc2_name = predictor_names(layer)
-    if fc1_name in tensors.model:
-        predictor = Predictor(tensors.array(fc1_name, backend), tensors.array(fc2_name, backend), threshold)
     matrix_backend = backend if on_device else None
+    if fc1_name in tensors.model:
+        predictor = Predictor(backend, tensors.predictor_matrix(fc1_name, matrix_backend),
+                              tensors.predictor_matrix(fc2_name, matrix_backend), threshold)
     return DenseBlock(
         backend=backend,
         attn_norm=tensors.norm(T.ATTN_NORM, layer, backend),

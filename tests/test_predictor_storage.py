@@ -1,0 +1,164 @@
+"""Predictors computed from their stored type (f32, f16, q8_0, q4_0) against PowerInfer's rule in float32.
+
+The reference is ``formats.predictor_folder.predict`` on the dequantized weights. On the CPU the kernels
+encode the input as ggml's ``vec_dot`` wants it (q8_0 for quantized rows, f16 for f16 rows), as
+llama.cpp and PowerInfer do, so scores move by that rounding and a neuron whose score is that close to
+the threshold may flip: the tests bound every score's error by the rounding and count the flips.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf_fixtures import TOKENS, make_model, relative_error, save_predictors, stepwise_logits
+
+from powerinfer_tools import kernels
+from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.quantization import decode, encode
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.backends import CpuBackend, EmulatedDevice
+from powerinfer_tools.runtime.ffn import Predictor
+from powerinfer_tools.runtime.loader import load_runtime_model
+
+D_MODEL, HIDDEN, D_FF = 256, 64, 1024
+TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0)
+
+
+def stored(w: np.ndarray, qtype: Q) -> QuantMatrix:
+    return QuantMatrix(qtype, w.astype(np.float16) if qtype is Q.F16 else encode(w, qtype))
+
+
+def random_predictor(fc1_type: Q, fc2_type: Q, backend, seed: int = 0) -> Predictor:
+    rng = np.random.default_rng(seed)
+    fc1 = rng.standard_normal((HIDDEN, D_MODEL)).astype(np.float32) / np.sqrt(D_MODEL)
+    fc2 = rng.standard_normal((D_FF, HIDDEN)).astype(np.float32) / np.sqrt(HIDDEN)
+    fc2[:, 0] -= 0.5  # a bias through the first hidden unit, so that fewer than half the neurons fire
+    fc1[0] = np.abs(fc1[0])
+    fc1_m, fc2_m = stored(fc1, fc1_type), stored(fc2, fc2_type)
+    if backend.is_device:
+        fc1_m, fc2_m = (QuantMatrix(m.qtype, backend.upload(m.data)) for m in (fc1_m, fc2_m))
+    return Predictor(backend, fc1_m, fc2_m)
+
+
+def encoded(v: np.ndarray, weight_type: Q) -> np.ndarray:
+    """``v`` as ggml's ``vec_dot`` sees it beside rows of ``weight_type``: q8_0-rounded for quantized rows,
+    f16-rounded for f16 rows (gguf's reference quantizer: ggml's SIMD one may round a tie the other way)."""
+    if weight_type is Q.F32:
+        return v
+    if weight_type is Q.F16:
+        return v.astype(np.float16).astype(np.float32)
+    return decode(encode(v, Q.Q8_0), Q.Q8_0)
+
+
+def rule_on_encoded_inputs(p: Predictor, x: np.ndarray, encodes: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The scores computed in float64 from inputs encoded as the kernels encode them (when ``encodes``), and the
+    sum of the magnitudes of their terms (the scale of float32 summation error)."""
+    fc1, fc2 = (m.dequantize_rows().astype(np.float64) for m in (p.fc1, p.fc2))
+    same = lambda v, _: v  # noqa: E731
+    enc = encoded if encodes else same
+    hidden = np.maximum(enc(x, p.fc1.qtype) @ fc1.T, 0).astype(np.float32)
+    hidden = enc(hidden, p.fc2.qtype).astype(np.float64)
+    return hidden @ fc2.T, hidden @ np.abs(fc2).T
+
+
+def residuals(n_tokens: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n_tokens, D_MODEL)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fc1_type", TYPES)
+@pytest.mark.parametrize("fc2_type", TYPES)
+@pytest.mark.parametrize("n_tokens", [8, 64])  # decoding (the kernels) and a prompt block (dequantized rows)
+def test_cpu_predictor_from_stored_type_agrees_with_float32_rule(fc1_type, fc2_type, n_tokens):
+    p = random_predictor(fc1_type, fc2_type, CpuBackend())
+    x = residuals(n_tokens)
+    fc1, fc2 = p.fc1.dequantize_rows(), p.fc2.dequantize_rows()
+    reference = predict(np, fc1, fc2, x)
+    assert 0.1 < reference.mean() < 0.6  # neither side of the threshold is empty
+    scores = p.scores(x)
+    encodes = n_tokens <= kernels.MAX_TOKENS and kernels.available()  # the NumPy reference encodes nothing
+    emulated, magnitude = rule_on_encoded_inputs(p, x, encodes)
+    assert np.all(np.abs(scores - emulated) <= 1e-5 * magnitude + 1e-6)
+    # Against the float32 rule: scores move by the input's rounding only, and so do the decisions.
+    exact = np.maximum(x @ fc1.T, 0) @ fc2.T
+    worst = {Q.F32: 1e-5, Q.F16: 1e-3, Q.Q8_0: 0.01, Q.Q4_0: 0.01}
+    allowed = max(worst[fc1_type], worst[fc2_type]) if encodes else 1e-5
+    assert np.sqrt(np.mean((scores - exact) ** 2)) <= allowed * np.sqrt(np.mean(exact**2))
+    flipped = p(x) != reference
+    moved_across = (emulated >= 0) != (exact >= 0)
+    near = np.abs(exact) <= 1e-4 * magnitude + 1e-6
+    assert np.all(moved_across[flipped] | near[flipped])  # only where the rounding moved the score across 0
+    assert flipped.mean() <= 0.01, f"{flipped.sum()} of {flipped.size} decisions differ from the float32 rule"
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_device_predictor_computes_the_float32_rule_on_its_stored_rows(qtype):
+    """The (emulated) device has no vec_dot: it dequantizes a chunk of rows at a time and multiplies in float32."""
+    device = EmulatedDevice(10**9)
+    p = random_predictor(qtype, qtype, device)
+    assert device.used_bytes == p.nbytes  # the stored bytes were uploaded, not a float32 copy
+    x = residuals(5)
+    fc1, fc2 = p.fc1.dequantize_rows(), p.fc2.dequantize_rows()
+    np.testing.assert_allclose(p.scores(x), np.maximum(x @ fc1.T, 0) @ fc2.T, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(p(x), predict(np, fc1, fc2, x))
+
+
+LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=64, hidden_act="relu")
+
+
+@pytest.fixture(scope="module")
+def q4_0_models(tmp_path_factory):
+    """hidden size -> a q4_0 PowerInfer file with random predictors of that size: 32 stores fc2 as q4_0,
+    12 (rows not a whole q4_0 block) as f16."""
+    root = tmp_path_factory.mktemp("predictor-storage")
+    make_model(root / "model", "llama", **LLAMA)
+    files = {}
+    for hidden in (12, 32):
+        rng = np.random.default_rng(hidden)
+        layers = [(rng.standard_normal((hidden, 64)).astype(np.float32),
+                   rng.standard_normal((160, hidden)).astype(np.float32)) for _ in range(2)]
+        save_predictors(root / f"pred{hidden}", layers)
+        files[hidden], _ = convert(str(root / "model"), root / f"m{hidden}.gguf", outtype="q4_0",
+                                   predictors=root / f"pred{hidden}", progress=False)
+    return files
+
+
+@pytest.mark.parametrize("hidden,fc2_type", [(12, Q.F16), (32, Q.Q4_0)])
+def test_runtime_keeps_predictors_in_their_stored_type_and_counts_those_bytes(q4_0_models, hidden, fc2_type):
+    path = q4_0_models[hidden]
+    stored_file = open_model_file(path)
+    model = load_runtime_model(path)
+    for i, layer in enumerate(model.layers):
+        p = layer.dense.predictor
+        assert (p.fc1.qtype, p.fc2.qtype) == (Q.Q4_0, fc2_type)
+        for m, name in ((p.fc1, f"blk.{i}.fc1.weight"), (p.fc2, f"blk.{i}.fc2.weight")):
+            assert m.nbytes == stored_file[name].nbytes
+    float32_bytes = sum(4 * (hidden * 64 + 160 * hidden) for _ in model.layers)
+    assert model.predictor_bytes == sum(layer.dense.predictor.nbytes for layer in model.layers) < float32_bytes / 2
+    model.mode = FFNMode.SPARSE
+    caches = model.new_cache()
+    model.forward(TOKENS[:1], caches)
+    step = model.stats
+    neuron_bytes = step.neurons_active * model.layers[0].partitions[0].bytes_per_neuron
+    assert step.bytes_read == model.static_bytes + model.predictor_bytes + neuron_bytes
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"compiled kernels unavailable: {kernels.unavailable_reason()}")
+@pytest.mark.parametrize("hidden", [12, 32])
+def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, hidden):
+    """Both call ggml's vec_dot on the stored rows with the same encoded inputs; they differ only in the float32
+    summation order of the rest of the layer."""
+    compiled, general = load_runtime_model(q4_0_models[hidden]), load_runtime_model(q4_0_models[hidden])
+    general.compiled_decoding = False
+    assert compiled.compiled_decoder() is not None
+    logits = []
+    for model in (compiled, general):
+        model.mode = FFNMode.SPARSE
+        logits.append(stepwise_logits(model))
+    assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
+    assert compiled.stats.neurons_active == general.stats.neurons_active
+    assert relative_error(*logits) < 1e-4
