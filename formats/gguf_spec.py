@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from gguf import MODEL_TENSOR, Keys
-from powerinfer_tools.formats.constants import FFN_ACTIVATION_KEY, tensor_name
+from powerinfer_tools.formats.constants import (FFN_ACTIVATION_KEY, PREDICTOR_COMPUTED_KEY, PREDICTOR_PRECISION_KEY,
+                                                PREDICTOR_RECALL_KEY, tensor_name)
 from powerinfer_tools.formats.gguf_names import BAMBOO, LLAMA, OPT
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
@@ -122,3 +123,18 @@ def _token_count(model: ModelFile, vocab_key: str) -> int:
     if not isinstance(tokens, list):
         raise PitoolsError(f"metadata lacks {vocab_key}, and {TOKENS_KEY} is no array to count instead")
     return len(tokens)
+
+
+def predictor_quality(model: ModelFile) -> dict | None:
+    """How well the file's predictors did on held-out profile pairs when trained, as ``pitools
+    convert`` records it: per layer ``recall``, ``precision`` and ``computed`` (share of neurons
+    selected), with the worst recall and the mean precision and computed share; None for a file
+    that does not record it (PowerInfer's own, a dense file)."""
+    layers = {name: model.get(key) for name, key in (("recall", PREDICTOR_RECALL_KEY),
+                                                     ("precision", PREDICTOR_PRECISION_KEY),
+                                                     ("computed", PREDICTOR_COMPUTED_KEY))}
+    if any(not isinstance(values, list) or not values for values in layers.values()):
+        return None
+    return {"layers": layers, "worst_recall": min(layers["recall"]),
+            "mean_precision": sum(layers["precision"]) / len(layers["precision"]),
+            "mean_computed": sum(layers["computed"]) / len(layers["computed"])}

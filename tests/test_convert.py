@@ -128,6 +128,13 @@ def test_the_predictors_training_quality_goes_into_the_file(relu_llama, tmp_path
     model = open_model_file(path)
     for key, field in [("recall", "recall"), ("precision", "precision"), ("computed", "predicted_density")]:
         assert list(model.get(f"pitools.predictor.{key}")) == pytest.approx([e[field] for e in layers]), key
+    report = json.loads(CliRunner().invoke(cli, ["inspect", str(path), "--json"]).stdout)
+    assert report["predictor_quality"]["worst_recall"] == pytest.approx(min(e["recall"] for e in layers))
+    text = CliRunner().invoke(cli, ["inspect", str(path)]).stdout
+    assert f"trained to recall >= {min(e['recall'] for e in layers):.1%}" in text
+    dense = CliRunner().invoke(cli, ["inspect", str(convert(str(folder), tmp_path / "d.gguf", dense=True,
+                                                            progress=False)[0]), "--json"]).stdout
+    assert json.loads(dense)["predictor_quality"] is None
 
 
 def plan_names(plan):

@@ -12,7 +12,7 @@ from gguf import Keys
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.gguf_names import tensor_kind
-from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, spec_from_model_file
+from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, predictor_quality, spec_from_model_file
 from powerinfer_tools.formats.model_check import sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.units import format_size
@@ -54,6 +54,7 @@ def describe(model: ModelFile) -> dict:
         "architecture": model.architecture,
         "block_count": model.get(Keys.LLM.BLOCK_COUNT),
         "predictor_layers": len(predictor_layers),
+        "predictor_quality": predictor_quality(model),
         "sparse_ffn": sparse_layout(model),
         "metadata": {key: _summary(value) for key, value in model.metadata.items()},
         "tensors": tensors,
@@ -70,6 +71,10 @@ def _layout_line(report: dict) -> str:
     if report["sparse_ffn"]:
         parts.append(f"{block_part(PowerInferTensor.FFN_DOWN_T)} for sparse axpy")
     parts.append(f"predictors in {report['predictor_layers']} of {report['block_count']} layers")
+    quality = report["predictor_quality"]
+    if quality:
+        parts.append(f"trained to recall >= {quality['worst_recall']:.1%} at precision {quality['mean_precision']:.1%}, "
+                     f"computing {quality['mean_computed']:.1%} of the neurons (held-out profile pairs)")
     return ", ".join(parts)
 
 
