@@ -1,29 +1,34 @@
-"""Benchmark our runtime (sparse and dense) against llama.cpp's dense model of the same weights.
+"""Benchmark our runtime (sparse and dense) against llama.cpp's dense model of the same weights, and
+optionally against PowerInfer's own runtime on the PowerInfer file.
 
-Each engine runs in its own process, so that its peak RSS is its own and one engine's memory does
-not crowd another's, and the engines take turns: one run (a prompt, then token-by-token decoding)
-each per round, the first round a discarded warm-up (page faults, numba's compiled-code cache,
-llama.cpp's graph allocation). Figures are medians over the rounds; a ratio between two engines is
-the median of their per-round ratios, which pairs runs made close together in time on a machine
-whose load drifts.
+Each engine runs alone. Per round, every engine in turn gets a fresh process that loads the model,
+makes one warm-up run (page faults, numba's compiled-code cache, llama.cpp's graph allocation) and
+one measured run, and exits before the next engine's process starts: nothing is left idle, so no
+waiting OpenMP thread spins on the cores the measured engine needs, and every engine runs at its
+libraries' defaults. The order rotates every round. Figures are medians over the rounds; a ratio
+between two engines is the median of their per-round ratios, which pairs runs made close together
+in time on a machine whose load drifts. Peak RSS is the engine process's own, the largest over the
+rounds.
 
 Decoding is teacher-forced: every engine is fed the same text, one token at a time after the
 prompt, and computes the logits of each step (the argmax is taken and discarded). A random model's
 greedy output tends to repeat one token, which would keep the same neurons in cache and flatter the
-sparse runtime.
+sparse runtime. PowerInfer's ``main`` cannot be fed tokens: it reads the prompt's text and decodes
+greedily (benchmarking/powerinfer_engine.py).
 
-Threads: the worker processes get ``OMP_WAIT_POLICY=passive`` (unless the caller set it) and
-``threads`` for OpenMP, OpenBLAS, numba and llama.cpp. With libgomp's default spin-waiting, a
-2-thread run on a busy 2-core machine loses a scheduler slice per parallel region
-(docs/kernels.md); llama.cpp's OpenMP threads share the same libgomp, so both sides run under the
-same setting.
+Settings: ``threads`` for every engine (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS and NUMBA_NUM_THREADS,
+llama.cpp's n_threads, PowerInfer's -t). Nothing else is set: OMP_WAIT_POLICY and the like are
+whatever the caller's environment says (reported when set). llama.cpp runs at its defaults, its
+weight repacking (CPU_REPACK) included; where its AMX path faults, found by a probe process before
+the rounds, AMX alone is turned off (benchmarking/llamacpp.py). The report names each engine's
+settings and the CPU model.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,15 +40,26 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
-from powerinfer_tools.benchmarking.llamacpp import load_llama_cpp
+from powerinfer_tools.benchmarking.llamacpp import (
+    AmxStatus,
+    Buffers,
+    load_llama_cpp,
+    probe_amx,
+)
+from powerinfer_tools.benchmarking.machine import cpu_description, peak_rss
+from powerinfer_tools.benchmarking.powerinfer_engine import (
+    check_executable,
+    parse_timings,
+    run_powerinfer,
+)
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 
-# The engines: our runtime in its FFN modes (named by them), and llama.cpp.
-SPARSE, DENSE, LLAMA_CPP = FFNMode.SPARSE.value, FFNMode.DENSE.value, "llama.cpp"
+# The engines: our runtime in its FFN modes (named by them), llama.cpp, and PowerInfer's runtime.
+SPARSE, DENSE, LLAMA_CPP, POWERINFER = FFNMode.SPARSE.value, FFNMode.DENSE.value, "llama.cpp", "powerinfer"
 TEXT = BUNDLED_MODEL / "heldout.txt"  # what the engines read: the same token ids for all of them
 TEXT_CHARS = 200_000
 RSS_ALLOWANCE = 0.15  # the target: peak RSS within the model file plus the KV cache plus 15%
@@ -59,18 +75,21 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    name: str  # SPARSE, DENSE or LLAMA_CPP
+    name: str  # SPARSE, DENSE, LLAMA_CPP or POWERINFER
     path: Path
     threads: int
     context: int  # tokens the KV cache must hold
+    buffers: Buffers | None = None  # llama.cpp's weight buffers
+    binary: Path | None = None  # PowerInfer's main
 
 
 @dataclass
 class Run:
     prompt_seconds: float
     generation_seconds: float
-    bytes_per_token: float  # weight bytes read per decoding step
+    bytes_per_token: float | None  # weight bytes read per decoding step (None: unknown, PowerInfer)
     density: float | None = None  # fraction of FFN neurons computed while decoding (our runtime)
+    counts: tuple[int, int] | None = None  # prompt tokens and decoding steps, where not the settings' (PowerInfer)
 
 
 @dataclass
@@ -80,15 +99,16 @@ class EngineResult:
     file_bytes: int
     kv_bytes: int  # KV cache allocated for the run's context
     peak_rss: int
-    baseline_rss: int  # peak RSS with the engine's libraries loaded, before the model: its fixed cost
+    baseline_rss: int | None  # peak RSS with the engine's libraries loaded, before the model: its fixed cost
     settings: BenchSettings
     runs: list[Run] = field(default_factory=list)
+    engine_settings: dict = field(default_factory=dict)  # threads, environment, buffer types: as reported
 
     def prompt_rates(self) -> list[float]:
-        return [self.settings.prompt_tokens / r.prompt_seconds for r in self.runs]
+        return [(r.counts[0] if r.counts else self.settings.prompt_tokens) / r.prompt_seconds for r in self.runs]
 
     def generation_rates(self) -> list[float]:
-        return [self.settings.generate / r.generation_seconds for r in self.runs]
+        return [(r.counts[1] if r.counts else self.settings.generate) / r.generation_seconds for r in self.runs]
 
     @property
     def rss_budget(self) -> int:
@@ -96,16 +116,18 @@ class EngineResult:
 
     def summary(self, bandwidth_gbs: float | None) -> dict:
         generation = statistics.median(self.generation_rates())
-        bytes_per_token = statistics.median(r.bytes_per_token for r in self.runs)
+        known = [r.bytes_per_token for r in self.runs if r.bytes_per_token is not None]
+        bytes_per_token = statistics.median(known) if known else None
         densities = [r.density for r in self.runs if r.density is not None]
-        implied_gbs = generation * bytes_per_token / 1e9
+        implied_gbs = generation * bytes_per_token / 1e9 if bytes_per_token is not None else None
         return {
             "file": self.path,
+            "settings": self.engine_settings,
             "prompt_tokens_per_s": statistics.median(self.prompt_rates()),
             "generation_tokens_per_s": generation,
             "bytes_per_token": bytes_per_token,
             "implied_gbs": implied_gbs,
-            "bandwidth_fraction": implied_gbs / bandwidth_gbs if bandwidth_gbs else None,
+            "bandwidth_fraction": implied_gbs / bandwidth_gbs if bandwidth_gbs and implied_gbs is not None else None,
             "density": statistics.median(densities) if densities else None,
             "peak_rss": self.peak_rss,
             "baseline_rss": self.baseline_rss,
@@ -170,11 +192,11 @@ class _LlamaCpp:
         import llama_cpp
 
         self._llama_cpp = llama_cpp
-        self.llm = load_llama_cpp(spec.path, n_ctx=spec.context, n_batch=512, n_threads=spec.threads,
+        self.llm = load_llama_cpp(spec.path, spec.buffers, n_ctx=spec.context, n_batch=512, n_threads=spec.threads,
                                   n_threads_batch=spec.threads)
         model = open_model_file(spec.path)
         self.bytes_per_token = _dense_bytes_per_token(model)
-        self._kv_bytes = 2 * self.llm.n_ctx() * model.get(Keys.LLM.BLOCK_COUNT) * _kv_width(model) * 2  # f16
+        self._kv_bytes = f16_kv_bytes(model, self.llm.n_ctx())
 
     def run(self, tokens: np.ndarray, n_prompt: int) -> Run:
         llm, vocab = self.llm, self.llm.n_vocab()
@@ -197,9 +219,11 @@ class _LlamaCpp:
         return self._kv_bytes
 
 
-def _kv_width(model) -> int:
+def f16_kv_bytes(model, context: int) -> int:
+    """Bytes of a float16 KV cache of ``context`` tokens (llama.cpp's and PowerInfer's default type)."""
     heads, kv_heads = model.get(Keys.Attention.HEAD_COUNT), model.get(Keys.Attention.HEAD_COUNT_KV) or 0
-    return (kv_heads or heads) * model.get(Keys.LLM.EMBEDDING_LENGTH) // heads
+    width = (kv_heads or heads) * model.get(Keys.LLM.EMBEDDING_LENGTH) // heads
+    return 2 * context * model.get(Keys.LLM.BLOCK_COUNT) * width * 2
 
 
 def _dense_bytes_per_token(model) -> int:
@@ -209,28 +233,17 @@ def _dense_bytes_per_token(model) -> int:
     return rest + embedding.nbytes // embedding.shape[0]
 
 
-def _peak_rss() -> int:
-    """Peak resident set of this process's memory map. Linux keeps ``ru_maxrss`` across exec, so a
-    worker would report its parent's size (the pitools process) when that is larger; VmHWM starts
-    afresh with the new map."""
-    try:
-        status = Path("/proc/self/status").read_text()
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) * 1024
-
-
 def _serve(conn, spec: EngineSpec) -> None:
     """Worker process: load the engine, then run jobs until told to stop; reply with results or an error."""
     try:
         engine_class = _LlamaCpp if spec.name == LLAMA_CPP else _Runtime
         engine_class.import_libraries()
-        baseline = _peak_rss()
+        baseline = peak_rss() or 0
         engine = engine_class(spec)
         conn.send(("ready", None))
         while (job := conn.recv()) is not None:
             conn.send(("run", engine.run(*job)))
-        conn.send(("done", (_peak_rss(), baseline, engine.kv_bytes())))
+        conn.send(("done", (peak_rss() or 0, baseline, engine.kv_bytes())))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it as one line
         conn.send(("error", f"{spec.name} ({spec.path}): {type(exc).__name__}: {exc}"))
 
@@ -258,7 +271,12 @@ class _Worker:
         return self.receive(expect)
 
     def receive(self, expect: str):
-        kind, payload = self.conn.recv()
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:  # it died: a fault in a library (a signal), or killed
+            status = self.process.wait(timeout=10)
+            how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+            raise PitoolsError(f"{self.spec.name} ({self.spec.path}): the engine's process died ({how})") from None
         if kind == "error":
             raise PitoolsError(payload)
         assert kind == expect, (kind, expect)
@@ -270,6 +288,7 @@ class _Worker:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
 
 
 _AUTHKEY_VARIABLE = "PITOOLS_BENCH_AUTHKEY"
@@ -286,21 +305,28 @@ def worker_main(address: str) -> None:
 
 
 def worker_environment(threads: int) -> dict[str, str]:
-    """Environment of the worker processes: passive OpenMP waiting, and ``threads`` everywhere."""
-    env = {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "passive")
-    return env
+    """What the engine processes' environment adds to the caller's: ``threads`` for OpenMP, OpenBLAS
+    and numba, nothing else (each library's defaults hold unless the caller set its variables)."""
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS")}
+
+
+def omp_wait_policy() -> str:
+    """The caller's OMP_WAIT_POLICY, passed through to every engine, or "unset" (libgomp's default)."""
+    return os.environ.get("OMP_WAIT_POLICY") or "unset"
 
 
 def bench_tokens(model_path: Path, count: int) -> np.ndarray:
     """The first ``count`` tokens of the benchmark text, in the model's own vocabulary."""
-    from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
-
-    tokenizer = GGUFTokenizer(open_model_file(model_path).metadata)
-    ids = tokenizer.encode(TEXT.read_text(encoding="utf-8")[:TEXT_CHARS], add_bos=False)[:count]
+    ids = _tokenizer(model_path).encode(TEXT.read_text(encoding="utf-8")[:TEXT_CHARS], add_bos=False)[:count]
     if len(ids) < count:
         raise PitoolsError(f"the benchmark text is only {len(ids)} tokens long in {model_path}'s vocabulary")
     return np.array(ids, dtype=np.int64)
+
+
+def _tokenizer(model_path: Path):
+    from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(open_model_file(model_path).metadata)
 
 
 def measure_bandwidth(threads: int) -> float:
@@ -311,38 +337,86 @@ def measure_bandwidth(threads: int) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes=(SPARSE, DENSE),
-              progress=lambda message: None) -> dict[str, EngineResult]:
-    """Run every engine ``settings.runs`` times (after a warm-up), taking turns; results by engine name."""
-    n_prompt, total = settings.prompt_tokens, settings.prompt_tokens + settings.generate
-    tokens = bench_tokens(model, total)
+def engine_specs(model: Path, baseline: Path | None, settings: BenchSettings, modes, powerinfer: Path | None,
+                 progress) -> list[tuple[EngineSpec, dict]]:
+    """The engines to run, each with the settings the report names."""
+    if powerinfer is not None:
+        check_executable(Path(powerinfer))
+    total = settings.prompt_tokens + settings.generate
+    reported = {"threads": settings.threads} | ({"omp_wait_policy": omp_wait_policy()}
+                                                 if "OMP_WAIT_POLICY" in os.environ else {})
     # Dense runs on the same dense GGUF as llama.cpp when there is one: an identical file for both,
     # and its ffn_down rows are read by vec_dot, ~10% faster per token than the axpy over ffn_down_t.
     files = {SPARSE: Path(model), DENSE: Path(baseline if baseline is not None else model)}
-    specs = [EngineSpec(m, files[m], settings.threads, total) for m in modes]
+    specs = [(EngineSpec(m, files[m], settings.threads, total), reported) for m in modes]
     if baseline is not None:
-        specs.append(EngineSpec(LLAMA_CPP, Path(baseline), settings.threads, total))
-    env = worker_environment(settings.threads)
-    workers = [_Worker(spec, env) for spec in specs]
-    results = {}
+        buffers, buffer_settings = llama_cpp_buffers(Path(baseline), settings.threads, progress)
+        specs.append((EngineSpec(LLAMA_CPP, Path(baseline), settings.threads, total, buffers),
+                      reported | buffer_settings))
+    if powerinfer is not None:
+        specs.append((EngineSpec(POWERINFER, Path(model), settings.threads, 2 * total, binary=Path(powerinfer)),
+                      reported | {"binary": str(powerinfer), "decoding": "its own greedy tokens"}))
+    return specs
+
+
+def llama_cpp_buffers(baseline: Path, threads: int, progress) -> tuple[Buffers, dict]:
+    """llama.cpp's weight buffers: its defaults, less AMX where the probe finds that AMX faults."""
+    status, offered, detail = probe_amx(baseline, threads)
+    buffers = Buffers.REPACK if status is AmxStatus.FAULTS else Buffers.DEFAULT
+    if status is AmxStatus.FAULTS:
+        progress(f"llama.cpp: its AMX path faults on this machine ({detail}): it runs with AMX off, CPU_REPACK on")
+    used = [name for name in offered if name != "AMX" or status is AmxStatus.ON]
+    return buffers, {"extra_buffer_types": used, "repack": "CPU_REPACK" in used,
+                     "amx": status.value + (f" ({detail})" if detail else "")}
+
+
+def _run_alone(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, n_prompt: int) -> tuple[Run, int, int, int]:
+    """One engine process, alone: start, load, a warm-up run, the measured run, exit.
+    Returns the measured run, the process's peak RSS, its libraries' RSS and its KV cache bytes."""
+    worker = _Worker(spec, env)
     try:
-        for w in workers:
-            w.receive("ready")
-            results[w.spec.name] = EngineResult(w.spec.name, str(w.spec.path), w.spec.path.stat().st_size, 0, 0, 0,
-                                                settings)
-        for round_ in range(settings.runs + 1):
-            order = workers[round_ % len(workers):] + workers[: round_ % len(workers)]
-            for w in order:
-                run = w.call((tokens, n_prompt), "run")
-                if round_:  # round 0 is the warm-up
-                    results[w.spec.name].runs.append(run)
-            progress(f"round {round_}/{settings.runs}" + (" (warm-up)" if not round_ else ""))
-        for w in workers:
-            r = results[w.spec.name]
-            r.peak_rss, r.baseline_rss, r.kv_bytes = w.call(None, "done")
+        worker.receive("ready")
+        worker.call((tokens, n_prompt), "run")  # the warm-up
+        run = worker.call((tokens, n_prompt), "run")
+        peak, libraries, kv_bytes = worker.call(None, "done")
     finally:
-        for w in workers:
-            w.close()
+        worker.close()
+    return run, peak, libraries, kv_bytes
+
+
+def _run_powerinfer(spec: EngineSpec, env: dict[str, str], prompt_text: str, generate: int
+                    ) -> tuple[Run, int, None, int]:
+    """One run of PowerInfer's main (which warms up by itself), timed by its own printed timings."""
+    output, peak = run_powerinfer(spec.binary, spec.path, prompt_text, generate, spec.threads, spec.context, env)
+    prompt_seconds, prompt_count, decode_seconds, decode_count = parse_timings(output, spec.binary)
+    run = Run(prompt_seconds, decode_seconds, None, counts=(prompt_count, decode_count))
+    return run, peak, None, f16_kv_bytes(open_model_file(spec.path), spec.context)
+
+
+def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes=(SPARSE, DENSE),
+              progress=lambda message: None, powerinfer: Path | None = None) -> dict[str, EngineResult]:
+    """Run every engine ``settings.runs`` times, each alone in its own process, taking turns in an order
+    that rotates every round; results by engine name."""
+    n_prompt, total = settings.prompt_tokens, settings.prompt_tokens + settings.generate
+    tokens = bench_tokens(model, total)
+    prompt_text = _tokenizer(model).decode(tokens[:n_prompt].tolist()) if powerinfer is not None else ""
+    specs = engine_specs(model, baseline, settings, modes, powerinfer, progress)
+    env = worker_environment(settings.threads)
+    results = {spec.name: EngineResult(spec.name, str(spec.path), spec.path.stat().st_size, 0, 0, None, settings,
+                                       engine_settings=reported) for spec, reported in specs}
+    for round_ in range(settings.runs):
+        shift = round_ % len(specs)
+        for spec, _ in specs[shift:] + specs[:shift]:
+            if spec.name == POWERINFER:
+                run, peak, libraries, kv_bytes = _run_powerinfer(spec, env, prompt_text, settings.generate)
+            else:
+                run, peak, libraries, kv_bytes = _run_alone(spec, env, tokens, n_prompt)
+            r = results[spec.name]
+            r.runs.append(run)
+            r.peak_rss, r.kv_bytes = max(r.peak_rss, peak), kv_bytes
+            if libraries is not None:  # PowerInfer's is not known
+                r.baseline_rss = max(r.baseline_rss or 0, libraries)
+        progress(f"round {round_ + 1}/{settings.runs}")
     return results
 
 
@@ -353,49 +427,68 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 
 def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_gbs: float | None,
            bandwidth_source: str = "") -> dict:
-    """The JSON report: settings, every engine's summary and the ratios against llama.cpp."""
+    """The JSON report: the CPU, settings, every engine's summary and settings, and the ratios against
+    llama.cpp (and of sparse against PowerInfer's runtime)."""
     out = {
+        "cpu": cpu_description(),
         "settings": asdict(settings),
-        "omp_wait_policy": worker_environment(settings.threads)["OMP_WAIT_POLICY"],
+        "omp_wait_policy": omp_wait_policy(),
         "bandwidth_gbs": bandwidth_gbs,
         "bandwidth_source": bandwidth_source,
         "engines": {name: r.summary(bandwidth_gbs) for name, r in results.items()},
     }
-    base = results.get(LLAMA_CPP)
-    if base is not None:
-        for name in (SPARSE, DENSE):
+    for base_name, key in ((LLAMA_CPP, "llamacpp"), (POWERINFER, "powerinfer")):
+        base = results.get(base_name)
+        names = (SPARSE, DENSE, POWERINFER) if base_name == LLAMA_CPP else (SPARSE,)
+        for name in names if base is not None else ():
             if name in results:
                 r = results[name]
-                out[f"{name}_vs_llamacpp_generation"] = paired_ratio(r.generation_rates(), base.generation_rates())
-                out[f"{name}_vs_llamacpp_prompt"] = paired_ratio(r.prompt_rates(), base.prompt_rates())
+                out[f"{name}_vs_{key}_generation"] = paired_ratio(r.generation_rates(), base.generation_rates())
+                out[f"{name}_vs_{key}_prompt"] = paired_ratio(r.prompt_rates(), base.prompt_rates())
     return out
 
 
 def format_report(rep: dict) -> str:
-    s = rep["settings"]
+    s, cpu = rep["settings"], rep["cpu"]
     lines = [
+        f"CPU: {cpu['model']} ({'with' if cpu['amx'] else 'no'} AMX)",
         (f"{s['prompt_tokens']}-token prompt, {s['generate']} decoding steps, {s['threads']} threads, "
-         f"medians of {s['runs']} runs (OMP_WAIT_POLICY={rep['omp_wait_policy']})"),
+         f"medians of {s['runs']} runs, each engine alone in its own process "
+         f"(OMP_WAIT_POLICY {rep['omp_wait_policy']})"),
         (f"{'engine':10} {'prompt tok/s':>12} {'gen tok/s':>10} {'MB/token':>9} {'GB/s':>6} "
          f"{'of bw':>8} {'density':>7} {'peak RSS':>9} {'budget':>9} {'libs':>6}"),
     ]
     for name, e in rep["engines"].items():
-        fraction = f"{e['bandwidth_fraction']:.0%}" if e["bandwidth_fraction"] is not None else "-"
-        density = f"{e['density']:.1%}" if e["density"] is not None else "-"
         lines.append(f"{name:10} {e['prompt_tokens_per_s']:12.1f} {e['generation_tokens_per_s']:10.2f} "
-                     f"{e['bytes_per_token'] / 1e6:9.1f} {e['implied_gbs']:6.1f} {fraction:>8} {density:>7} "
+                     f"{_field(e['bytes_per_token'], 9, '.1f', 1e-6)} {_field(e['implied_gbs'], 6, '.1f')} "
+                     f"{_field(e['bandwidth_fraction'], 8, '.0%')} {_field(e['density'], 7, '.1%')} "
                      f"{e['peak_rss'] / 2**20:8.0f}M {e['rss_budget'] / 2**20:8.0f}M "
-                     f"{e['baseline_rss'] / 2**20:5.0f}M")
+                     f"{_field(e['baseline_rss'], 5, '.0f', 2**-20, 'M')}")
     if rep["bandwidth_gbs"]:
         lines.append(f"memory bandwidth {rep['bandwidth_gbs']:.1f} GB/s ({rep['bandwidth_source']}); "
                      "GB/s = generation tokens/s x bytes read per token")
     lines.append("budget = (model file + KV cache) x 1.15; libs = peak RSS of the engine's libraries before "
                  "the model loads")
+    for name, e in rep["engines"].items():
+        if set(e["settings"]) - {"threads"}:
+            lines.append(f"{name}: " + ", ".join(f"{k} {_setting(v)}" for k, v in e["settings"].items()))
     ratios = [(k, v) for k, v in rep.items() if k.endswith(("_generation", "_prompt"))]
     if ratios:
-        lines.append("ratios (median of per-round ratios): "
-                     + ", ".join(f"{k.replace('_vs_llamacpp_', ' / llama.cpp ')} {v:.2f}x" for k, v in ratios))
+        lines.append("ratios (median of per-round ratios): " + ", ".join(
+            f"{k.replace('_vs_llamacpp_', ' / llama.cpp ').replace('_vs_powerinfer_', ' / powerinfer ')} {v:.2f}x"
+            for k, v in ratios))
     return "\n".join(lines)
+
+
+def _field(value: float | None, width: int, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """A number in the report's table, or "-" when it is unknown (PowerInfer's bytes, for one)."""
+    return format(value * scale, f">{width}{spec}") + unit if value is not None else "-".rjust(width + len(unit))
+
+
+def _setting(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ", ".join(value) if isinstance(value, list) else str(value)
 
 
 if __name__ == "__main__":

@@ -38,34 +38,47 @@ _DEFAULTS = BenchSettings()
 @click.option("--runs", type=click.IntRange(min=1), default=_DEFAULTS.runs, show_default=True,
               help="Measured runs per engine (after one warm-up); medians are reported.")
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=_DEFAULTS.threads, show_default=True)
+@click.option("--powerinfer", type=click.Path(path_type=Path), default=None, metavar="PATH",
+              help="PowerInfer's own `main` (a CPU build of SJTU-IPADS/PowerInfer): run it on MODEL as a third "
+                   "engine.")
 @click.option("--mode", "modes", type=click.Choice([SPARSE, DENSE]), multiple=True,
               help="Our runtime's FFN modes to run (repeatable) [default: both].")
 @click.option("--hardware", default=None,
               help="Hardware profile whose CPU bandwidth to use (a `pitools probe` output); default: probe now.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, modes, hardware, as_json,
-          quiet) -> None:
-    """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp.
+def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, powerinfer, modes, hardware,
+          as_json, quiet) -> None:
+    """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp
+    (and PowerInfer's runtime).
 
     Sparse runs MODEL with its predictors; dense computes every neuron, on
     the baseline's dense GGUF (the same file llama.cpp reads) when there is
     one, else on MODEL.
 
-    Each engine runs in its own process; they take turns, one run each per
-    round, for --runs rounds after a warm-up. A run processes a prompt of
-    --prompt-tokens tokens of the bundled held-out text in one block, then
-    decodes the --generate tokens that follow it one at a time (the same
-    tokens for every engine). Printed per engine: prompt and generation
-    tokens/s, weight bytes read per generated token, the bandwidth that
-    implies and its fraction of the probed memory bandwidth, the fraction of
-    FFN neurons computed, and peak RSS against the target (model file + KV
-    cache + 15%). Then the ratios to llama.cpp (medians of per-round
-    ratios), under the JSON keys sparse_vs_llamacpp_generation,
-    dense_vs_llamacpp_generation and sparse_vs_llamacpp_prompt.
+    Each engine runs alone: per round, each in turn gets a fresh process
+    that loads the model, makes a warm-up run and the measured run, and
+    exits before the next starts; the order rotates every round, for --runs
+    rounds. A run processes a prompt of --prompt-tokens tokens of the
+    bundled held-out text in one block, then decodes the --generate tokens
+    that follow it one at a time (the same tokens for every engine). Printed
+    per engine: prompt and generation tokens/s, weight bytes read per
+    generated token, the bandwidth that implies and its fraction of the
+    probed memory bandwidth, the fraction of FFN neurons computed, and peak
+    RSS against the target (model file + KV cache + 15%). Then the ratios to
+    llama.cpp (medians of per-round ratios), under the JSON keys
+    sparse_vs_llamacpp_generation, dense_vs_llamacpp_generation and
+    sparse_vs_llamacpp_prompt; and the CPU model and each engine's settings.
 
-    Workers run with OMP_WAIT_POLICY=passive (unless set) and --threads for
-    OpenMP, OpenBLAS, numba and llama.cpp.
+    Every engine gets --threads threads (OpenMP, OpenBLAS, numba, llama.cpp,
+    PowerInfer's -t) and otherwise its libraries' defaults: OMP_WAIT_POLICY
+    and the like pass through as set in the environment. llama.cpp runs at
+    its defaults, weight repacking (CPU_REPACK) on; where its AMX path
+    faults (a probe process tries it first), AMX alone is turned off.
+
+    --powerinfer runs PowerInfer's main on MODEL with the prompt's text; it
+    decodes greedily (no teacher forcing) and is timed by the timings it
+    prints.
 
     \b
     Examples:
@@ -87,6 +100,6 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     else:
         log("probing memory bandwidth (as `pitools probe`) ...")
         bandwidth, source = measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
-    results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log)
+    results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log, powerinfer)
     rep = report(results, settings, bandwidth, source)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
