@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
+from gguf import MODEL_TENSOR, GGMLQuantizationType as Q
 from gguf_fixtures import TOKENS, make_model, relative_error, save_predictors, stepwise_logits
 
 from powerinfer_tools import kernels
 from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.formats.constants import predictor_names, tensor_name
+from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.formats.quantization import decode, encode
@@ -135,7 +137,7 @@ def test_runtime_keeps_predictors_in_their_stored_type_and_counts_those_bytes(q4
     for i, layer in enumerate(model.layers):
         p = layer.dense.predictor
         assert (p.fc1.qtype, p.fc2.qtype) == (Q.Q4_0, fc2_type)
-        for m, name in ((p.fc1, f"blk.{i}.fc1.weight"), (p.fc2, f"blk.{i}.fc2.weight")):
+        for m, name in zip((p.fc1, p.fc2), predictor_names(i)):
             assert m.nbytes == stored_file[name].nbytes
     float32_bytes = sum(4 * (hidden * 64 + 160 * hidden) for _ in model.layers)
     assert model.predictor_bytes == sum(layer.dense.predictor.nbytes for layer in model.layers) < float32_bytes / 2
@@ -145,6 +147,23 @@ def test_runtime_keeps_predictors_in_their_stored_type_and_counts_those_bytes(q4
     step = model.stats
     neuron_bytes = step.neurons_active * model.layers[0].partitions[0].bytes_per_neuron
     assert step.bytes_read == model.static_bytes + model.predictor_bytes + neuron_bytes
+
+
+def test_device_holds_the_predictors_at_their_stored_size(q4_0_models, tmp_path):
+    """What the solver budgets for a layer's dense block on the GPU (solver/model_stats.py: stored sizes)
+    is what the runtime uploads."""
+    path = q4_0_models[32]
+    stored_file = open_model_file(path)
+    split = tmp_path / "m.gpuidx"
+    no_neurons = tuple(np.zeros(160, bool) for _ in range(2))
+    write_gpu_split(split, GpuSplit(no_neurons, vram_capacity=10**9, dense_on_gpu=(True, True)))
+    model = load_runtime_model(path, split=split)
+    dense_parts = (MODEL_TENSOR.ATTN_NORM, MODEL_TENSOR.ATTN_Q, MODEL_TENSOR.ATTN_K, MODEL_TENSOR.ATTN_V,
+                   MODEL_TENSOR.ATTN_OUT, MODEL_TENSOR.FFN_NORM)
+    names = [tensor_name(part, i) for i in range(2) for part in dense_parts] + [
+        name for i in range(2) for name in predictor_names(i)]
+    assert model.device.used_bytes == sum(stored_file[name].nbytes for name in names)
+    assert all(layer.dense.predictor.backend is model.device for layer in model.layers)
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"compiled kernels unavailable: {kernels.unavailable_reason()}")
