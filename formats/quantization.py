@@ -15,15 +15,20 @@ The per-tensor policy follows llama.cpp (``convert_hf_to_gguf.py`` and
   separate output tensor, as in OPT) is kept at q8_0: llama-quantize keeps it
   at q6_K, a type we do not write, because the logits are the most
   quantization-sensitive product of the model.
+
+Predictors (``blk.N.fc1`` / ``blk.N.fc2``) have their own types, ``PREDICTOR_TYPES``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+
+from powerinfer_tools.formats.constants import POWERINFER_TENSOR_NAMES, PowerInferTensor
 
 F32 = GGMLQuantizationType.F32
 F16 = GGMLQuantizationType.F16
@@ -51,6 +56,18 @@ OUTTYPES = {
 }
 
 
+# The type of the predictors by the file's weight type. PowerInfer's quantizer stores them as q4_0 in a
+# q4_0 model and q5_0 otherwise; the kernels have no q5_0, and q8_0 keeps held-out recall within
+# 0.1 points of float32 at 53% of f16's bytes (docs/kernels.md, "Predictors"). PowerInfer's runtime
+# computes them with ggml_mul_mat, which takes q8_0 (its own convert.py writes q8_0 predictors into
+# q8_0 files). An f32 file is the unrounded one: everything in it stays f32.
+PREDICTOR_TYPES = {F32: F32, F16: Q8_0, Q8_0: Q8_0, Q4_0: Q4_0}
+_PREDICTOR_NAME = re.compile("|".join(
+    re.escape(POWERINFER_TENSOR_NAMES[t]).replace(re.escape("{bid}"), r"\d+") + r"\.weight"
+    for t in (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)
+))
+
+
 def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_output: bool) -> GGMLQuantizationType:
     """The type tensor ``name`` (GGUF name, NumPy-order ``shape``) is stored as.
 
@@ -62,6 +79,8 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_outpu
     if name.startswith("position_embd."):
         return F32
     wanted = outtype.weight_type
+    if _PREDICTOR_NAME.fullmatch(name):
+        wanted = PREDICTOR_TYPES[wanted]
     if wanted is Q4_0 and is_output:
         wanted = Q8_0
     block_size = GGML_QUANT_SIZES[wanted][0]
