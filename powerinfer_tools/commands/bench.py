@@ -36,8 +36,10 @@ _DEFAULTS = BenchSettings()
 @click.option("-p", "--prompt-tokens", type=click.IntRange(min=1), default=_DEFAULTS.prompt_tokens,
               show_default=True, help="Prompt length.")
 @click.option("--runs", type=click.IntRange(min=1), default=_DEFAULTS.runs, show_default=True,
-              help="Measured runs per engine (after one warm-up); medians are reported.")
-@click.option("-t", "--threads", type=click.IntRange(min=1), default=_DEFAULTS.threads, show_default=True)
+              help="Rounds: measured runs per engine, each in a fresh process after its own warm-up run; "
+                   "medians are reported.")
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=_DEFAULTS.threads, show_default=True,
+              help="Threads of every engine.")
 @click.option("--powerinfer", type=click.Path(path_type=Path), default=None, metavar="PATH",
               help="PowerInfer's own `main` (a CPU build of SJTU-IPADS/PowerInfer): run it on MODEL as a third "
                    "engine.")
@@ -84,6 +86,7 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     Examples:
       pitools synth --shape tinyllama-1.1b -o /tmp/tl.powerinfer.gguf
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
+      pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
     settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads)
     if baseline == "none":
