@@ -68,3 +68,41 @@ def test_stream_text_never_splits_a_character():
     pieces = list(stream_text(byte_tokens, decode))
     assert "".join(pieces) == "añ€😀 ok"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_top_k_keeps_what_a_full_stable_sort_keeps():
+    # Many ties: the k-th likeliest is shared by several ids, and the lowest ids among them are kept.
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        logits = rng.integers(-3, 3, int(rng.integers(1, 60))).astype(np.float64)
+        k = int(rng.integers(1, len(logits) + 1))
+        kept = set(np.argsort(-logits, kind="stable")[:k].tolist())
+        sampler = Sampler(SamplingConfig(temperature=100, top_k=k, top_p=1, seed=0))  # nearly uniform over them
+        drawn = {sampler(logits) for _ in range(20 * k)}
+        assert drawn == kept
+
+
+def test_stream_text_decodes_a_short_window_per_token():
+    words = ["▁a", "b", "▁c€", "▁d", "e"] * 200
+    vocab = sorted(set(words))
+    seen = []
+
+    def decode(ids):  # SentencePiece-like: "▁" is a space, and a text's leading space is dropped
+        seen.append(len(ids))
+        return "".join(vocab[i] for i in ids).replace("▁", " ").lstrip(" ")
+
+    tokens = [vocab.index(w) for w in words]
+    assert "".join(stream_text(tokens, decode)) == decode(tokens)
+    assert max(seen[:-1]) <= 3  # not the whole text again at every token
+
+
+def test_stream_text_holds_back_only_until_the_character_completes():
+    data = "a€b".encode()  # € is 3 bytes: three tokens
+    pieces = list(stream_text(list(data), lambda ids: bytes(ids).decode("utf-8", errors="replace")))
+    assert pieces == ["a", "€", "b"]
+
+
+def test_stream_text_flushes_an_unfinished_character_at_the_end():
+    data = "a".encode() + "€".encode()[:2]
+    pieces = list(stream_text(list(data), lambda ids: bytes(ids).decode("utf-8", errors="replace")))
+    assert "".join(pieces) == "a\ufffd"

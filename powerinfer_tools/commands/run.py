@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +69,7 @@ def run(model: Path, prompt: str, n_tokens: int, ctx_size: int | None, temp: flo
     budget = parse_size(vram, "--vram") if vram is not None else None
     if threads is not None:
         kernels.set_threads(threads)
+    _spin_only_on_idle_cores(kernels.get_threads())
     if split is not None and vram is None and not split.is_file():
         raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
     llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
@@ -95,3 +97,26 @@ def run(model: Path, prompt: str, n_tokens: int, ctx_size: int | None, temp: flo
 def _throughput(what: str, tokens: int, rate: float | None) -> str:
     """``prompt: 5 tokens at 812.3 tok/s``; without the rate when none was measured (no tokens, no time)."""
     return f"{what}: {tokens} tokens" + (f" at {rate:.1f} tok/s" if rate is not None else "")
+
+
+def _spin_only_on_idle_cores(threads: int) -> None:
+    """Load the compiled kernels with OpenMP's waiting threads asleep (``OMP_WAIT_POLICY=passive``) when
+    other work holds the cores.
+
+    The kernels' parallel loops run on libgomp, whose threads spin while they wait, by default. That
+    is the quickest hand-over on idle cores, but when another process holds a core the spinning
+    thread burns its time slice waiting for its preempted partner, at every one of a token's ~110
+    joins: on the shared 2-core machine at a load of 9-12, a TinyLlama-shape token took 550-760 ms
+    spinning against 116-136 ms passive. So: passive when fewer cores are idle (by the 1-minute load
+    average) than there are threads, unless the user set the variable. libgomp reads it once, as it
+    loads with ggml's CPU library; the variable is unset again after, so that no child process or
+    later in-process caller inherits it.
+    """
+    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        kernels.available()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]

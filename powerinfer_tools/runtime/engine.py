@@ -159,17 +159,18 @@ class RuntimeModel(Engine):
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
         if self.positions is not None:
             x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
-        rope = None
-        if s.rope_theta is not None:
-            rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta, s.rope_scaling_factor, np.float32)
         where = self.host
         sparse = self.mode is FFNMode.SPARSE
         step = TokenStats(steps=1, tokens=len(tokens),
                           bytes_read=self.static_bytes + (self.predictor_bytes if sparse else 0))
         decoder = self.compiled_decoder()
         if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
-            x = decoder.forward(x, caches, sparse, step)
+            x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
         else:
+            rope = None
+            if s.rope_theta is not None:
+                rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta,
+                                   s.rope_scaling_factor, np.float32)
             for layer, cache in zip(self.layers, caches):
                 backend = layer.dense.backend
                 x = move(x, where, backend)

@@ -1,0 +1,50 @@
+"""`pitools run` loads the compiled kernels with OpenMP's waiting threads asleep when the cores are busy:
+spinning threads there wait out a scheduler slice at every join (docs/benchmarks.md, "pitools run and the
+bench's engine")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from powerinfer_tools import kernels
+from powerinfer_tools.commands import run as run_command
+from powerinfer_tools.commands.cli import cli
+
+
+@pytest.fixture
+def policy_at_kernel_load(monkeypatch):
+    """What OMP_WAIT_POLICY was when `pitools run` loaded the kernels (None: unset)."""
+    seen = []
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(kernels, "available", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")) or False)
+    return seen
+
+
+def run_at_load(monkeypatch, load: float, *options: str):
+    monkeypatch.setattr(run_command.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(run_command.os, "cpu_count", lambda: 2)
+    result = CliRunner().invoke(cli, ["run", "-n", "2", *options])
+    assert result.exit_code == 0, result.output
+
+
+def test_busy_cores_load_the_kernels_with_passive_waits_and_leave_the_environment_as_it_was(
+        monkeypatch, policy_at_kernel_load):
+    run_at_load(monkeypatch, 3.0, "--threads", "2")
+    assert policy_at_kernel_load[:1] == ["passive"]
+    assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_idle_cores_keep_openmp_spinning(monkeypatch, policy_at_kernel_load):
+    run_at_load(monkeypatch, 0.1, "--threads", "2")
+    assert "passive" not in policy_at_kernel_load
+    run_at_load(monkeypatch, 1.0, "--threads", "1")  # one thread: one idle core is enough
+    assert "passive" not in policy_at_kernel_load
+
+
+def test_a_policy_the_user_set_is_kept(monkeypatch, policy_at_kernel_load):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    run_at_load(monkeypatch, 3.0, "--threads", "2")
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
