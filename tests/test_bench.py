@@ -125,6 +125,17 @@ def test_every_engine_runs_in_turn(model, engine_processes, monkeypatch):
     assert f"CPU: {rep['cpu']['model']}" in format_report(rep)
 
 
+def test_an_engine_process_that_dies_at_start_is_one_error_not_a_hang(model, monkeypatch):
+    real_popen = subprocess.Popen
+
+    def popen(args, **kwargs):  # the engine's interpreter dies before it reads anything
+        return real_popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(PitoolsError, match="the engine's process died \\(signal SIGKILL\\)"):
+        run_bench(model, None, BenchSettings(prompt_tokens=8, generate=3, runs=1, threads=1), modes=(SPARSE,))
+
+
 def test_cli_json_has_the_ratio_keys(model):
     result = CliRunner().invoke(cli, ["bench", str(model), "--hardware", "rtx4090", "--runs", "1", "-n", "2",
                                       "-p", "4", "--threads", "1", "--json", "-q"])

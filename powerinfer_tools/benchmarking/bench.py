@@ -27,14 +27,14 @@ settings and the CPU model.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -249,7 +249,9 @@ def _serve(conn, spec: EngineSpec) -> None:
 
 
 class _Worker:
-    """One engine in its own interpreter, ``python -m powerinfer_tools.benchmarking.bench``, driven over a socket.
+    """One engine in its own interpreter, ``python -m powerinfer_tools.benchmarking.bench``, driven over
+    one end of a socket pair it inherits: when the process dies, even before it has read anything,
+    the next read here ends (EOFError) instead of waiting for ever.
 
     Not a multiprocessing child: those re-import the parent's main module, which for the ``pitools``
     command is every subcommand and its libraries, and that would count in the engine's RSS.
@@ -257,30 +259,38 @@ class _Worker:
 
     def __init__(self, spec: EngineSpec, env: dict[str, str]):
         self.spec = spec
-        key = secrets.token_bytes(16)
-        with Listener(family="AF_UNIX", authkey=key) as listener:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", __spec__.name, listener.address],
-                env={**os.environ, **env, _AUTHKEY_VARIABLE: key.hex()},
-            )
-            self.conn = listener.accept()
-        self.conn.send(spec)
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self.process = subprocess.Popen([sys.executable, "-m", __spec__.name, str(theirs.fileno())],
+                                            env={**os.environ, **env}, pass_fds=(theirs.fileno(),))
+        self.conn = Connection(ours.detach())
+        self.send(spec)
 
     def call(self, message, expect: str):
-        self.conn.send(message)
+        self.send(message)
         return self.receive(expect)
+
+    def send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self._died()
 
     def receive(self, expect: str):
         try:
             kind, payload = self.conn.recv()
-        except EOFError:  # it died: a fault in a library (a signal), or killed
-            status = self.process.wait(timeout=10)
-            how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
-            raise PitoolsError(f"{self.spec.name} ({self.spec.path}): the engine's process died ({how})") from None
+        except (EOFError, ConnectionResetError):
+            self._died()
         if kind == "error":
             raise PitoolsError(payload)
         assert kind == expect, (kind, expect)
         return payload
+
+    def _died(self):
+        """The process is gone (a fault in a library, a signal, killed): one error line saying how."""
+        status = self.process.wait(timeout=10)
+        how = f"signal {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+        raise PitoolsError(f"{self.spec.name} ({self.spec.path}): the engine's process died ({how})") from None
 
     def close(self) -> None:
         self.conn.close()
@@ -291,13 +301,10 @@ class _Worker:
             self.process.wait()
 
 
-_AUTHKEY_VARIABLE = "PITOOLS_BENCH_AUTHKEY"
-
-
-def worker_main(address: str) -> None:
-    """The engine worker process's entry point (``python -m`` this module with ADDRESS): serves the
-    benchmark's requests on the connection at ``address``."""
-    with Client(address, authkey=bytes.fromhex(os.environ[_AUTHKEY_VARIABLE])) as conn:
+def worker_main(fd: int) -> None:
+    """The engine worker process's entry point (``python -m`` this module with FD): serves the
+    benchmark's requests on the inherited socket ``fd``."""
+    with Connection(fd) as conn:
         _serve(conn, conn.recv())
 
 
@@ -495,4 +502,4 @@ if __name__ == "__main__":
     # Through the module proper, not this __main__ copy: results must pickle under its name.
     from powerinfer_tools.benchmarking.bench import worker_main
 
-    worker_main(sys.argv[1])
+    worker_main(int(sys.argv[1]))
