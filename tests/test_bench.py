@@ -26,6 +26,7 @@ from powerinfer_tools.benchmarking.bench import (
     engine_specs,
     format_report,
     llama_cpp_buffers,
+    predictor_summary,
     report,
     run_bench,
 )
@@ -134,6 +135,18 @@ def test_an_engine_process_that_dies_at_start_is_one_error_not_a_hang(model, mon
     monkeypatch.setattr(subprocess, "Popen", popen)
     with pytest.raises(PitoolsError, match="the engine's process died \\(signal SIGKILL\\)"):
         run_bench(model, None, BenchSettings(prompt_tokens=8, generate=3, runs=1, threads=1), modes=(SPARSE,))
+
+
+def test_the_report_states_the_predictability_of_the_model(synthesized_tiny):
+    layers = synthesized_tiny.predictors["layers"]
+    summary = predictor_summary(synthesized_tiny.powerinfer)
+    assert summary["trained"]["worst_recall"] == pytest.approx(min(e["recall"] for e in layers))
+    assert summary["trained"]["mean_computed"] == pytest.approx(np.mean([e["predicted_density"] for e in layers]))
+    model = open_model_file(synthesized_tiny.powerinfer)
+    assert summary["bytes_per_token"] == sum(t.nbytes for t in model.tensors.values() if ".fc" in t.name)
+    rep = {"settings": {"prompt_tokens": 1, "generate": 1, "threads": 1, "runs": 1}, "cpu": {"model": "x", "amx": False},
+           "omp_wait_policy": "unset", "bandwidth_gbs": None, "engines": {}, "predictors": summary}
+    assert f"trained to recall >= {min(e['recall'] for e in layers):.1%}" in format_report(rep)
 
 
 def test_cli_json_has_the_ratio_keys(model):

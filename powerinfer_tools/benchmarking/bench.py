@@ -55,6 +55,8 @@ from powerinfer_tools.benchmarking.powerinfer_engine import (
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
+from powerinfer_tools.formats.gguf_names import tensor_kind
+from powerinfer_tools.formats.gguf_spec import predictor_quality
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 
@@ -444,6 +446,8 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
         "bandwidth_source": bandwidth_source,
         "engines": {name: r.summary(bandwidth_gbs) for name, r in results.items()},
     }
+    if SPARSE in results:
+        out["predictors"] = predictor_summary(Path(results[SPARSE].path))
     for base_name, key in ((LLAMA_CPP, "llamacpp"), (POWERINFER, "powerinfer")):
         base = results.get(base_name)
         names = (SPARSE, DENSE, POWERINFER) if base_name == LLAMA_CPP else (SPARSE,)
@@ -453,6 +457,14 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
                 out[f"{name}_vs_{key}_generation"] = paired_ratio(r.generation_rates(), base.generation_rates())
                 out[f"{name}_vs_{key}_prompt"] = paired_ratio(r.prompt_rates(), base.prompt_rates())
     return out
+
+
+def predictor_summary(path: Path) -> dict:
+    """The predictability of the model the sparse engine ran on: its predictors' quality as trained
+    (when the file records it) and the bytes they take, all read every token."""
+    model = open_model_file(path)
+    stored = sum(t.nbytes for t in model.tensors.values() if tensor_kind(t.name) == "predictor")
+    return {"trained": predictor_quality(model), "bytes_per_token": stored}
 
 
 def format_report(rep: dict) -> str:
@@ -479,6 +491,12 @@ def format_report(rep: dict) -> str:
     for name, e in rep["engines"].items():
         if set(e["settings"]) - {"threads"}:
             lines.append(f"{name}: " + ", ".join(f"{k} {_setting(v)}" for k, v in e["settings"].items()))
+    predictors = rep.get("predictors")
+    if predictors:
+        trained = predictors["trained"]
+        quality = (f"trained to recall >= {trained['worst_recall']:.1%} at precision {trained['mean_precision']:.1%}, "
+                   f"computing {trained['mean_computed']:.1%} of the neurons; " if trained else "")
+        lines.append(f"predictors: {quality}{predictors['bytes_per_token'] / 1e6:.2f} MB read per token")
     ratios = [(k, v) for k, v in rep.items() if k.endswith(("_generation", "_prompt"))]
     if ratios:
         lines.append("ratios (median of per-round ratios): " + ", ".join(
