@@ -18,7 +18,9 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import write_json
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import trainer as predictors
-from powerinfer_tools.predictors.trainer import TrainSettings, gradients, hidden_ladder, train_predictors
+from powerinfer_tools.predictors import fit as predictors_fit
+from powerinfer_tools.predictors.fit import gradients
+from powerinfer_tools.predictors.trainer import TrainSettings, hidden_ladder, train_predictors
 
 FAST = TrainSettings(budget=0.3, batch_size=128, epochs=6)
 
@@ -96,12 +98,17 @@ def test_every_layer_reaches_recall_within_budget(trained, profile_dir):
         assert entry["recall"] == pytest.approx((pred & fired).sum() / fired.sum(), abs=1e-6)
         assert entry["precision"] == pytest.approx((pred & fired).sum() / pred.sum(), abs=1e-6)
         assert entry["recall"] >= FAST.recall
-        # The ladder's choice: the first size passing both targets, else the most precise at the recall target.
+        # The search's choice: the smallest size tried that passes both targets, whose ladder neighbour
+        # below (if any) was tried and failed; else the most precise at the recall target.
         reaching = [t for t in entry["tried"] if t["recall"] >= FAST.recall]
         passing = [t for t in reaching if t["precision"] >= FAST.min_precision]
         if passing:
-            assert entry["hidden"] == passing[0]["hidden"] and entry["tried"][-1] == passing[0]
+            assert entry["target_reached"] and entry["hidden"] == min(t["hidden"] for t in passing)
+            ladder = hidden_ladder(160)
+            below = ladder[ladder.index(entry["hidden"]) - 1] if entry["hidden"] > ladder[0] else None
+            assert below is None or below in {t["hidden"] for t in entry["tried"] if t not in passing}
         else:
+            assert not entry["target_reached"]
             assert entry["precision"] == max(t["precision"] for t in reaching)
         params += fc1.size + fc2.size
     assert params <= FAST.budget * saved["ffn_params"] == FAST.budget * 2 * 3 * 64 * 160
@@ -147,11 +154,11 @@ def test_interrupted_training_resumes_at_the_next_layer(profile_dir, trained, tm
     real_fit = predictors.fit_predictor
     fitted_layers = []
 
-    def fit_until_layer_1(data, hidden, settings, xp, seed):
+    def fit_until_layer_1(data, hidden, settings, xp, seed, **options):
         fitted_layers.append(seed[1])
         if seed[1] == 1:
             raise KeyboardInterrupt
-        return real_fit(data, hidden, settings, xp, seed)
+        return real_fit(data, hidden, settings, xp, seed, **options)
 
     monkeypatch.setattr(predictors, "fit_predictor", fit_until_layer_1)
     with pytest.raises(KeyboardInterrupt):
@@ -160,7 +167,7 @@ def test_interrupted_training_resumes_at_the_next_layer(profile_dir, trained, tm
     assert [e["layer"] for e in partial["layers"]] == [0] and not partial["complete"]
 
     fitted_layers.clear()
-    monkeypatch.setattr(predictors, "fit_predictor", lambda *a: fitted_layers.append(a[4][1]) or real_fit(*a))
+    monkeypatch.setattr(predictors, "fit_predictor", lambda *a, **o: fitted_layers.append(a[4][1]) or real_fit(*a, **o))
     resumed = train_predictors(profile_dir, tmp_path, FAST, device="cpu", progress=False)
     assert set(fitted_layers) == {1}  # layer 0 was not trained again
     assert resumed["layers"] == reference["layers"]  # and the seeded run is reproducible
@@ -195,3 +202,89 @@ def test_cli_trains_and_reports(profile_dir, tmp_path):
     assert [e["layer"] for e in layers] == [0, 1] and all(e["recall"] >= 0.95 for e in layers)
     unfinished = invoke("train-predictors", str(profile_dir), "-q")
     assert unfinished.exit_code == 1 and "give a profile DIR and -o PRED" in unfinished.stderr
+
+
+QUICK = TrainSettings(budget=1.0, batch_size=64, min_epoch_steps=100, epochs=4, extra_epochs=2)
+
+
+def unpredictable_and_easy_profile(folder, n=2000):
+    """Layer 0 fires at random (no size can pass); layer 1 on hyperplanes of a 4-dimensional subspace."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, 16)).astype(np.float32)
+    x[:, 0] = 1
+    noise = rng.random((n, 32)) < 0.1
+    planes = rng.standard_normal((4, 32))
+    easy = x[:, 1:5] @ (planes / np.linalg.norm(planes, axis=0)) > 1.0
+    write_synthetic_profile(folder, x, [noise, easy])
+
+
+def test_early_stop_rule():
+    assert not predictors_fit.cannot_pass([0.1, 0.1], 0.5, 5)  # two epochs say nothing about the trend
+    assert predictors_fit.cannot_pass([0.10, 0.12, 0.13], 0.5, 3)  # flattening: 0.13 + 3 x 0.01 < 0.5
+    assert not predictors_fit.cannot_pass([0.10, 0.12, 0.20], 0.5, 3)  # rising faster: not flattening
+    assert predictors_fit.cannot_pass([0.100, 0.098, 0.104], 0.5, 3)  # a plateau's noise is flat
+    assert not predictors_fit.cannot_pass([0.10, 0.25, 0.35], 0.5, 3)  # 0.35 + 3 x 0.10 could get there
+    assert predictors_fit.cannot_pass([0.30, 0.28, 0.25], 0.5, 3)  # falling
+    assert predictors_fit.cannot_pass([0.40, 0.44, 0.45], 0.5, 0)  # in the extra epochs: below is below
+    assert not predictors_fit.cannot_pass([0.40, 0.44, 0.55], 0.5, 0)
+
+
+def test_a_candidate_that_cannot_pass_stops_early(tmp_path):
+    unpredictable_and_easy_profile(tmp_path)
+    store = PairStore.open(tmp_path / PAIRS_DIR, 2)
+    data = predictors.LayerPairs(store.x[0], store.fired[0], 1800, 32)
+    stopped = predictors_fit.fit_predictor(data, 8, QUICK, np, (0, 0, 8))
+    full = predictors_fit.fit_predictor(data, 8, QUICK, np, (0, 0, 8), may_stop_early=False)
+    assert stopped.stopped_early and stopped.epochs == 3  # random firing: precision ~10% at any cutoff
+    assert not full.stopped_early and full.epochs == QUICK.epochs + QUICK.extra_epochs  # recall stays short
+    assert full.quality.precision_at_target < QUICK.min_precision
+    easy = predictors_fit.fit_predictor(predictors.LayerPairs(store.x[1], store.fired[1], 1800, 32), 8, QUICK,
+                                        np, (0, 1, 8))
+    assert not easy.stopped_early and easy.epochs >= QUICK.epochs
+
+
+def test_precision_at_target_recall_matches_a_sorted_count():
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal((10, 4)).astype(np.float32)
+    x, y = rng.standard_normal((300, 6)).astype(np.float32), rng.random((300, 10)) < 0.3
+    q = predictors_fit.evaluate(np, w1, w2, x, y, 0.9)
+    out = np.maximum(x @ w1.T, 0) @ w2.T
+    cutoff = np.sort(out[y])[::-1][int(np.ceil(0.9 * y.sum())) - 1]  # the lowest output kept at 90% recall
+    assert q.precision_at_target == pytest.approx((out[y] >= cutoff).sum() / (out >= cutoff).sum())
+    assert q.recall == pytest.approx(((out >= 0) & y).sum() / y.sum())
+
+
+def test_unreachable_layer_keeps_the_best_trade_off_and_training_goes_on(tmp_path, capsys):
+    unpredictable_and_easy_profile(tmp_path / "prof")
+    settings = TrainSettings(budget=0.6, batch_size=64, min_epoch_steps=100, epochs=4, extra_epochs=2)
+    meta = train_predictors(tmp_path / "prof", tmp_path / "pred", settings, device="cpu")
+    noise, easy = meta["layers"]
+    assert not noise["target_reached"] and easy["target_reached"] and meta["complete"]
+    sizes = [8, 12, 16]  # what 60% of the FFN weights allow the first layer: 0.6 x 3 x 16 x 32 / 48 = 19.2
+    assert [t["hidden"] for t in noise["tried"]] == [8, 16]  # doubling from 8 up to the largest allowed
+    assert noise["tried"][0]["stopped_early"] and not noise["tried"][-1]["stopped_early"]
+    assert noise["hidden"] == sizes[-1] == 16  # the only fully trained candidate
+    lines = capsys.readouterr().err.splitlines()  # stderr is not a terminal here: plain lines
+    assert lines[0].startswith("predictors: 6 candidate")
+    result_lines = [line for line in lines if line.startswith("layer ")]
+    assert len(result_lines) == 2 and all("candidates in" in line and "left" in line for line in result_lines)
+    assert result_lines[0].startswith("layer 0/2: hidden 16,") and "target not reached" in result_lines[0]
+    assert "target not reached" not in result_lines[1]
+    assert lines[-1].startswith(f"predictors: {sum(len(e['tried']) for e in meta['layers'])} candidate")
+    assert "\r" not in "".join(lines)
+
+
+def test_too_few_pairs_for_the_input_width_warns(tmp_path, capsys):
+    unpredictable_and_easy_profile(tmp_path / "few", n=150)  # 16-wide inputs want 160 pairs
+    brief = TrainSettings(budget=1.0, batch_size=64, min_epoch_steps=5, epochs=1, extra_epochs=0, min_precision=0)
+    meta = train_predictors(tmp_path / "few", tmp_path / "pred", brief, progress=False)
+    assert meta["complete"]  # a warning, not an error
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1 and "150 training pairs per layer for 16-wide inputs" in warning[0]
+    assert "profile at least 160 tokens" in warning[0] and "--pairs-mib" not in warning[0]
+    profile = json.loads((tmp_path / "few" / PROFILE_JSON).read_text())
+    store = PairStore.open(tmp_path / "few" / PAIRS_DIR, 2)
+    capped = predictors.too_few_pairs(tmp_path / "few", {**profile, "tokens": 5000}, store)
+    pair_bytes = 2 * (16 * 2 + 4)  # two layers of a float16 input row and 32 packed bits
+    assert capped.endswith(f"with --pairs-mib {-(-160 * pair_bytes // 2**20)} or more")
+    assert predictors.too_few_pairs(tmp_path / "few", {**profile, "pairs_capacity": 160}, store) is None

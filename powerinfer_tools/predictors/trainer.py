@@ -5,15 +5,22 @@ stream ``x`` entering the FFN block (before its norm; the profile's pairs hold i
 scaled per token, see ``formats.profile_folder.predictor_input``) and computes neuron ``j``
 only when ``out[j] >= sparse_threshold`` (its sparse kernels skip rows with
 ``out < threshold``). There is no bias anywhere, so a per-layer threshold shift
-cannot be stored; the recall target is reached instead by class weighting: a
-controller raises the weight of the "fires" class while the held-out recall is
-short of the target and eases it when recall is comfortably above.
+cannot be stored; the recall target is reached instead by class weighting
+(``predictors.fit``, which also stops hopeless candidates early).
 
 Each layer's hidden size is the smallest of a ladder that reaches the recall
 target with at least ``min_precision`` precision (so it does not buy recall by
-predicting nearly every neuron), within what is left of the byte budget for all
-predictors (a fraction of the FFN weights). Layers whose firing is easy to
-predict stop early and leave their share of the budget to later layers.
+predicting nearly every neuron), within the layer's share of what is left of the
+byte budget for all predictors (a fraction of the FFN weights). The sizes tried
+are found by a bracketed search starting at the previous layer's size
+(``predictors.search``: O(log) candidates per layer). When no allowed size passes,
+the layer keeps the best trade-off among those tried, says so, and training goes
+on. Layers whose firing is easy to predict leave their share of the budget to
+later layers.
+
+Layers are trained one after another: the matrix products and the fused loss
+gradient already use both cores of a small machine, and a layer's pairs are held
+in memory (float32, scaled) while it trains.
 
 Training is NumPy, or CuPy when a CUDA GPU is present: the code uses an array
 module ``xp``. Initial weights and the batch order come from NumPy generators
@@ -24,6 +31,8 @@ per layer: the output folder is rewritten after every layer.
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,14 +46,21 @@ from powerinfer_tools.formats.predictor_folder import (
     SPARSE_THRESHOLD,
     VERSION,
     PredictorFolder,
-    predict,
     read_predictors,
 )
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, load_profile
+from powerinfer_tools.predictors.fit import Fit, fit_predictor
+from powerinfer_tools.predictors.search import best_trade_off, search_sizes
 from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.xp import cupy_or_none
 
-EVAL_BATCH = 4096  # rows per step when scoring the held-out pairs
+# Too few samples: a neuron's firing is a threshold on a direction of the d_model-wide input, and a
+# linear separator in d dimensions needs a number of samples proportional to d to generalise (its VC
+# dimension is d + 1). Measured on a hard model (full-rank firing, d_model 2048): 4,000 pairs (~2 per
+# input dimension) left every hidden size from 8 to 128 at 89-92% held-out recall. Below this many
+# pairs per input dimension the trainer warns.
+PAIRS_PER_INPUT_DIM = 10
+CANDIDATES_GUESS = 3  # candidates per layer the progress bar assumes until the first layer is done
 
 
 @dataclass(frozen=True)
@@ -98,8 +114,10 @@ def array_module(device: str) -> ModuleType:
 
 @dataclass
 class LayerPairs:
-    """One layer's training pairs (memory-mapped) and its held-out pairs (in memory: float32 inputs
-    divided by ``scale``, bool fired masks)."""
+    """One layer's pairs: read from the memory maps ``x`` (float16) and ``fired`` (packed bits) once,
+    into memory as the steps use them: inputs float32 divided by ``scale``, training masks packed,
+    held-out masks bool. (Converting 512 random float16 rows per step cost a quarter of a small
+    predictor's step.)"""
 
     x: np.ndarray  # [n, d_model] float16 memmap
     fired: np.ndarray  # [n, ceil(d_ff/8)] packed bits memmap
@@ -107,17 +125,30 @@ class LayerPairs:
     d_ff: int
 
     def __post_init__(self):
-        self.val_x, self.val_y = self.batch(np.arange(self.n_train, len(self.x)))
-        sample_x, sample_y = self.batch(np.arange(0, self.n_train, max(1, self.n_train // 16384)))
-        self.density = float(sample_y.mean())
+        sample = np.arange(0, self.n_train, max(1, self.n_train // 16384))
+        sample_x = self.x[sample].astype(np.float32)
+        self.density = float(self._unpack(self.fired[sample]).mean())
         # Per-feature RMS of the inputs: dividing by it gives Adam equally scaled features.
         self.scale = np.maximum(np.sqrt(np.mean(sample_x * sample_x, axis=0)), 1e-6).astype(np.float32)
-        self.val_x /= self.scale  # held-out inputs as the training steps see them, once for every fit
+        self.train_x = self._scaled(0, self.n_train)
+        self.train_fired = np.array(self.fired[: self.n_train])
+        self.val_x = self._scaled(self.n_train, len(self.x))
+        self.val_y = self._unpack(self.fired[self.n_train :])
+
+    def _scaled(self, first: int, end: int, chunk: int = 4096) -> np.ndarray:
+        out = np.empty((end - first, self.x.shape[1]), np.float32)
+        for i in range(first, end, chunk):
+            block = out[i - first : min(i + chunk, end) - first]
+            block[:] = self.x[i : i + len(block)]
+            block /= self.scale
+        return out
+
+    def _unpack(self, packed: np.ndarray) -> np.ndarray:
+        return np.unpackbits(packed, axis=1, count=self.d_ff).view(bool)
 
     def batch(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Inputs as float32 and fired masks as bool for the (sorted) ``rows``."""
-        return (self.x[rows].astype(np.float32),
-                np.unpackbits(self.fired[rows], axis=1, count=self.d_ff).view(bool))
+        """Scaled float32 inputs and bool fired masks of training ``rows``."""
+        return self.train_x[rows], self._unpack(self.train_fired[rows])
 
 
 def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[PairStore, int]:
@@ -134,155 +165,94 @@ def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[
     return store, n - n_val
 
 
-# --- model and training ------------------------------------------------------------------------
+def too_few_pairs(profile_dir: Path, meta: dict, store: PairStore) -> str | None:
+    """A one-line warning when the profile holds fewer than PAIRS_PER_INPUT_DIM pairs per input
+    dimension, with the tokens (and pair storage) that would do; None when it holds enough."""
+    n, d_model = meta["pairs_capacity"], meta["d_model"]
+    needed = PAIRS_PER_INPUT_DIM * d_model
+    if n >= needed:
+        return None
+    advice = f"profile at least {needed} tokens"
+    if meta["tokens"] > n:  # the pairs were capped by their disk allowance, not by the tokens
+        pair_bytes = meta["n_layers"] * (store.x[0].strides[0] + store.fired[0].strides[0])
+        advice += f" with --pairs-mib {math.ceil(needed * pair_bytes / 2**20)} or more"
+    return (f"warning: {profile_dir}: {n} training pairs per layer for {d_model}-wide inputs; predictors of "
+            f"hard-to-predict layers need about {needed} ({PAIRS_PER_INPUT_DIM} per input dimension) to reach "
+            f"the recall target: {advice}")
 
 
-@dataclass
-class Quality:
-    """How a predictor does on held-out pairs, counted over every (token, neuron)."""
-
-    recall: float
-    precision: float
-    predicted_density: float
-    true_density: float
-
-
-def evaluate(xp, fc1, fc2, val_x: np.ndarray, val_y: np.ndarray) -> Quality:
-    tp = predicted = 0
-    for i in range(0, len(val_x), EVAL_BATCH):
-        pred = predict(xp, fc1, fc2, xp.asarray(val_x[i : i + EVAL_BATCH]))
-        tp += int((pred & xp.asarray(val_y[i : i + EVAL_BATCH])).sum())
-        predicted += int(pred.sum())
-    positives = int(val_y.sum())
-    return Quality(
-        recall=tp / positives if positives else 1.0,
-        precision=tp / predicted if predicted else 1.0,
-        predicted_density=predicted / val_y.size,
-        true_density=positives / val_y.size,
-    )
-
-
-class Adam:
-    def __init__(self, xp, params: list, lr: float, betas=(0.9, 0.999), eps=1e-8):
-        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
-        self.m = [xp.zeros_like(p) for p in params]
-        self.v = [xp.zeros_like(p) for p in params]
-        self.t = 0
-
-    def step(self, grads: list) -> None:
-        self.t += 1
-        b1, b2 = self.betas
-        scale = self.lr * math.sqrt(1 - b2**self.t) / (1 - b1**self.t)
-        for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            m *= b1
-            m += (1 - b1) * g
-            v *= b2
-            v += (1 - b2) * g * g
-            p -= scale * m / (v**0.5 + self.eps)
-
-
-def gradients(xp, w1, w2, x, y, pos_weight: float) -> list:
-    """Gradients of the class-weighted binary cross-entropy of ``logits = w2 · relu(w1 · x)``.
-
-    The loss is ``-w·y·log p - (1-y)·log(1-p)`` with ``p = sigmoid(logits)``,
-    summed over neurons and averaged over the batch; ``y`` is the bool fired mask.
-    """
-    hidden = xp.maximum(x @ w1.T, 0)
-    logits = hidden @ w2.T
-    prob = 0.5 * (1 + xp.tanh(0.5 * logits))  # sigmoid without overflow
-    g = xp.where(y, (pos_weight / len(x)) * (prob - 1), prob / len(x))  # d(loss)/d(logits)
-    g_hidden = (g @ w2) * (hidden > 0)
-    return [g_hidden.T @ x, g.T @ hidden]
-
-
-@dataclass
-class Fit:
-    hidden: int
-    fc1: np.ndarray  # [hidden, d_model] float32, input scaling folded in
-    fc2: np.ndarray  # [d_ff, hidden] float32
-    quality: Quality
-    pos_weight: float
-    epochs: int
-
-
-def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, seed: tuple[int, ...]) -> Fit:
-    """Train one MLP, steering the class weight until held-out recall reaches the target."""
-    rng = np.random.default_rng(seed)
-    scale = data.scale
-    d_model = data.x.shape[1]
-    # He initialisation for the ReLU layer, variance-preserving for the output layer.
-    w1 = xp.asarray((rng.standard_normal((hidden, d_model)) * math.sqrt(2 / d_model)).astype(np.float32))
-    w2 = xp.asarray((rng.standard_normal((data.d_ff, hidden)) * math.sqrt(1 / hidden)).astype(np.float32))
-    opt = Adam(xp, [w1, w2], settings.lr)
-    val_x, val_y = xp.asarray(data.val_x), xp.asarray(data.val_y)  # on the device once, not every epoch
-    # Start where a calibrated classifier would favour recall: positives weighted by sqrt(neg/pos).
-    density = min(max(data.density, 1e-4), 0.5)
-    pos_weight = math.sqrt((1 - density) / density)
-    batches = _batches(rng, data.n_train, settings.batch_size)
-    steps_per_epoch = max(data.n_train // settings.batch_size, settings.min_epoch_steps)
-    epoch = 0
-    while True:
-        for _ in range(steps_per_epoch):
-            x, y = data.batch(next(batches))
-            opt.step(gradients(xp, w1, w2, xp.asarray(x / scale), xp.asarray(y), pos_weight))
-        epoch += 1
-        quality = evaluate(xp, w1, w2, val_x, val_y)
-        short = quality.recall < settings.recall
-        if epoch >= settings.epochs and (not short or epoch >= settings.epochs + settings.extra_epochs):
-            break
-        if short:
-            pos_weight *= settings.weight_up
-        elif quality.recall > settings.recall + settings.recall_slack:
-            pos_weight /= settings.weight_down
-    fc1 = _to_numpy(w1) / scale  # fc1 · (x / s) == (fc1 / s) · x: the runtime feeds raw inputs
-    return Fit(hidden, fc1.astype(np.float32), _to_numpy(w2), quality, pos_weight, epoch)
-
-
-def _batches(rng: np.random.Generator, n: int, size: int):
-    """Endless mini-batches of row indices (sorted, for memory-mapped reads), reshuffled every pass."""
-    while True:
-        order = rng.permutation(n)
-        for i in range(0, n - size + 1, size):
-            yield np.sort(order[i : i + size])
-
-
-def _to_numpy(a) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
+# --- choosing each layer's predictor -----------------------------------------------------------
 
 
 def passes(fit: Fit, settings: TrainSettings) -> bool:
     return fit.quality.recall >= settings.recall and fit.quality.precision >= settings.min_precision
 
 
-def choose_predictor(data: LayerPairs, sizes: list[int], settings: TrainSettings, xp, layer: int,
-                     log=lambda message: None) -> tuple[Fit, list[Fit]]:
-    """The first size that passes; if none does, the best of those tried (recall first, then precision)."""
-    tried: list[Fit] = []
-    for hidden in sizes:
-        fit = fit_predictor(data, hidden, settings, xp, (settings.seed, layer, hidden))
-        tried.append(fit)
-        q = fit.quality
-        log(f"layer {layer}: hidden {hidden:5d}: recall {q.recall:.1%}, precision {q.precision:.1%}, "
-            f"computes {q.predicted_density:.1%} of neurons ({q.true_density:.1%} fire)")
-        if passes(fit, settings):
-            return fit, tried
-    best = max(tried, key=lambda f: (f.quality.recall >= settings.recall,
-                                     f.quality.precision if f.quality.recall >= settings.recall else f.quality.recall))
-    return best, tried
+def choose_predictor(sizes: list[int], start: int, fit, settings: TrainSettings) -> tuple[Fit, list[Fit], bool]:
+    """The layer's predictor, every candidate ``fit(hidden)`` trained, and whether it passes: the
+    bracketed search's choice (``predictors.search``), else the best trade-off among those tried."""
+    chosen, tried = search_sizes(sizes, start, fit, lambda f: passes(f, settings))
+    if chosen is None:
+        return best_trade_off(tried, settings.recall), tried, False
+    return chosen, tried, True
 
 
 def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, device: str = "auto",
                      force: bool = False, progress: bool = True) -> dict:
-    """Train (or finish training) every layer's predictor from a complete profile; return predictors.json."""
+    """Train (or finish training) every layer's predictor from a complete profile; return predictors.json.
+
+    One progress bar counts candidates over all layers (its total re-estimated after every layer
+    from the candidates per layer so far); every layer ends with a one-line result."""
     profile_dir, out = Path(profile_dir), Path(out)
     profile, _ = load_profile(profile_dir, require_complete=True)
     if not profile["pairs_capacity"]:
         raise PitoolsError(f"{profile_dir}: the profile holds no training pairs "
                            f"(none are recorded for {profile['architecture']} models)")
     xp = array_module(device)
+    identity = _identity(profile_dir, profile, settings)
+    state = _resume(out, identity, force)
+    store, n_train = open_pairs(profile_dir, profile, settings)  # every input check before the output exists
+    warning = too_few_pairs(profile_dir, profile, store)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    n_layers, d_ff, first = profile["n_layers"], profile["d_ff"], len(state.meta["layers"])
+    bar = progress_bar(total=(n_layers - first) * CANDIDATES_GUESS, unit="candidate", desc="predictors",
+                       enabled=progress)
+    log = bar.write if progress else (lambda message: None)
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    with bar:
+        for layer in range(first, n_layers):
+            started = time.monotonic()
+            sizes = _allowed_sizes(state.meta, layer, settings)
+            data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
+
+            def fit(hidden: int, layer=layer, sizes=sizes, data=data) -> Fit:
+                bar.set_description(f"predictors: layer {layer}, hidden {hidden}")
+                # The largest allowed size is trained to the end: the fallback when nothing passes.
+                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, layer, hidden),
+                                          may_stop_early=hidden != sizes[-1])
+                bar.update(1)
+                return candidate
+
+            start = state.meta["layers"][-1]["hidden"] if state.meta["layers"] else sizes[0]
+            chosen, tried, reached = choose_predictor(sizes, start, fit, settings)
+            state.set_layer(layer, chosen.fc1, chosen.fc2)
+            state.meta["layers"].append(_layer_entry(layer, chosen, tried, reached, profile))
+            state.meta["complete"] = layer + 1 == n_layers
+            state.save(out)
+            done, left = layer + 1 - first, n_layers - layer - 1
+            bar.total = bar.n + left * math.ceil(bar.n / done)
+            eta = (time.monotonic() - began) / done * left
+            log(_result_line(state.meta["layers"][-1], n_layers, time.monotonic() - started, eta))
+    return state.meta
+
+
+def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict:
+    """What predictors.json records of the profile and settings (a resumed run must match it)."""
     n_layers, d_model, d_ff = profile["n_layers"], profile["d_model"], profile["d_ff"]
     total_ffn = n_layers * ffn_params(profile["ffn"], d_model, d_ff)
-    identity = {
+    return {
         "format": FORMAT,
         "version": VERSION,
         "sparse_threshold": SPARSE_THRESHOLD,
@@ -296,35 +266,37 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
         "budget_params": int(settings.budget * total_ffn),
         "settings": asdict(settings),
     }
-    state = _resume(out, identity, force)
-    store, n_train = open_pairs(profile_dir, profile, settings)  # every input check before the output exists
+
+
+def _allowed_sizes(meta: dict, layer: int, settings: TrainSettings) -> list[int]:
+    """The ladder sizes within the layer's share of what the earlier layers left of the budget."""
+    d_model, d_ff, n_layers = meta["d_model"], meta["d_ff"], meta["n_layers"]
+    used = sum(predictor_params(e["hidden"], d_model, d_ff) for e in meta["layers"])
+    allowed = (meta["budget_params"] - used) / (n_layers - layer)
     ladder = hidden_ladder(d_ff)
-    bar = progress_bar(total=n_layers, initial=len(state.meta["layers"]), unit="layer", desc="predictors",
-                       enabled=progress)
-    log = bar.write if progress else (lambda message: None)
-    out.mkdir(parents=True, exist_ok=True)
-    with bar:
-        for layer in range(len(state.meta["layers"]), n_layers):
-            used = sum(predictor_params(e["hidden"], d_model, d_ff) for e in state.meta["layers"])
-            allowed = (identity["budget_params"] - used) / (n_layers - layer)
-            sizes = [h for h in ladder if predictor_params(h, d_model, d_ff) <= allowed]
-            if not sizes:
-                raise PitoolsError(
-                    f"the budget {settings.budget:.1%} of the FFN weights leaves layer {layer} "
-                    f"{max(allowed, 0):.0f} parameters, less than the smallest predictor "
-                    f"({predictor_params(ladder[0], d_model, d_ff)}); raise --budget"
-                )
-            data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
-            fit, tried = choose_predictor(data, sizes, settings, xp, layer, log)
-            state.set_layer(layer, fit.fc1, fit.fc2)
-            state.meta["layers"].append(_layer_entry(layer, fit, tried, d_model, d_ff))
-            state.meta["complete"] = layer + 1 == n_layers
-            state.save(out)
-            bar.update(1)
-    return state.meta
+    sizes = [h for h in ladder if predictor_params(h, d_model, d_ff) <= allowed]
+    if not sizes:
+        raise PitoolsError(
+            f"the budget {settings.budget:.1%} of the FFN weights leaves layer {layer} "
+            f"{max(allowed, 0):.0f} parameters, less than the smallest predictor "
+            f"({predictor_params(ladder[0], d_model, d_ff)}); raise --budget"
+        )
+    return sizes
 
 
-def _layer_entry(layer: int, fit: Fit, tried: list[Fit], d_model: int, d_ff: int) -> dict:
+def _result_line(entry: dict, n_layers: int, seconds: float, eta: float) -> str:
+    line = (f"layer {entry['layer']}/{n_layers}: hidden {entry['hidden']}, recall {entry['recall']:.1%}, "
+            f"precision {entry['precision']:.1%}, computes {entry['predicted_density']:.1%} of neurons "
+            f"({entry['true_density']:.1%} fire); {len(entry['tried'])} candidates in {_duration(seconds)}, "
+            f"about {_duration(eta)} left")
+    return line if entry["target_reached"] else line + "; best trade-off: target not reached"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def _layer_entry(layer: int, fit: Fit, tried: list[Fit], reached: bool, profile: dict) -> dict:
     q = fit.quality
     return {
         "layer": layer,
@@ -333,10 +305,13 @@ def _layer_entry(layer: int, fit: Fit, tried: list[Fit], d_model: int, d_ff: int
         "precision": q.precision,
         "predicted_density": q.predicted_density,
         "true_density": q.true_density,
-        "bytes": 4 * predictor_params(fit.hidden, d_model, d_ff),
+        "bytes": 4 * predictor_params(fit.hidden, profile["d_model"], profile["d_ff"]),
         "pos_weight": fit.pos_weight,
         "epochs": fit.epochs,
-        "tried": [{"hidden": f.hidden, "recall": f.quality.recall, "precision": f.quality.precision} for f in tried],
+        "target_reached": reached,
+        "tried": [{"hidden": f.hidden, "recall": f.quality.recall, "precision": f.quality.precision,
+                   "precision_at_target": f.quality.precision_at_target, "epochs": f.epochs,
+                   "stopped_early": f.stopped_early} for f in tried],
     }
 
 
