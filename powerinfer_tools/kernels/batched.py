@@ -1,0 +1,82 @@
+"""A sparse FFN for a block of tokens (a prompt): each token computes only the neurons it selected.
+
+The predictor picks ~12% of a layer's neurons per token, but over a 128-token prompt the union is
+nearly all of them, and multiplying every token by the union (``runtime/backends.py``'s block
+products: weight rows dequantized, then BLAS) does ~8x the work the predictor asked for. Here a
+selected neuron's gate and up rows are read once and dotted with just the tokens that selected it,
+through ggml's ``vec_dot`` on x encoded once per token, as decoding does (so a prompt's rounding is
+a decoded token's); the down projection then adds each token's selected rows of ``ffn_down_t``
+(``kernels.row_axpy``, the decoding kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from powerinfer_tools import kernels
+from powerinfer_tools.formats.model_spec import FFNKind
+from powerinfer_tools.kernels.numba_kernels import (
+    PREFETCH_ROWS,
+    ggml_from_float,
+    ggml_vec_dot,
+    prefetch_span,
+    use_threads,
+)
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.models.layers import activate
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_encoded, gate_out, up_out):
+    """``gate_out[t, i] = gate[rows[i]] · x[t]`` and ``up_out`` likewise, for the tokens
+    ``t in tokens[starts[i]:starts[i + 1]]`` that selected neuron i; other entries are left alone."""
+    n_tokens, cols = x.shape
+    for t in prange(n_tokens):
+        ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
+    row_bytes, xe, xe_stride = gate.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
+    g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
+    n_rows = rows.shape[0]
+    for i in prange(n_rows):
+        if i + PREFETCH_ROWS < n_rows:  # the rows are scattered: tell the cache which come next
+            ahead = rows[i + PREFETCH_ROWS] * row_bytes
+            prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            prefetch_span(up.ctypes.data + ahead, row_bytes)
+        g_row, u_row = gate.ctypes.data + rows[i] * row_bytes, up.ctypes.data + rows[i] * row_bytes
+        for k in range(starts[i], starts[i + 1]):  # the row stays in L1 for all of its tokens
+            t = tokens[k]
+            ggml_vec_dot(vec_dot, cols, g_out + t * out_stride + 4 * i, g_row, xe + t * xe_stride)
+            ggml_vec_dot(vec_dot, cols, u_out + t * out_stride + 4 * i, u_row, xe + t * xe_stride)
+
+
+def handles(gate: QuantMatrix | None, up: QuantMatrix, down_t: QuantMatrix | None) -> bool:
+    """Whether ``selected_ffn`` computes an FFN with these matrices: a gated one whose down projection
+    is stored neuron-major, gate and up of one type, with the compiled kernels loaded."""
+    return (gate is not None and down_t is not None and gate.qtype == up.qtype and kernels.available()
+            and up.cols % 32 == 0)
+
+
+def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: QuantMatrix, rows: np.ndarray,
+                 x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """FFN output ``[T, d_model]`` of ``x [T, d_model]`` where token t computes the neurons at ``rows[i]``
+    for which ``mask[t, i]`` is set, and no others (``handles`` must be true)."""
+    n_tokens, n = mask.shape
+    neuron, token = np.nonzero(mask.T)  # grouped by neuron, tokens ascending
+    starts = np.zeros(n + 1, dtype=np.intp)
+    np.cumsum(np.bincount(neuron, minlength=n), out=starts[1:])
+    rows = np.ascontiguousarray(rows, dtype=np.intp)
+    routine = kernels.ggml_routines().routines[gate.qtype]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    x_encoded = np.empty((n_tokens, routine.encoded_bytes(x.shape[1])), dtype=np.uint8)
+    gate_out = np.zeros((n_tokens, n), dtype=np.float32)
+    up_out = np.zeros((n_tokens, n), dtype=np.float32)
+    use_threads(kernels.get_threads())
+    _selected_dots(routine.from_float, routine.vec_dot, kernels.weight_bytes(gate), kernels.weight_bytes(up), rows,
+                   starts, token.astype(np.intp), x, x_encoded, gate_out, up_out)
+    activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (0, 0) is 0
+    out = np.zeros((n_tokens, down_t.cols), dtype=np.float32)
+    for t in range(n_tokens):
+        chosen = np.flatnonzero(mask[t])
+        if len(chosen):
+            out[t] = kernels.row_axpy(down_t, activated[t : t + 1, chosen], rows[chosen])[0]
+    return out
