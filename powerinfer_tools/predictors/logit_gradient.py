@@ -1,10 +1,11 @@
-"""The class-weighted binary cross-entropy's gradient with respect to the logits, fused (NumPy arrays).
+"""The class-weighted binary cross-entropy's gradient with respect to the logits, in place (NumPy arrays).
 
 On the TinyLlama shape a training step's logits are a [512, 5632] matrix. At small hidden sizes
-the step's matrix products are cheap and NumPy's elementwise sigmoid and ``where`` (six passes
-over that matrix, each allocating it) took ~80% of the step; this loop makes one pass, in place,
-on both cores (~3x less CPU time than NumPy's passes, measured single-threaded). Imported only
-when a NumPy trainer runs, so that the CLI does not load numba to start.
+the step's matrix products are cheap, and NumPy's sigmoid and ``where`` (six passes over that
+matrix, each allocating it) took ~80% of the step. Here NumPy's vectorised ``exp`` makes one pass
+and a compiled loop the other, in place (~6 ms of CPU against ~33 ms, single-threaded; a compiled
+loop calling ``exp`` itself took ~12 ms). Imported only when a NumPy trainer runs, so that the CLI
+does not load numba to start.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def logit_gradient_inplace(logits, fired, pos_scale, neg_scale):
+def logit_gradient_inplace(logits: np.ndarray, fired: np.ndarray, pos_scale: float, neg_scale: float) -> None:
     """Overwrite ``logits`` with ``pos_scale·(p - 1)`` where ``fired``, else ``neg_scale·p``, for
     ``p = sigmoid(logits)``."""
-    for i in prange(logits.shape[0]):
-        row, y = logits[i], fired[i]
+    np.negative(logits, out=logits)
+    np.exp(logits, out=logits)  # exp(-logit): an overflow to inf gives p = 0, as it should
+    _from_exp(logits, fired, pos_scale, neg_scale)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _from_exp(exp_neg, fired, pos_scale, neg_scale):
+    one = np.float32(1)  # float32 arithmetic for float32 arrays
+    for i in prange(exp_neg.shape[0]):
+        row, y = exp_neg[i], fired[i]
         for j in range(row.shape[0]):
-            p = 1 / (1 + np.exp(-row[j]))
-            row[j] = pos_scale * (p - 1) if y[j] else neg_scale * p
+            p = one / (one + row[j])
+            row[j] = pos_scale * (p - one) if y[j] else neg_scale * p
