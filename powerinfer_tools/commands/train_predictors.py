@@ -47,8 +47,12 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
     PowerInfer's runtime. Each layer gets the smallest hidden size
     of a ladder (8, 12, 16, 24, 32, 48, ...) that reaches --recall on held-out
     pairs at --min-precision, within what is left of --budget; easy layers
-    leave budget to harder ones. Written after every layer: run the same
-    command again after an interruption and it resumes.
+    leave budget to harder ones. The sizes are searched by doubling and
+    bisection from the previous layer's size, and a candidate whose learning
+    curve cannot pass is stopped early; a layer where no size passes keeps the
+    best trade-off and says so. A warning comes first when the profile holds
+    fewer than 10 pairs per input dimension. Written after every layer: run
+    the same command again after an interruption and it resumes.
 
     The folder holds predictors.safetensors (blk.N.fc1.weight, blk.N.fc2.weight)
     and predictors.json; `pitools convert --predictors` reads it. The report
