@@ -8,8 +8,9 @@ one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE, gated FF
 dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer as one numba call: the products
 are loops over weight rows calling ggml's ``vec_dot`` (the kernels' building blocks, fused so that
 a layer takes five fork/joins of the thread pool: q/k/v, attention, output projection, gate/up
-with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``), and the small work
-between them (norms, RoPE, the predictor) is compiled loops.
+with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``; the predictor's two
+products, on its stored rows, add one each only when the matrix is large), and the small work
+between them (norms, RoPE, the predictor's relu and threshold) is compiled loops.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
