@@ -235,10 +235,14 @@ def predictor_input(residual: np.ndarray) -> np.ndarray:
     return np.divide(residual, rms, out=np.zeros_like(residual), where=rms > 0).astype(residual.dtype)
 
 
+def pair_bytes(n_layers: int, d_model: int, d_ff: int) -> int:
+    """Disk bytes of one token's training pairs, all layers together."""
+    return n_layers * (d_model * np.dtype(PAIR_X_DTYPE).itemsize + (d_ff + 7) // 8)
+
+
 def pair_capacity(n_tokens: int, n_layers: int, d_model: int, d_ff: int, pairs_mib: int) -> int:
     """Training pairs that fit the disk cap: every token's when they fit, else fewer."""
-    bytes_per_token = n_layers * (d_model * np.dtype(PAIR_X_DTYPE).itemsize + (d_ff + 7) // 8)
-    return min(n_tokens, pairs_mib * 2**20 // bytes_per_token)
+    return min(n_tokens, pairs_mib * 2**20 // pair_bytes(n_layers, d_model, d_ff))
 
 
 # What readers of profile.json rely on: key -> (type, least value for numbers).

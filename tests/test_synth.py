@@ -10,9 +10,11 @@ import pytest
 from click.testing import CliRunner
 from gguf_fixtures import FAST_TRAINING, llama
 from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.formats.profile_folder import pair_capacity
 from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.solver.model_stats import read_model_stats
 
+from powerinfer_tools.benchmarking import synth as synth_module
 from powerinfer_tools.benchmarking.synth import (
     HARDNESS,
     P_MAX,
@@ -30,6 +32,7 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
+from powerinfer_tools.profiling.profiler import ProfileSettings
 
 
 def test_frequencies_have_the_planted_mean_and_a_power_law_skew():
@@ -150,6 +153,15 @@ def test_refusals(tmp_path, synthesized_tiny):
         Planting(density=1.5)
     with pytest.raises(PitoolsError, match="exists"):
         synthesize("test-tiny", synthesized_tiny.powerinfer)
+
+
+@pytest.mark.parametrize("shape", ["tinyllama-1.1b", "llama-7b"])
+def test_synth_keeps_every_profiled_tokens_training_pairs(shape):
+    """Hard models need many pairs per input dimension: a 50,000-token profile keeps all 50,000
+    (the profiler's default cap would keep ~10,000 at the TinyLlama shape)."""
+    s = SHAPES[shape]
+    assert pair_capacity(50_000, s.n_layers, s.d_model, s.d_ff, synth_module._pairs_mib(s, 50_000)) == 50_000
+    assert pair_capacity(50_000, s.n_layers, s.d_model, s.d_ff, ProfileSettings(seq_len=1024).pairs_mib) < 20_000
 
 
 def test_cli_prints_a_json_summary(tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ from powerinfer_tools.conversion.convert import DENSE_SUFFIX, POWERINFER_SUFFIX,
 from powerinfer_tools.conversion.sparsify import SparsifySettings, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
+from powerinfer_tools.formats.profile_folder import pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
 from powerinfer_tools.formats.tensor_table import LLAMA
 from powerinfer_tools.interfaces import FFNTracer
@@ -404,9 +405,16 @@ class SynthResult:
         }
 
 
-def _disk_needed(shape: Shape, outtype: str) -> int:
+def _pairs_mib(shape: Shape, profile_tokens: int) -> int:
+    """A pairs cap that keeps every profiled token's training pairs: a synthetic model is profiled
+    to train its predictors, and hard ones need many samples per input dimension."""
+    return -(-profile_tokens * pair_bytes(shape.n_layers, shape.d_model, shape.d_ff) // 2**20)
+
+
+def _disk_needed(shape: Shape, outtype: str, profile_tokens: int) -> int:
     bytes_per_param = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[outtype]
-    return int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1)  # f16 checkpoint + two outputs
+    pairs = profile_tokens * pair_bytes(shape.n_layers, shape.d_model, shape.d_ff)
+    return int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + pairs  # f16 checkpoint, two outputs, pairs
 
 
 def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
@@ -430,7 +438,7 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
         check_writable_output(path, force)
     work = Path(work) if work is not None else work_folder(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    needed, free = _disk_needed(shape, outtype), shutil.disk_usage(output.parent).free
+    needed, free = _disk_needed(shape, outtype, profile_tokens), shutil.disk_usage(output.parent).free
     if needed > free:
         raise PitoolsError(f"{shape_name} at {outtype} needs about {format_size(needed)} of disk "
                            f"(f16 checkpoint and two model files), {output.parent} has {format_size(free)}")
@@ -450,7 +458,8 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
     profiler = Profiler(activations, f"synthetic {shape_name}", tokens,
                         [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
-                        ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed))
+                        ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,
+                                        pairs_mib=_pairs_mib(shape, profile_tokens)))
     profiler.run(force=not resumed, progress=progress)
     profile_report, _ = write_report(profile_dir)
     with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
