@@ -80,12 +80,13 @@ def run_decoding(p: Predictor, x: np.ndarray) -> np.ndarray:
 
 
 def profile_layers(profile: Path, predictors: Path, tokens: int):
-    """Per layer: (fc1, fc2, inputs, fired) from the profile's held-out pairs and the predictor folder."""
+    """Per layer: (fc1, fc2, inputs, fired) from the profile's held-out pairs and the predictor folder (its
+    finished layers: the first ones, when it is incomplete)."""
     meta, _ = load_profile(profile, require_complete=True)
     folder = read_predictors(predictors)
     store, n_train = open_pairs(profile, meta, TrainSettings())
     held_out = np.arange(n_train, min(n_train + tokens, meta["pairs_capacity"]))
-    for layer in range(meta["n_layers"]):
+    for layer in range(len(folder.meta["layers"])):
         x = store.x[layer][held_out].astype(np.float32)
         fired = np.unpackbits(store.fired[layer][held_out], axis=1, count=meta["d_ff"]).view(bool)
         fc1, fc2 = (np.asarray(w, dtype=np.float32) for w in folder.layer(layer))
