@@ -19,7 +19,7 @@ from powerinfer_tools.formats.constants import predictor_names, tensor_name
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.predictor_folder import predict
-from powerinfer_tools.formats.quantization import decode, encode
+from powerinfer_tools.formats.quantization import decode, encode, tensor_type
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.backends import CpuBackend, EmulatedDevice
@@ -181,3 +181,32 @@ def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, h
     assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
     assert compiled.stats.neurons_active == general.stats.neurons_active
     assert relative_error(*logits) < 1e-4
+
+
+def test_predictors_in_a_type_the_kernels_lack_load_as_f16(q4_0_models, tmp_path, monkeypatch):
+    """PowerInfer's own quantizer writes q5_0 predictors into non-q4_0 models: they load as f16, every value
+    within f16 rounding of the stored one."""
+    import powerinfer_tools.conversion.convert as conversion
+
+    predictor_tensors = set(predictor_names(0) + predictor_names(1))
+
+    def q5_0_predictors(name, shape, outtype, *, is_output):
+        return Q.Q5_0 if name in predictor_tensors else tensor_type(name, shape, outtype, is_output=is_output)
+
+    monkeypatch.setattr(conversion, "tensor_type", q5_0_predictors)
+    source = open_model_file(q4_0_models[32])
+    folder = tmp_path / "pred"
+    save_predictors(folder, [tuple(source[name].dequantize() for name in predictor_names(i)) for i in range(2)])
+    path, _ = convert(str(q4_0_models[32].parent / "model"), tmp_path / "q5.gguf", outtype="q4_0",
+                      predictors=folder, progress=False)
+    stored_file = open_model_file(path)
+    model = load_runtime_model(path)
+    for i, layer in enumerate(model.layers):
+        p = layer.dense.predictor
+        for m, name in zip((p.fc1, p.fc2), predictor_names(i)):
+            assert stored_file[name].qtype is Q.Q5_0 and m.qtype is Q.F16
+            values = stored_file[name].dequantize()
+            np.testing.assert_allclose(m.dequantize_rows(), values, rtol=2.0**-11, atol=2.0**-24)
+    model.mode = FFNMode.SPARSE
+    stepwise_logits(model)
+    assert 0 < model.stats.neurons_active < model.stats.neurons_total
