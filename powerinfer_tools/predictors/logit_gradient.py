@@ -18,7 +18,8 @@ def logit_gradient_inplace(logits: np.ndarray, fired: np.ndarray, pos_scale: flo
     """Overwrite ``logits`` with ``pos_scale·(p - 1)`` where ``fired``, else ``neg_scale·p``, for
     ``p = sigmoid(logits)``."""
     np.negative(logits, out=logits)
-    np.exp(logits, out=logits)  # exp(-logit): an overflow to inf gives p = 0, as it should
+    with np.errstate(over="ignore"):  # exp(-logit) overflowing to inf gives p = 0, as it should
+        np.exp(logits, out=logits)
     _from_exp(logits, fired, pos_scale, neg_scale)
 
 

@@ -287,9 +287,13 @@ def _allowed_sizes(meta: dict, layer: int, settings: TrainSettings) -> list[int]
 def _result_line(entry: dict, n_layers: int, seconds: float, eta: float) -> str:
     line = (f"layer {entry['layer']}/{n_layers}: hidden {entry['hidden']}, recall {entry['recall']:.1%}, "
             f"precision {entry['precision']:.1%}, computes {entry['predicted_density']:.1%} of neurons "
-            f"({entry['true_density']:.1%} fire); {len(entry['tried'])} candidates in {_duration(seconds)}, "
+            f"({entry['true_density']:.1%} fire); {_count(len(entry['tried']), 'candidate')} in {_duration(seconds)}, "
             f"about {_duration(eta)} left")
     return line if entry["target_reached"] else line + "; best trade-off: target not reached"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _duration(seconds: float) -> str:
