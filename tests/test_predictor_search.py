@@ -18,7 +18,6 @@ class Fake:
     hidden: int
     recall: float = 0.0
     precision: float = 0.0
-    stopped_early: bool = False
 
 
 def search(sizes, start, smallest_passing):
@@ -62,6 +61,3 @@ def test_best_trade_off():
     assert best_trade_off(at_target, 0.95).hidden == 16  # reaching recall: the most precise
     short = [Fake(8, 0.90, 0.30), Fake(16, 0.92, 0.20), Fake(32, 0.92, 0.25)]
     assert best_trade_off(short, 0.95).hidden == 32  # none reaches it: highest recall, then precision
-    stopped = [Fake(8, 0.99, 0.9, stopped_early=True), Fake(384, 0.93, 0.4)]
-    assert best_trade_off(stopped, 0.95).hidden == 384  # fully trained candidates first
-    assert best_trade_off(stopped[:1], 0.95).hidden == 8

@@ -143,10 +143,9 @@ class Fit:
         return self.quality.precision
 
 
-def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, seed: tuple[int, ...],
-                  may_stop_early: bool = True) -> Fit:
+def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, seed: tuple[int, ...]) -> Fit:
     """Train one MLP, steering the class weight until held-out recall reaches the target; stop
-    early (when ``may_stop_early``) once the curve shows it cannot pass."""
+    early once the curve shows it cannot pass."""
     rng = np.random.default_rng(seed)
     d_model = data.train_x.shape[1]
     # He initialisation for the ReLU layer, variance-preserving for the output layer.
@@ -167,7 +166,7 @@ def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, se
         quality = evaluate(xp, w1, w2, val_x, val_y, settings.recall)
         curve.append(quality.precision_at_target)
         short = quality.recall < settings.recall
-        stop = (may_stop_early and (short or quality.precision < settings.min_precision)
+        stop = ((short or quality.precision < settings.min_precision)
                 and cannot_pass(curve, settings.min_precision, settings.epochs - len(curve)))
         if stop or (len(curve) >= settings.epochs
                     and (not short or len(curve) >= settings.epochs + settings.extra_epochs)):

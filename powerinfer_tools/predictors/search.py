@@ -16,9 +16,12 @@ monotone in the size, and the search looks for the smallest passing size among t
 
 When no allowed size passes, ``best_trade_off`` picks among those tried: the most
 precise of the sizes that reach the recall target, or, when none reaches it, the
-highest recall (ties: the higher precision). Candidates stopped early (their learning
-curve could not reach the target) are not compared with fully trained ones unless
-nothing else was tried.
+highest recall (ties: the higher precision). Those candidates were stopped early
+(after the epochs that showed they cannot pass); training the fallback to the end
+instead cost more than all the other candidates of a layer together on a hard model
+(the largest size, all extra epochs) and bought recall with precision (TinyLlama
+shape, 10k pairs, hidden 384: held-out recall 84% → 89% and precision 56% → 46%
+from 3 epochs to 12).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ class Candidate(Protocol):
     hidden: int
     recall: float
     precision: float
-    stopped_early: bool
 
 
 def search_sizes(sizes: list[int], start: int, fit: Callable[[int], Candidate],
@@ -86,7 +88,6 @@ def _bracket_up(failing: int, last: int, trial: Callable[[int], bool]) -> tuple[
 
 def best_trade_off(tried: list[Candidate], recall_target: float) -> Candidate:
     """The fallback when no size passes (rule in the module docstring)."""
-    complete = [c for c in tried if not c.stopped_early] or tried
-    return max(complete, key=lambda c: (c.recall >= recall_target,
+    return max(tried, key=lambda c: (c.recall >= recall_target,
                                         c.precision if c.recall >= recall_target else c.recall,
                                         c.precision))

@@ -227,11 +227,9 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
             sizes = _allowed_sizes(state.meta, layer, settings)
             data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
 
-            def fit(hidden: int, layer=layer, sizes=sizes, data=data) -> Fit:
+            def fit(hidden: int, layer=layer, data=data) -> Fit:
                 bar.set_description(f"predictors: layer {layer}, hidden {hidden}")
-                # The largest allowed size is trained to the end: the fallback when nothing passes.
-                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, layer, hidden),
-                                          may_stop_early=hidden != sizes[-1])
+                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, layer, hidden))
                 bar.update(1)
                 return candidate
 
