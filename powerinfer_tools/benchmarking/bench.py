@@ -435,9 +435,10 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 
 
 def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_gbs: float | None,
-           bandwidth_source: str = "") -> dict:
+           bandwidth_source: str = "", predictors: dict | None = None) -> dict:
     """The JSON report: the CPU, settings, every engine's summary and settings, and the ratios against
-    llama.cpp (and of sparse against PowerInfer's runtime)."""
+    llama.cpp (and of sparse against PowerInfer's runtime); ``predictors``: the sparse model's
+    ``predictor_summary``."""
     out = {
         "cpu": cpu_description(),
         "settings": asdict(settings),
@@ -446,8 +447,8 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
         "bandwidth_source": bandwidth_source,
         "engines": {name: r.summary(bandwidth_gbs) for name, r in results.items()},
     }
-    if SPARSE in results:
-        out["predictors"] = predictor_summary(Path(results[SPARSE].path))
+    if predictors is not None:
+        out["predictors"] = predictors
     for base_name, key in ((LLAMA_CPP, "llamacpp"), (POWERINFER, "powerinfer")):
         base = results.get(base_name)
         names = (SPARSE, DENSE, POWERINFER) if base_name == LLAMA_CPP else (SPARSE,)

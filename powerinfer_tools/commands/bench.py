@@ -14,6 +14,7 @@ from powerinfer_tools.benchmarking.bench import (
     BenchSettings,
     format_report,
     measure_bandwidth,
+    predictor_summary,
     report,
     run_bench,
 )
@@ -104,5 +105,5 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
         log("probing memory bandwidth (as `pitools probe`) ...")
         bandwidth, source = measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
     results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log, powerinfer)
-    rep = report(results, settings, bandwidth, source)
+    rep = report(results, settings, bandwidth, source, predictor_summary(model) if SPARSE in results else None)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
