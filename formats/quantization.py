@@ -56,16 +56,18 @@ OUTTYPES = {
 }
 
 
-# The type of the predictors by the file's weight type. PowerInfer's quantizer stores them as q4_0 in a
-# q4_0 model and q5_0 otherwise; the kernels have no q5_0, and q8_0 keeps held-out recall within
-# 0.1 points of float32 at 53% of f16's bytes (docs/kernels.md, "Predictors"). PowerInfer's runtime
-# computes them with ggml_mul_mat, which takes q8_0 (its own convert.py writes q8_0 predictors into
-# q8_0 files). An f32 file is the unrounded one: everything in it stays f32.
-PREDICTOR_TYPES = {F32: F32, F16: Q8_0, Q8_0: Q8_0, Q4_0: Q4_0}
-_PREDICTOR_NAME = re.compile("|".join(
-    re.escape(POWERINFER_TENSOR_NAMES[t]).replace(re.escape("{bid}"), r"\d+") + r"\.weight"
+# The types of the predictors (fc1, fc2) by the file's weight type. PowerInfer's quantizer stores both
+# as q4_0 in a q4_0 model and q5_0 otherwise; the kernels have no q5_0, and q8_0 keeps held-out recall
+# within 0.1 points of float32 at 53% of f16's bytes (docs/kernels.md, "Predictors"). In a q4_0 file
+# fc1 is q4_0 too, but fc2 stays q8_0: a q4_0 fc2 cost 0.5-1.0 points of recall (below the training
+# target, which is measured in float32), q8_0 0.1 at most, for 1.65x the predictor bytes (~1% of a
+# sparse token's). PowerInfer's runtime computes them with ggml_mul_mat, which takes any of these
+# (its own convert.py writes q8_0 predictors). An f32 file is the unrounded one: everything stays f32.
+PREDICTOR_TYPES = {F32: (F32, F32), F16: (Q8_0, Q8_0), Q8_0: (Q8_0, Q8_0), Q4_0: (Q4_0, Q8_0)}
+_PREDICTOR_NAMES = [  # fc1, fc2
+    re.compile(re.escape(POWERINFER_TENSOR_NAMES[t]).replace(re.escape("{bid}"), r"\d+") + r"\.weight")
     for t in (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)
-))
+]
 
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_output: bool) -> GGMLQuantizationType:
@@ -79,8 +81,9 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_outpu
     if name.startswith("position_embd."):
         return F32
     wanted = outtype.weight_type
-    if _PREDICTOR_NAME.fullmatch(name):
-        wanted = PREDICTOR_TYPES[wanted]
+    for part, pattern in enumerate(_PREDICTOR_NAMES):
+        if pattern.fullmatch(name):
+            wanted = PREDICTOR_TYPES[wanted][part]
     if wanted is Q4_0 and is_output:
         wanted = Q8_0
     block_size = GGML_QUANT_SIZES[wanted][0]

@@ -96,6 +96,8 @@ def expected_type(name: str, outtype: str, shape: tuple[int, ...]) -> T:
     wanted = {"f32": T.F32, "f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[outtype]
     if name.endswith((".fc1.weight", ".fc2.weight")) and outtype == "f16":
         wanted = T.Q8_0  # predictors: q8_0 in an f16 file (formats/quantization.py, PREDICTOR_TYPES)
+    if name.endswith(".fc2.weight") and outtype == "q4_0":
+        wanted = T.Q8_0  # and fc2 q8_0 in a q4_0 file
     if wanted not in (T.F32, T.F16) and shape[-1] % 32:
         return T.F16
     return T.Q8_0 if wanted is T.Q4_0 and name == "output.weight" else wanted

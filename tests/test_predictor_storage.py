@@ -129,7 +129,7 @@ def q4_0_models(tmp_path_factory):
     return files
 
 
-@pytest.mark.parametrize("hidden,fc2_type", [(12, Q.F16), (32, Q.Q4_0)])
+@pytest.mark.parametrize("hidden,fc2_type", [(12, Q.F16), (32, Q.Q8_0)])  # fc2: PREDICTOR_TYPES
 def test_runtime_keeps_predictors_in_their_stored_type_and_counts_those_bytes(q4_0_models, hidden, fc2_type):
     path = q4_0_models[hidden]
     stored_file = open_model_file(path)
