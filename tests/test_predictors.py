@@ -265,6 +265,7 @@ def test_unreachable_layer_keeps_the_best_trade_off_and_training_goes_on(tmp_pat
     # 0.6 x 3 x 16 x 32 / (16 + 32) = 19.2 hidden units).
     assert [t["hidden"] for t in noise["tried"]] == [8, 16]
     assert all(t["stopped_early"] for t in noise["tried"])
+    assert easy["tried"][0]["hidden"] == 16  # the next layer starts at the largest size tried when none passed
     best = max(noise["tried"], key=lambda t: (t["recall"], t["precision"]))  # none reaches the recall target
     assert noise["hidden"] == best["hidden"] and noise["recall"] == best["recall"] < settings.recall
     lines = capsys.readouterr().err.splitlines()  # stderr is not a terminal here: plain lines

@@ -6,7 +6,8 @@ monotone in the size, and the search looks for the smallest passing size among t
 ``sizes`` the layer's share of the budget allows, in O(log) candidates:
 
 1. Start at ``start`` (the trainer passes the size the previous layer chose, or the
-   smallest size for the first layer: neighbouring layers tend to need similar sizes).
+   largest it tried when none passed there, or the smallest size for the first layer:
+   neighbouring layers tend to need similar sizes).
 2. If the start fails, double (two ladder steps) until a size passes or the largest
    allowed size has failed. If it passes, try the size one ladder step below, then
    keep halving while sizes pass: a neighbour that fails settles it at once, and

@@ -233,7 +233,7 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
                 bar.update(1)
                 return candidate
 
-            start = state.meta["layers"][-1]["hidden"] if state.meta["layers"] else sizes[0]
+            start = _search_start(state.meta["layers"], sizes)
             chosen, tried, reached = choose_predictor(sizes, start, fit, settings)
             state.set_layer(layer, chosen.fc1, chosen.fc2)
             state.meta["layers"].append(_layer_entry(layer, chosen, tried, reached, profile))
@@ -264,6 +264,16 @@ def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict
         "budget_params": int(settings.budget * total_ffn),
         "settings": asdict(settings),
     }
+
+
+def _search_start(finished: list[dict], sizes: list[int]) -> int:
+    """The previous layer's size, or the largest it tried when none passed there (every smaller one
+    failed too); the smallest allowed size for the first layer."""
+    if not finished:
+        return sizes[0]
+    previous = finished[-1]
+    reached = previous.get("target_reached", True)  # absent in folders whose layers all predate the field
+    return previous["hidden"] if reached else max(t["hidden"] for t in previous["tried"])
 
 
 def _allowed_sizes(meta: dict, layer: int, settings: TrainSettings) -> list[int]:
