@@ -164,6 +164,16 @@ def test_synth_keeps_every_profiled_tokens_training_pairs(shape):
     assert pair_capacity(50_000, s.n_layers, s.d_model, s.d_ff, ProfileSettings(seq_len=1024).pairs_mib) < 20_000
 
 
+def test_a_shape_with_fewer_layers(tmp_path):
+    result = synthesize("test-tiny", tmp_path / "l.powerinfer.gguf", "q8_0", profile_tokens=256, train=FAST_TRAINING,
+                        progress=False, layers=1)
+    assert result.shape == "test-tiny, 1 layers" and len(result.predictors["layers"]) == 1
+    for path in (result.powerinfer, result.dense):
+        model = open_model_file(path)
+        assert model.get("{arch}.block_count") == 1
+        assert model.get("{arch}.embedding_length") == SHAPES["test-tiny"].d_model
+
+
 def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
     monkeypatch.setattr("powerinfer_tools.benchmarking.synth.SYNTH_TRAINING", FAST_TRAINING)
     result = CliRunner().invoke(cli, ["synth", "--shape", "test-tiny", "-o", str(tmp_path / "t.powerinfer.gguf"),

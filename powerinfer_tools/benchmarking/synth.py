@@ -33,6 +33,7 @@ latent space: a predictor with 2(r+1) hidden units represents the rest exactly (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -419,9 +420,11 @@ def _disk_needed(shape: Shape, outtype: str, profile_tokens: int) -> int:
 
 def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
                profile_tokens: int = 4096, train: TrainSettings | None = None, work: Path | None = None,
-               keep_work: bool = False, force: bool = False, progress: bool = True) -> SynthResult:
+               keep_work: bool = False, force: bool = False, progress: bool = True,
+               layers: int | None = None) -> SynthResult:
     """Write the PowerInfer GGUF ``output`` (with predictors) and its dense companion (``dense_companion``)
-    for ``shape``, a name in ``SHAPES`` or a ``Shape``.
+    for ``shape``, a name in ``SHAPES`` or a ``Shape``, with ``layers`` layers instead of its own
+    when given (a quicker model of the same widths).
 
     ``train`` defaults to ``SYNTH_TRAINING``; the f16 checkpoint, profile and predictors go to ``work``
     (default: beside ``output``), deleted at the end unless ``keep_work``.
@@ -432,6 +435,8 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
         shape_name, shape = shape, SHAPES[shape]
     else:
         shape_name = "custom"
+    if layers is not None and layers != shape.n_layers:
+        shape_name, shape = f"{shape_name}, {layers} layers", dataclasses.replace(shape, n_layers=layers)
     output = Path(output)
     dense = dense_companion(output)
     for path in (output, dense):

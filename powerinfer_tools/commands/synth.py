@@ -19,6 +19,9 @@ from powerinfer_tools.formats.quantization import OUTTYPES
               help="PowerInfer GGUF to write (name it *.powerinfer.gguf: the dense file is then *.gguf).")
 @click.option("--density", type=float, default=0.1, show_default=True,
               help="Mean fraction of FFN neurons that fire per token.")
+@click.option("--layers", type=click.IntRange(min=1), default=None,
+              help="Layers, instead of the shape's own: a quicker model of the same widths (its ratios weigh "
+                   "the output matrix more) [default: the shape's].")
 @click.option("--hardness", type=click.Choice(list(HARDNESS)), default="easy", show_default=True,
               help="How hard firing is to predict: sets --rank, --noise and --min-precision (each can be "
                    "overridden). hard: predictors of ~1/8 of d_model, as published ones are, that must compute "
@@ -44,7 +47,7 @@ from powerinfer_tools.formats.quantization import OUTTYPES
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, hardness, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work,
+def synth(shape, output, density, layers, hardness, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work,
           keep_work, force, as_json, quiet) -> None:
     """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
 
@@ -71,7 +74,7 @@ def synth(shape, output, density, hardness, outtype, rank, noise, profile_tokens
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
     result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train, work=work,
-                        keep_work=keep_work, force=force, progress=not quiet)
+                        keep_work=keep_work, force=force, progress=not quiet, layers=layers)
     summary = result.summary()
     if as_json:
         click.echo(json.dumps(summary, indent=2))
