@@ -155,11 +155,11 @@ def test_interrupted_training_resumes_at_the_next_layer(profile_dir, trained, tm
     real_fit = predictors.fit_predictor
     fitted_layers = []
 
-    def fit_until_layer_1(data, hidden, settings, xp, seed, **options):
+    def fit_until_layer_1(data, hidden, settings, xp, seed):
         fitted_layers.append(seed[1])
         if seed[1] == 1:
             raise KeyboardInterrupt
-        return real_fit(data, hidden, settings, xp, seed, **options)
+        return real_fit(data, hidden, settings, xp, seed)
 
     monkeypatch.setattr(predictors, "fit_predictor", fit_until_layer_1)
     with pytest.raises(KeyboardInterrupt):
@@ -168,7 +168,7 @@ def test_interrupted_training_resumes_at_the_next_layer(profile_dir, trained, tm
     assert [e["layer"] for e in partial["layers"]] == [0] and not partial["complete"]
 
     fitted_layers.clear()
-    monkeypatch.setattr(predictors, "fit_predictor", lambda *a, **o: fitted_layers.append(a[4][1]) or real_fit(*a, **o))
+    monkeypatch.setattr(predictors, "fit_predictor", lambda *a: fitted_layers.append(a[4][1]) or real_fit(*a))
     resumed = train_predictors(profile_dir, tmp_path, FAST, device="cpu", progress=False)
     assert set(fitted_layers) == {1}  # layer 0 was not trained again
     assert resumed["layers"] == reference["layers"]  # and the seeded run is reproducible
