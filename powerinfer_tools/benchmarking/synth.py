@@ -418,6 +418,19 @@ def _disk_needed(shape: Shape, outtype: str, profile_tokens: int) -> int:
     return int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + pairs  # f16 checkpoint, two outputs, pairs
 
 
+def _named_shape(shape: str | Shape, layers: int | None) -> tuple[str, Shape]:
+    """The shape and its name for reports: a name in ``SHAPES`` or "custom", with ``layers`` layers."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise PitoolsError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+        name, shape = shape, SHAPES[shape]
+    else:
+        name = "custom"
+    if layers is not None and layers != shape.n_layers:
+        return f"{name}, {layers} layers", dataclasses.replace(shape, n_layers=layers)
+    return name, shape
+
+
 def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
                profile_tokens: int = 4096, train: TrainSettings | None = None, work: Path | None = None,
                keep_work: bool = False, force: bool = False, progress: bool = True,
@@ -429,14 +442,7 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     ``train`` defaults to ``SYNTH_TRAINING``; the f16 checkpoint, profile and predictors go to ``work``
     (default: beside ``output``), deleted at the end unless ``keep_work``.
     """
-    if isinstance(shape, str):
-        if shape not in SHAPES:
-            raise PitoolsError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
-        shape_name, shape = shape, SHAPES[shape]
-    else:
-        shape_name = "custom"
-    if layers is not None and layers != shape.n_layers:
-        shape_name, shape = f"{shape_name}, {layers} layers", dataclasses.replace(shape, n_layers=layers)
+    shape_name, shape = _named_shape(shape, layers)
     output = Path(output)
     dense = dense_companion(output)
     for path in (output, dense):
