@@ -267,13 +267,10 @@ def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict
 
 
 def _search_start(finished: list[dict], sizes: list[int]) -> int:
-    """The previous layer's size, or the largest it tried when none passed there (every smaller one
-    failed too); the smallest allowed size for the first layer."""
-    if not finished:
-        return sizes[0]
-    previous = finished[-1]
-    reached = previous.get("target_reached", True)  # absent in folders whose layers all predate the field
-    return previous["hidden"] if reached else max(t["hidden"] for t in previous["tried"])
+    """The size the previous layer chose (its best trade-off when none passed: starting at the
+    largest it tried instead kept a hard layer at that size when the budget had grown, 81.1% recall
+    against 82.8% one step down); the smallest allowed size for the first layer."""
+    return finished[-1]["hidden"] if finished else sizes[0]
 
 
 def _allowed_sizes(meta: dict, layer: int, settings: TrainSettings) -> list[int]:
