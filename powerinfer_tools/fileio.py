@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -45,46 +44,35 @@ def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     The temporary file lives in the same directory so the final rename is atomic
     and never crosses file systems. On any exception (Ctrl-C and SIGTERM included:
     the command line turns SIGTERM into an interruption) it is removed. The result
-    gets the permissions of a file created under the user's umask (``mkstemp``
-    creates 0600).
+    gets the permissions of a file created under the user's umask (it is 0600
+    while it is written).
     """
     path = Path(path)
-    # Ctrl-C or SIGTERM between creating the file and entering the ``try`` below would leave it
-    # behind: they are held back until then, and arrive inside the ``try``.
-    held = _hold_interrupts()
+    # The name is chosen before the file exists, so that the cleanup below knows it whenever Ctrl-C or
+    # SIGTERM lands, even between creating the file and returning from the call that created it
+    # (a name from mkstemp is not known there). 64 random bits: no other file has it.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}{suffix}.tmp"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".tmp", dir=path.parent)
-    except OSError as exc:
-        _release_interrupts(held)
-        raise PitoolsError(f"{path}: cannot write output: {exc.strerror or exc}") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        _release_interrupts(held)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            raise PitoolsError(f"{path}: cannot write output: {exc.strerror or exc}") from None
         yield tmp
         os.chmod(tmp, 0o666 & ~_current_umask())
         os.replace(tmp, path)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise PitoolsError(f"{path}: could not write output: {exc.strerror or exc}") from exc
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
 
 
-_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
-
-
-def _hold_interrupts():
-    """Block SIGINT and SIGTERM (where the platform can); the mask to restore."""
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS) if hasattr(signal, "pthread_sigmask") else None
-
-
-def _release_interrupts(previous) -> None:
-    """Restore the mask; a signal that came meanwhile is handled now (CPython runs its handler here)."""
-    if previous is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+def _remove(tmp: Path) -> None:
+    """Remove a temporary file if it is there; never raise over the error being reported."""
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def read_json(path: Path):

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def test_a_denied_temporary_file_is_one_error(tmp_path, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    monkeypatch.setattr(os, "open", denied)
     with pytest.raises(PitoolsError, match="cannot write output: Permission denied"):
         with atomic_output(tmp_path / "out.bin"):
             pass
@@ -88,16 +87,16 @@ def test_outputs_get_the_permissions_of_the_umask(tmp_path, umask):
 
 
 def test_an_interrupt_just_after_the_temporary_file_is_made_removes_it(tmp_path, monkeypatch):
-    """The window the signal test below hits now and then, made certain: Ctrl-C lands the moment
-    mkstemp has created the file, before the writer holds its name."""
-    make = tempfile.mkstemp
+    """The window the signal test below hit now and then, made certain: Ctrl-C lands the moment the
+    temporary file exists, before the call that created it has returned."""
+    create = os.open
 
-    def mkstemp_then_interrupt(*args, **kwargs):
-        made = make(*args, **kwargs)
+    def open_then_interrupt(*args, **kwargs):
+        fd = create(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGINT)
-        return made
+        return fd
 
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_interrupt)
+    monkeypatch.setattr(os, "open", open_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         with atomic_output(tmp_path / "out.bin") as tmp:
             tmp.write_bytes(b"x")
