@@ -135,6 +135,33 @@ def test_thread_count_does_not_change_results(qtype):
 
 
 @pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_token_adds_just_the_rows_it_selected(qtype, threads):
+    # A prompt's down projection reads each row once for the tokens that selected it; every token's
+    # sum must be the one a decoded token computes with its own rows (the same arithmetic, bit for bit).
+    from powerinfer_tools.kernels.numba_kernels import axpy_selected
+
+    kernels.set_threads(threads)
+    m = make(qtype, 120, 96, seed=12)
+    rng = np.random.default_rng(13)
+    rows = rng.permutation(120)[:50]
+    mask = rng.random((9, 50)) < 0.3
+    mask[4] = False  # a token that selected nothing gets nothing
+    coeffs = np.where(mask, rng.standard_normal(mask.shape), 0).astype(np.float32)
+    neuron, token = np.nonzero(mask.T)
+    starts = np.concatenate([[0], np.cumsum(np.bincount(neuron, minlength=50))]).astype(np.intp)
+    out = np.zeros((9, 96), np.float32)
+    axpy_selected(int(m.qtype), kernels.weight_bytes(m), rows.astype(np.intp), starts, token.astype(np.intp),
+                  coeffs, out, threads)
+    for t in range(9):
+        own = np.flatnonzero(mask[t])
+        expected = kernels.row_axpy(m, coeffs[t : t + 1, own], rows[own])[0] if len(own) else np.zeros(96)
+        assert np.array_equal(out[t], expected), f"token {t}"
+        assert_axpy_close(m, coeffs[t : t + 1, own], rows[own], out[t : t + 1])
+
+
+@pytest.mark.usefixtures("compiled")
 def test_the_checks_catch_wrong_results():
     m = make(Q.Q4_0, 40, 128, seed=6)
     rng = np.random.default_rng(7)

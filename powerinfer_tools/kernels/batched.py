@@ -5,8 +5,9 @@ nearly all of them, and multiplying every token by the union (``runtime/backends
 products: weight rows dequantized, then BLAS) does ~8x the work the predictor asked for. Here a
 selected neuron's gate and up rows are read once and dotted with just the tokens that selected it,
 through ggml's ``vec_dot`` on x encoded once per token, as decoding does (so a prompt's rounding is
-a decoded token's); the down projection then adds each token's selected rows of ``ffn_down_t``
-(``kernels.row_axpy``, the decoding kernel).
+a decoded token's); the down projection then reads each selected row of ``ffn_down_t`` once too and
+adds it, weighted, to the outputs of the tokens that selected it (``axpy_selected``, the decoding
+kernel's block arithmetic: a token's sum is the one decoding computes, in the same row order).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.kernels.numba_kernels import (
     PREFETCH_ROWS,
+    axpy_selected,
     ggml_from_float,
     ggml_vec_dot,
     prefetch_span,
@@ -62,6 +64,7 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     for which ``mask[t, i]`` is set, and no others (``handles`` must be true)."""
     n_tokens, n = mask.shape
     neuron, token = np.nonzero(mask.T)  # grouped by neuron, tokens ascending
+    token = token.astype(np.intp)
     starts = np.zeros(n + 1, dtype=np.intp)
     np.cumsum(np.bincount(neuron, minlength=n), out=starts[1:])
     rows = np.ascontiguousarray(rows, dtype=np.intp)
@@ -72,11 +75,9 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     up_out = np.zeros((n_tokens, n), dtype=np.float32)
     use_threads(kernels.get_threads())
     _selected_dots(routine.from_float, routine.vec_dot, kernels.weight_bytes(gate), kernels.weight_bytes(up), rows,
-                   starts, token.astype(np.intp), x, x_encoded, gate_out, up_out)
+                   starts, token, x, x_encoded, gate_out, up_out)
     activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (0, 0) is 0
-    out = np.zeros((n_tokens, down_t.cols), dtype=np.float32)
-    for t in range(n_tokens):
-        chosen = np.flatnonzero(mask[t])
-        if len(chosen):
-            out[t] = kernels.row_axpy(down_t, activated[t : t + 1, chosen], rows[chosen])[0]
+    out = kernels.axpy_output(n_tokens, down_t.cols)
+    axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), rows, starts, token, activated, out,
+                  kernels.get_threads())
     return out

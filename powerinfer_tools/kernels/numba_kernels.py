@@ -20,6 +20,7 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -164,20 +165,22 @@ def _decode_f32(builder, block):
 
 
 def _block_axpy(decode):
-    """An intrinsic ``f(out, out_stride, block, coeffs, coeffs_stride, n_tokens)`` (addresses and
-    byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for each token t."""
+    """An intrinsic ``f(out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens)`` (addresses
+    and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for the ``n_tokens`` token
+    ids t (intp) stored at ``tokens``: the block is decoded once for all of them."""
 
     @intrinsic
-    def block_axpy(typingctx, out, out_stride, block, coeffs, coeffs_stride, n_tokens):
-        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp)
+    def block_axpy(typingctx, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens):
+        sig = types.void(*[types.intp] * 7)
 
         def codegen(context, builder, signature, args):
-            out_, out_stride_, block_, coeffs_, coeffs_stride_, n_tokens_ = args
+            out_, out_stride_, block_, coeffs_, coeffs_stride_, tokens_, n_tokens_ = args
             values = decode(builder, block_)
             with cgutils.for_range(builder, n_tokens_) as loop:
-                coeff = _load(builder, builder.add(coeffs_, builder.mul(loop.index, coeffs_stride_)), _FLOAT)
+                token = _load(builder, builder.add(tokens_, builder.mul(loop.index, ir.Constant(_I64, 8))), _I64)
+                coeff = _load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
                 target = builder.inttoptr(
-                    builder.add(out_, builder.mul(loop.index, out_stride_)), ir.VectorType(_FLOAT, BLOCK).as_pointer()
+                    builder.add(out_, builder.mul(token, out_stride_)), ir.VectorType(_FLOAT, BLOCK).as_pointer()
                 )
                 product = builder.fmul(values, _splat(builder, coeff, BLOCK), flags=("contract",))
                 total = builder.fadd(builder.load(target, align=4), product, flags=("contract",))
@@ -195,9 +198,10 @@ _axpy_f16 = _block_axpy(_decode_f16)
 _axpy_f32 = _block_axpy(_decode_f32)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
-    """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` over a column count that is a multiple of 32."""
+@njit(inline="always")
+def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_threads):
+    """``out[t] += coeffs[t, j] · W[rows[j]]`` for the tokens t of row j: all of them in order when
+    ``every_token`` (then ``tokens`` is ``0 .. T-1``), else ``tokens[starts[j]:starts[j + 1]]``."""
     n_tokens, cols = out.shape
     n_blocks = cols // BLOCK
     n_chunks = min(n_threads, n_blocks)
@@ -205,6 +209,7 @@ def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
     block_bytes = weights.shape[1] // n_blocks
     c_addr, c_stride = coeffs.ctypes.data, coeffs.strides[0]
     out_addr, out_stride = out.ctypes.data, out.strides[0]
+    t_addr = tokens.ctypes.data
     n_rows = rows.shape[0]
     for chunk in prange(n_chunks):
         first, stop = chunk * n_blocks // n_chunks, (chunk + 1) * n_blocks // n_chunks
@@ -212,16 +217,37 @@ def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
             if j + PREFETCH_ROWS < n_rows:  # only this thread's share of that row
                 prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
                                (stop - first) * block_bytes)
-            row_addr = w_addr + rows[j] * row_stride
-            coeff_addr = c_addr + j * 4
-            for b in range(first, stop):
-                block_out, block_in = out_addr + b * BLOCK * 4, row_addr + b * block_bytes
-                args = (block_out, out_stride, block_in, coeff_addr, c_stride, n_tokens)
-                if qtype == Q4_0:
-                    _axpy_q4_0(*args)
-                elif qtype == Q8_0:
-                    _axpy_q8_0(*args)
-                elif qtype == F16:
-                    _axpy_f16(*args)
-                else:  # F32
-                    _axpy_f32(*args)
+            listed, count = (0, n_tokens) if every_token else (starts[j], starts[j + 1] - starts[j])
+            _axpy_row(qtype, out_addr, out_stride, w_addr + rows[j] * row_stride, first, stop, block_bytes,
+                      c_addr + j * 4, c_stride, t_addr + listed * 8, count)
+
+
+@njit(inline="always")
+def _axpy_row(qtype, out_addr, out_stride, row_addr, first, stop, block_bytes, coeff_addr, c_stride, tokens_addr,
+              n_tokens):
+    """Blocks ``first .. stop-1`` of one weight row, times its coefficient, added to the listed tokens' outputs."""
+    for b in range(first, stop):
+        args = (out_addr + b * BLOCK * 4, out_stride, row_addr + b * block_bytes, coeff_addr, c_stride, tokens_addr,
+                n_tokens)
+        if qtype == Q4_0:
+            _axpy_q4_0(*args)
+        elif qtype == Q8_0:
+            _axpy_q8_0(*args)
+        elif qtype == F16:
+            _axpy_f16(*args)
+        else:  # F32
+            _axpy_f32(*args)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
+    """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` over a column count that is a multiple of 32."""
+    _axpy(qtype, weights, rows, rows, np.arange(out.shape[0]), True, coeffs, out, n_threads)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads):
+    """``out[t] += coeffs[t, j] · W[rows[j]]`` for just the tokens ``t in tokens[starts[j]:starts[j + 1]]``
+    that selected row j (a prompt, each token with its own neurons; ``tokens`` intp): each row is
+    read and decoded once for all of its tokens, not once per token. Columns a multiple of 32."""
+    _axpy(qtype, weights, rows, starts, tokens, False, coeffs, out, n_threads)
