@@ -134,9 +134,10 @@ def attention(
     n_tokens, n_heads, head_dim = q.shape
     n_kv = keys.shape[1]
     group = n_heads // n_kv
-    # [kv_heads, group, T, hd] against [kv_heads, S, hd]: each KV head serves `group` query heads.
-    qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3)
-    scores = xp.einsum("kgtd,skd->kgts", qg, keys) / q.dtype.type(np.sqrt(head_dim))
+    # [kv_heads, group * T, hd] @ [kv_heads, hd, S]: each KV head serves `group` query heads, all in one
+    # batched product (einsum contracts these without BLAS: ~20x slower on a 128-token prompt).
+    qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_tokens, head_dim)
+    scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1) / q.dtype.type(np.sqrt(head_dim))
     query_pos = start + xp.arange(n_tokens)[:, None]
     key_pos = xp.arange(keys.shape[0])[None, :]
     visible = key_pos <= query_pos
@@ -146,8 +147,8 @@ def attention(
     scores = scores - scores.max(axis=-1, keepdims=True)
     weights = xp.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    out = xp.einsum("kgts,skd->tkgd", weights, values)
-    return out.reshape(n_tokens, n_heads * head_dim)
+    out = weights.reshape(n_kv, group * n_tokens, -1) @ values.transpose(1, 0, 2)  # [kv_heads, group * T, hd]
+    return out.reshape(n_kv, group, n_tokens, head_dim).transpose(2, 0, 1, 3).reshape(n_tokens, n_heads * head_dim)
 
 
 Rotation = Callable[[np.ndarray], np.ndarray]  # rotary embedding of ``[T, heads, head_dim]``

@@ -22,7 +22,7 @@ from powerinfer_tools.models.layers import (
     rope_tables,
     self_attention,
 )
-from powerinfer_tools.runtime.backends import CpuBackend, move
+from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 from powerinfer_tools.runtime.generation import context_window
 
@@ -171,11 +171,12 @@ class RuntimeModel(Engine):
             if s.rope_theta is not None:
                 rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta,
                                    s.rope_scaling_factor, np.float32)
-            for layer, cache in zip(self.layers, caches):
-                backend = layer.dense.backend
-                x = move(x, where, backend)
-                where = backend
-                x = self._layer(layer, x, cache, start, rope, step)
+            with single_threaded_blas():
+                for layer, cache in zip(self.layers, caches):
+                    backend = layer.dense.backend
+                    x = move(x, where, backend)
+                    where = backend
+                    x = self._layer(layer, x, cache, start, rope, step)
         head = self.head_backend
         x = move(x if all_logits else x[-1:], where, head)
         if self.output_norm is not None:
