@@ -7,6 +7,7 @@ import json
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,6 +231,7 @@ import pathlib, sys
 args = sys.argv[1:]
 pathlib.Path({str(folder / "args.txt")!r}).write_text("\\n".join(args))
 pathlib.Path({str(folder / "prompt.txt")!r}).write_text(open(args[args.index("-f") + 1]).read())
+pathlib.Path("main.log").write_text("a log, as the real main writes into its working directory")
 sys.stderr.write({output!r})
 sys.exit({status})
 """)
@@ -237,15 +239,19 @@ sys.exit({status})
     return script
 
 
-def test_powerinfer_is_timed_by_its_printed_timings(model, tmp_path, engine_processes):
+def test_powerinfer_is_timed_by_its_printed_timings(model, tmp_path, engine_processes, monkeypatch):
     binary = fake_powerinfer(tmp_path)
     settings = BenchSettings(prompt_tokens=8, generate=3, runs=2, threads=1)
+    user_folder = tmp_path / "user"
+    user_folder.mkdir()
+    monkeypatch.chdir(user_folder)
     result = run_bench(model, None, settings, modes=(), powerinfer=binary)[POWERINFER]
+    assert not list(user_folder.iterdir())  # its main.log went to a scratch folder
     assert result.prompt_rates() == [20.0, 20.0]  # 8 tokens in 0.4 s
     assert result.generation_rates() == [8.0, 8.0]  # 2 decoding steps in 0.25 s
     assert result.peak_rss > 0 and len(engine_processes) == 2
     args = (tmp_path / "args.txt").read_text().split("\n")
-    assert args[args.index("-m") + 1] == str(model) and args[args.index("-t") + 1] == "1"
+    assert Path(args[args.index("-m") + 1]).samefile(model) and args[args.index("-t") + 1] == "1"
     assert args[args.index("-n") + 1] == "3" and "--ignore-eos" in args
     # Its prompt is the text of the bench's prompt tokens: it tokenizes back to them.
     tokenizer = GGUFTokenizer(open_model_file(model).metadata)
