@@ -20,7 +20,6 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 from __future__ import annotations
 
 import numba
-import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -166,8 +165,9 @@ def _decode_f32(builder, block):
 
 def _block_axpy(decode):
     """An intrinsic ``f(out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens)`` (addresses
-    and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for the ``n_tokens`` token
-    ids t (intp) stored at ``tokens``: the block is decoded once for all of them."""
+    and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for ``n_tokens`` tokens t:
+    the intp token ids stored at ``tokens``, or ``0 .. n_tokens-1`` where ``tokens`` is 0 (decoding's
+    case, kept free of the list's loads). The block is decoded once for all of them."""
 
     @intrinsic
     def block_axpy(typingctx, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens):
@@ -176,15 +176,24 @@ def _block_axpy(decode):
         def codegen(context, builder, signature, args):
             out_, out_stride_, block_, coeffs_, coeffs_stride_, tokens_, n_tokens_ = args
             values = decode(builder, block_)
-            with cgutils.for_range(builder, n_tokens_) as loop:
-                token = _load(builder, builder.add(tokens_, builder.mul(loop.index, ir.Constant(_I64, 8))), _I64)
-                coeff = _load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
-                target = builder.inttoptr(
-                    builder.add(out_, builder.mul(token, out_stride_)), ir.VectorType(_FLOAT, BLOCK).as_pointer()
-                )
-                product = builder.fmul(values, _splat(builder, coeff, BLOCK), flags=("contract",))
-                total = builder.fadd(builder.load(target, align=4), product, flags=("contract",))
-                builder.store(total, target, align=4)
+
+            def add_to_each(token_of):
+                with cgutils.for_range(builder, n_tokens_) as loop:
+                    token = token_of(loop.index)
+                    coeff = _load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
+                    target = builder.inttoptr(builder.add(out_, builder.mul(token, out_stride_)),
+                                              ir.VectorType(_FLOAT, BLOCK).as_pointer())
+                    product = builder.fmul(values, _splat(builder, coeff, BLOCK), flags=("contract",))
+                    total = builder.fadd(builder.load(target, align=4), product, flags=("contract",))
+                    builder.store(total, target, align=4)
+
+            listed = builder.icmp_unsigned("!=", tokens_, ir.Constant(tokens_.type, 0))
+            with builder.if_else(listed) as (from_list, in_order):
+                with from_list:
+                    add_to_each(lambda i: _load(builder, builder.add(tokens_, builder.mul(i, ir.Constant(_I64, 8))),
+                                                _I64))
+                with in_order:
+                    add_to_each(lambda i: i)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -201,7 +210,7 @@ _axpy_f32 = _block_axpy(_decode_f32)
 @njit(inline="always")
 def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_threads):
     """``out[t] += coeffs[t, j] · W[rows[j]]`` for the tokens t of row j: all of them in order when
-    ``every_token`` (then ``tokens`` is ``0 .. T-1``), else ``tokens[starts[j]:starts[j + 1]]``."""
+    ``every_token`` (``starts`` and ``tokens`` unused), else ``tokens[starts[j]:starts[j + 1]]``."""
     n_tokens, cols = out.shape
     n_blocks = cols // BLOCK
     n_chunks = min(n_threads, n_blocks)
@@ -217,9 +226,9 @@ def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_thre
             if j + PREFETCH_ROWS < n_rows:  # only this thread's share of that row
                 prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
                                (stop - first) * block_bytes)
-            listed, count = (0, n_tokens) if every_token else (starts[j], starts[j + 1] - starts[j])
+            listed, count = (0, n_tokens) if every_token else (t_addr + starts[j] * 8, starts[j + 1] - starts[j])
             _axpy_row(qtype, out_addr, out_stride, w_addr + rows[j] * row_stride, first, stop, block_bytes,
-                      c_addr + j * 4, c_stride, t_addr + listed * 8, count)
+                      c_addr + j * 4, c_stride, listed, count)
 
 
 @njit(inline="always")
@@ -242,7 +251,7 @@ def _axpy_row(qtype, out_addr, out_stride, row_addr, first, stop, block_bytes, c
 @njit(parallel=True, nogil=True, cache=True)
 def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
     """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` over a column count that is a multiple of 32."""
-    _axpy(qtype, weights, rows, rows, np.arange(out.shape[0]), True, coeffs, out, n_threads)
+    _axpy(qtype, weights, rows, rows, rows, True, coeffs, out, n_threads)
 
 
 @njit(parallel=True, nogil=True, cache=True)
