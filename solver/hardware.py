@@ -3,7 +3,8 @@
 Decoding one token is memory-bound: each weight that is used is read once, so the time
 of a piece of work is the bytes it reads divided by the bandwidth of the memory holding
 them. A profile therefore needs only bandwidths plus the fixed cost of handing a layer's
-activations between the two devices.
+activations between the two devices; for weights left on disk, the disk's bandwidth and
+the latency and rate of small reads (``disk_probe.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from powerinfer_tools.solver.disk_probe import measure_disk
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output
@@ -36,10 +38,17 @@ class HardwareProfile:
     pcie_bandwidth_gbs: float  # host <-> GPU copies of activations
     sync_latency_us: float  # per split layer: kernel launches, stream sync, small copies
     source: str = ""  # where the figures come from
+    # The disk the model is read from (`pitools probe --disk`; solver/disk_probe.py); None: not measured.
+    disk_read_gbs: float | None = None  # sequential, direct I/O
+    disk_latency_us: float | None = None  # one small random read at queue depth 1
+    disk_iops: float | None = None  # small random reads per second, several in flight
 
     def __post_init__(self) -> None:
         for name in ("gpu_bandwidth_gbs", "cpu_bandwidth_gbs", "pcie_bandwidth_gbs"):
             if not getattr(self, name) > 0:
+                raise PitoolsError(f"hardware profile {self.name!r}: {name} must be positive")
+        for name in ("disk_read_gbs", "disk_latency_us", "disk_iops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise PitoolsError(f"hardware profile {self.name!r}: {name} must be positive")
         if not self.sync_latency_us >= 0:
             raise PitoolsError(f"hardware profile {self.name!r}: sync_latency_us must be >= 0")
@@ -97,7 +106,7 @@ def _profile_from_dict(data: object, path: Path) -> HardwareProfile:
         wrong = [f"unknown key {name}" for name in sorted(unknown)] + [f"no {name}" for name in sorted(missing)]
         raise PitoolsError(f"{path}: hardware profile has {', '.join(wrong)}; its keys are {', '.join(fields)}")
     for name, value in data.items():
-        kind = fields[name].type  # a string: this module uses postponed annotations
+        kind = fields[name].type  # a string ("float | None" for optional figures): postponed annotations
         expected = str if kind == "str" else (int, float)
         if not isinstance(value, expected) or isinstance(value, bool):
             raise PitoolsError(f"{path}: hardware profile key {name} must be a {kind}, not {value!r}")
@@ -105,8 +114,8 @@ def _profile_from_dict(data: object, path: Path) -> HardwareProfile:
 
 
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    """Write ``profile`` as JSON if ``path`` ends in ``.json``, else as TOML."""
-    data = dataclasses.asdict(profile)
+    """Write ``profile`` as JSON if ``path`` ends in ``.json``, else as TOML (figures not measured left out)."""
+    data = {key: value for key, value in dataclasses.asdict(profile).items() if value is not None}
     if Path(path).suffix == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:
@@ -186,13 +195,16 @@ def check_probe_size(nbytes: int) -> int:
     return nbytes
 
 
-def probe_profile(base: HardwareProfile, nbytes: int = 2**30, repeats: int = 7) -> HardwareProfile:
-    """Measure this machine; figures that cannot be measured here are taken from ``base``."""
+def probe_profile(base: HardwareProfile, nbytes: int = 2**30, repeats: int = 7,
+                  disk: Path | None = None) -> HardwareProfile:
+    """Measure this machine, and the disk holding the file ``disk`` if given; figures that cannot be
+    measured here are taken from ``base``."""
     check_probe_size(nbytes)
+    disk_figures = measure_disk(disk) if disk is not None else None  # first: it fails fast on a bad path
     cpu = measure_cpu_bandwidth(nbytes, repeats)
     gpu = measure_gpu_bandwidth(nbytes, repeats)
     measured = "CPU bandwidth" + (" and GPU bandwidth" if gpu else "")
-    return dataclasses.replace(
+    profile = dataclasses.replace(
         base,
         name=f"probe of {platform.node() or 'this machine'}",
         cpu_bandwidth_gbs=round(cpu, 2),
@@ -200,3 +212,7 @@ def probe_profile(base: HardwareProfile, nbytes: int = 2**30, repeats: int = 7) 
         source=f"measured {measured} (float32 matrix-vector product over {nbytes / 2**20:.0f} MiB, "
         f"median of {repeats}); other figures from preset {base.name}",
     )
+    if disk_figures is None:
+        return profile
+    return dataclasses.replace(profile, disk_read_gbs=disk_figures.read_gbs, disk_latency_us=disk_figures.latency_us,
+                               disk_iops=disk_figures.iops, source=f"{profile.source}; {disk_figures.describe()} on {disk}")

@@ -17,6 +17,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
 from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.formats.gpu_split import SPLIT_SUFFIX, default_split_path
+from powerinfer_tools.solver.disk_probe import check_disk_file
 from powerinfer_tools.solver.hardware import (
     DEFAULT_PRESET,
     MIN_PROBE_BYTES,
@@ -140,13 +141,21 @@ def solve(model: Path | None, vram: str, stats: Path | None, hardware: str, ctx:
                    "must exceed the last-level cache.")
 @click.option("--repeats", type=click.IntRange(min=1), default=7, show_default=True,
               help="Passes; the median is kept.")
+@click.option("--disk", type=click.Path(path_type=Path), default=None,
+              help="Also measure the disk holding this file (a large one, e.g. the model) with direct I/O, past "
+                   "the page cache: sequential GB/s, the latency of one 8 KiB random read, and such reads per "
+                   "second with 8 in flight: what reading cold neurons from that disk costs.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
-def probe(output: Path, base: str, size: str, repeats: int, force: bool) -> None:
-    """Measure memory bandwidth (CPU; GPU too through CuPy) and write a hardware profile for --hardware."""
+def probe(output: Path, base: str, size: str, repeats: int, disk: Path | None, force: bool) -> None:
+    """Measure memory bandwidth (CPU; GPU too through CuPy), and with --disk a disk's read speed, and
+    write a hardware profile for --hardware."""
     check_writable_output(output, force)
     nbytes = check_probe_size(parse_size(size, "--size", minimum=0))  # which states the minimum, and why
+    if disk is not None:
+        check_disk_file(disk)
+        click.echo(f"reading {disk} with direct I/O ...", err=True)
     click.echo(f"streaming {format_size(nbytes)} x {repeats} ...", err=True)
-    profile = probe_profile(PRESETS[base], nbytes, repeats)
+    profile = probe_profile(PRESETS[base], nbytes, repeats, disk)
     save_profile(profile, output)
     click.echo(f"CPU {profile.cpu_bandwidth_gbs:g} GB/s, GPU {profile.gpu_bandwidth_gbs:g} GB/s "
                f"({profile.source})\nwrote {output}")
