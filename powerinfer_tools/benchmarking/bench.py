@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from powerinfer_tools.benchmarking.llamacpp import (
     probe_amx,
 )
 from powerinfer_tools.benchmarking.machine import cpu_description, peak_rss
+from powerinfer_tools.benchmarking.memory_limit import MemoryLimit, forget_cached_pages
 from powerinfer_tools.benchmarking.powerinfer_engine import (
     check_executable,
     parse_timings,
@@ -59,6 +61,7 @@ from powerinfer_tools.formats.gguf_names import tensor_kind
 from powerinfer_tools.formats.gguf_spec import predictor_quality
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.units import format_size
 
 # The engines: our runtime in its FFN modes (named by them), llama.cpp, and PowerInfer's runtime.
 SPARSE, DENSE, LLAMA_CPP, POWERINFER = FFNMode.SPARSE.value, FFNMode.DENSE.value, "llama.cpp", "powerinfer"
@@ -73,6 +76,7 @@ class BenchSettings:
     generate: int = 64  # decoding steps per run
     runs: int = 5  # measured rounds, after one warm-up round
     threads: int = 2
+    memory_limit: int | None = None  # bytes: each engine process in a memory cgroup of that size
 
 
 @dataclass(frozen=True)
@@ -259,11 +263,11 @@ class _Worker:
     command is every subcommand and its libraries, and that would count in the engine's RSS.
     """
 
-    def __init__(self, spec: EngineSpec, env: dict[str, str]):
+    def __init__(self, spec: EngineSpec, env: dict[str, str], launch=list):
         self.spec = spec
         ours, theirs = socket.socketpair()
         with theirs:
-            self.process = subprocess.Popen([sys.executable, "-m", __spec__.name, str(theirs.fileno())],
+            self.process = subprocess.Popen(launch([sys.executable, "-m", __spec__.name, str(theirs.fileno())]),
                                             env={**os.environ, **env}, pass_fds=(theirs.fileno(),))
         self.conn = Connection(ours.detach())
         self.send(spec)
@@ -379,10 +383,11 @@ def llama_cpp_buffers(baseline: Path, threads: int, progress) -> tuple[Buffers, 
                      "amx": status.value + (f" ({detail})" if detail else "")}
 
 
-def _run_alone(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, n_prompt: int) -> tuple[Run, int, int, int]:
+def _run_alone(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, n_prompt: int,
+               launch=list) -> tuple[Run, int, int, int]:
     """One engine process, alone: start, load, a warm-up run, the measured run, exit.
     Returns the measured run, the process's peak RSS, its libraries' RSS and its KV cache bytes."""
-    worker = _Worker(spec, env)
+    worker = _Worker(spec, env, launch)
     try:
         worker.receive("ready")
         worker.call((tokens, n_prompt), "run")  # the warm-up
@@ -393,13 +398,33 @@ def _run_alone(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, n_prom
     return run, peak, libraries, kv_bytes
 
 
-def _run_powerinfer(spec: EngineSpec, env: dict[str, str], prompt_text: str, generate: int
+def _run_powerinfer(spec: EngineSpec, env: dict[str, str], prompt_text: str, generate: int, launch=list
                     ) -> tuple[Run, int, None, int]:
     """One run of PowerInfer's main (which warms up by itself), timed by its own printed timings."""
-    output, peak = run_powerinfer(spec.binary, spec.path, prompt_text, generate, spec.threads, spec.context, env)
+    output, peak = run_powerinfer(spec.binary, spec.path, prompt_text, generate, spec.threads, spec.context, env,
+                                  launch)
     prompt_seconds, prompt_count, decode_seconds, decode_count = parse_timings(output, spec.binary)
     run = Run(prompt_seconds, decode_seconds, None, counts=(prompt_count, decode_count))
     return run, peak, None, f16_kv_bytes(open_model_file(spec.path), spec.context)
+
+
+def _within_limit(spec: EngineSpec, limit_bytes: int | None, run_once):
+    """``run_once(launch)`` with the engine's process (its command line passed through ``launch``) in a
+    memory cgroup of ``limit_bytes`` (none when None), its model file's cached pages dropped first so
+    that no engine inherits another's."""
+    if limit_bytes is None:
+        return run_once(list)
+    limit = MemoryLimit(limit_bytes)
+    try:
+        forget_cached_pages(spec.path)
+        return run_once(limit.command)
+    except PitoolsError as exc:
+        if limit.oom_kills():
+            raise PitoolsError(f"{spec.name} ({spec.path}): killed by the kernel for exceeding --memory-limit "
+                               f"{limit.describe()}") from exc
+        raise
+    finally:
+        limit.close()
 
 
 def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes=(SPARSE, DENSE),
@@ -417,9 +442,10 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
         shift = round_ % len(specs)
         for spec, _ in specs[shift:] + specs[:shift]:
             if spec.name == POWERINFER:
-                run, peak, libraries, kv_bytes = _run_powerinfer(spec, env, prompt_text, settings.generate)
+                run_once = partial(_run_powerinfer, spec, env, prompt_text, settings.generate)
             else:
-                run, peak, libraries, kv_bytes = _run_alone(spec, env, tokens, n_prompt)
+                run_once = partial(_run_alone, spec, env, tokens, n_prompt)
+            run, peak, libraries, kv_bytes = _within_limit(spec, settings.memory_limit, run_once)
             r = results[spec.name]
             r.runs.append(run)
             r.peak_rss, r.kv_bytes = max(r.peak_rss, peak), kv_bytes
@@ -478,6 +504,9 @@ def format_report(rep: dict) -> str:
         (f"{'engine':10} {'prompt tok/s':>12} {'gen tok/s':>10} {'MB/token':>9} {'GB/s':>6} "
          f"{'of bw':>8} {'density':>7} {'peak RSS':>9} {'budget':>9} {'libs':>6}"),
     ]
+    if s.get("memory_limit"):
+        lines.insert(2, f"memory limit {format_size(s['memory_limit'])} per engine process (a memory cgroup, page "
+                        "cache counted; each run starts with its model file out of the cache)")
     for name, e in rep["engines"].items():
         lines.append(f"{name:10} {e['prompt_tokens_per_s']:12.1f} {e['generation_tokens_per_s']:10.2f} "
                      f"{_field(e['bytes_per_token'], 9, '.1f', 1e-6)} {_field(e['implied_gbs'], 6, '.1f')} "

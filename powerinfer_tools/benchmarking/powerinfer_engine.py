@@ -44,15 +44,16 @@ def check_executable(binary: Path) -> None:
 
 
 def run_powerinfer(binary: Path, model: Path, prompt_text: str, generate: int, threads: int, context: int,
-                   env: dict[str, str]) -> tuple[str, int]:
-    """Run PowerInfer's ``main`` once; its output (stdout and stderr) and its peak RSS in bytes."""
+                   env: dict[str, str], launch=list) -> tuple[str, int]:
+    """Run PowerInfer's ``main`` once; its output (stdout and stderr) and its peak RSS in bytes.
+    ``launch`` turns the command line into the one to start (the bench's memory limit wraps it)."""
     # main writes main.log into its working directory: it runs in a scratch folder, not the user's.
     with tempfile.TemporaryDirectory(prefix="pitools-powerinfer-") as scratch:
         prompt_file = Path(scratch) / "prompt.txt"
         prompt_file.write_text(prompt_text, encoding="utf-8")
         command = [str(binary.resolve()), "-m", str(model.resolve()), "-f", str(prompt_file), "-n", str(generate),
                    "-t", str(threads), "-c", str(context), "--temp", "0", "--ignore-eos"]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        process = subprocess.Popen(launch(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, **env}, cwd=scratch)
         output: list[str] = []
         reader = threading.Thread(target=lambda: output.append(process.stdout.read()))

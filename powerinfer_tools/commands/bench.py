@@ -21,6 +21,7 @@ from powerinfer_tools.benchmarking.bench import (
 from powerinfer_tools.benchmarking.synth import dense_companion
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.solver.hardware import load_profile
+from powerinfer_tools.units import parse_size
 
 _DEFAULTS = BenchSettings()
 
@@ -48,10 +49,15 @@ _DEFAULTS = BenchSettings()
               help="Our runtime's FFN modes to run (repeatable) [default: both].")
 @click.option("--hardware", default=None,
               help="Hardware profile whose CPU bandwidth to use (a `pitools probe` output); default: probe now.")
+@click.option("--memory-limit", default=None, metavar="SIZE",
+              help="Run every engine's process in a Linux memory cgroup of SIZE (e.g. 2GB), page cache counted, "
+                   "as on a machine with that much memory; each starts with its model file out of the page cache. "
+                   "Needs root or a delegated cgroup. An engine the kernel kills for exceeding it ends the bench "
+                   "with that error.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, powerinfer, modes, hardware,
-          as_json, quiet) -> None:
+          memory_limit, as_json, quiet) -> None:
     """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp
     (and PowerInfer's runtime).
 
@@ -89,7 +95,9 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
-    settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads)
+    limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
+    settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
+                             memory_limit=limit)
     if baseline == "none":
         baseline_model = None
     elif baseline_model is None:
