@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -48,7 +48,7 @@ from powerinfer_tools.benchmarking.llamacpp import (
     probe_amx,
 )
 from powerinfer_tools.benchmarking.machine import cpu_description, peak_rss
-from powerinfer_tools.benchmarking.memory_limit import MemoryLimit, forget_cached_pages
+from powerinfer_tools.benchmarking.memory_limit import MemoryLimit, MemoryLimitExceeded, forget_cached_pages
 from powerinfer_tools.benchmarking.powerinfer_engine import (
     check_executable,
     parse_timings,
@@ -420,11 +420,25 @@ def _within_limit(spec: EngineSpec, limit_bytes: int | None, run_once):
         return run_once(limit.command)
     except PitoolsError as exc:
         if limit.oom_kills():
-            raise PitoolsError(f"{spec.name} ({spec.path}): killed by the kernel for exceeding --memory-limit "
-                               f"{limit.describe()}") from exc
+            raise MemoryLimitExceeded(f"{spec.name} ({spec.path}): killed by the kernel for exceeding "
+                                      f"--memory-limit {limit.describe()}") from exc
         raise
     finally:
         limit.close()
+
+
+PLAIN_UNDER_LIMIT = {"extra_buffer_types": [], "repack": False,
+                     "memory_limit": "killed under it at its defaults (repacked weights in anonymous memory): "
+                                     "runs with repacking off, its weights memory-mapped"}
+
+
+def _measure(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, prompt_text: str, settings: BenchSettings):
+    """One measured run of ``spec``'s engine, under the settings' memory limit if any."""
+    if spec.name == POWERINFER:
+        run_once = partial(_run_powerinfer, spec, env, prompt_text, settings.generate)
+    else:
+        run_once = partial(_run_alone, spec, env, tokens, settings.prompt_tokens)
+    return _within_limit(spec, settings.memory_limit, run_once)
 
 
 def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes=(SPARSE, DENSE),
@@ -438,14 +452,22 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
     env = worker_environment(settings.threads)
     results = {spec.name: EngineResult(spec.name, str(spec.path), spec.path.stat().st_size, 0, 0, None, settings,
                                        engine_settings=reported) for spec, reported in specs}
+    measure = partial(_measure, env=env, tokens=tokens, prompt_text=prompt_text, settings=settings)
     for round_ in range(settings.runs):
-        shift = round_ % len(specs)
-        for spec, _ in specs[shift:] + specs[:shift]:
-            if spec.name == POWERINFER:
-                run_once = partial(_run_powerinfer, spec, env, prompt_text, settings.generate)
-            else:
-                run_once = partial(_run_alone, spec, env, tokens, n_prompt)
-            run, peak, libraries, kv_bytes = _within_limit(spec, settings.memory_limit, run_once)
+        for i in ((round_ + k) % len(specs) for k in range(len(specs))):
+            spec = specs[i][0]
+            try:
+                run, peak, libraries, kv_bytes = measure(spec)
+            except MemoryLimitExceeded:
+                if spec.name != LLAMA_CPP or spec.buffers is Buffers.PLAIN:
+                    raise
+                # Its repacked copy of the weights is anonymous memory, which no limit below its size holds:
+                # its best under the limit is its plain load, weights memory-mapped like everyone's.
+                spec = replace(spec, buffers=Buffers.PLAIN)
+                specs[i] = (spec, specs[i][1])
+                results[spec.name].engine_settings.update(PLAIN_UNDER_LIMIT)
+                progress(f"llama.cpp: {PLAIN_UNDER_LIMIT['memory_limit']}")
+                run, peak, libraries, kv_bytes = measure(spec)
             r = results[spec.name]
             r.runs.append(run)
             r.peak_rss, r.kv_bytes = max(r.peak_rss, peak), kv_bytes
@@ -543,7 +565,7 @@ def _field(value: float | None, width: int, spec: str, scale: float = 1.0, unit:
 def _setting(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
-    return ", ".join(value) if isinstance(value, list) else str(value)
+    return (", ".join(value) or "none") if isinstance(value, list) else str(value)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ from powerinfer_tools.units import format_size
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+class MemoryLimitExceeded(PitoolsError):
+    """An engine's process was killed by the kernel for exceeding its group's limit."""
+
+
 def _own_memory_cgroup() -> tuple[Path, int]:
     """The folder of this process's memory cgroup and the controller's version (2 or 1)."""
     v1_path = v2_path = None
