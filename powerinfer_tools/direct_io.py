@@ -53,7 +53,7 @@ class DirectReader:
     def forget_cached(self) -> None:
         """Drop this file's pages from the page cache (what a direct read never puts there)."""
         if not self.direct:
-            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            _drop_cached(self._fd)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -63,3 +63,16 @@ class DirectReader:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def forget_cached_pages(path: str | os.PathLike) -> None:
+    """Drop ``path``'s clean pages from the page cache: the next reader gets them from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _drop_cached(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_cached(fd: int) -> None:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -48,13 +48,14 @@ from powerinfer_tools.benchmarking.llamacpp import (
     probe_amx,
 )
 from powerinfer_tools.benchmarking.machine import cpu_description, peak_rss
-from powerinfer_tools.benchmarking.memory_limit import MemoryLimit, MemoryLimitExceeded, forget_cached_pages
+from powerinfer_tools.benchmarking.memory_limit import MemoryLimit, MemoryLimitExceeded
 from powerinfer_tools.benchmarking.powerinfer_engine import (
     check_executable,
     parse_timings,
     run_powerinfer,
 )
 from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.direct_io import forget_cached_pages
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
 from powerinfer_tools.formats.gguf_names import tensor_kind

@@ -11,7 +11,6 @@ This needs write access to the cgroup tree (root, or a delegated subtree).
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
@@ -90,13 +89,3 @@ class MemoryLimit:
     def _write_if_present(self, name: str, value: int) -> None:
         if (self.path / name).exists():
             self._write(name, value)
-
-
-def forget_cached_pages(path: Path) -> None:
-    """Drop ``path``'s clean pages from the page cache, so that the next engine reads the file from
-    disk rather than inheriting what the previous one left there (uncharged to its group)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
