@@ -26,6 +26,7 @@ class PowerInferTensor(Enum):
     PREDICTOR_FC2 = auto()  # ... and fc2 [d_ff, hidden], one output per FFN neuron
     GPU_IDX = auto()  # split file: int32 0/1 per neuron of a layer, 1 = on the GPU
     GPU_BUCKET = auto()  # split file: sorted int32 ids of a layer's GPU neurons
+    FFN_BUNDLE = auto()  # ours, the bundled layout: a neuron's gate, up and ffn_down_t rows in one row
 
 
 POWERINFER_TENSOR_NAMES: dict[PowerInferTensor, str] = {
@@ -34,6 +35,7 @@ POWERINFER_TENSOR_NAMES: dict[PowerInferTensor, str] = {
     PowerInferTensor.PREDICTOR_FC2: "blk.{bid}.fc2",
     PowerInferTensor.GPU_IDX: "blk.{bid}.gpu_idx",
     PowerInferTensor.GPU_BUCKET: "blk.{bid}.gpu_bucket",
+    PowerInferTensor.FFN_BUNDLE: "blk.{bid}.ffn_bundle",
 }
 
 # --- PowerInfer's split file -----------------------------------------------------------------------
@@ -64,12 +66,34 @@ HARDWARE_KEY = "pitools.hardware"
 PREDICTOR_RECALL_KEY = "pitools.predictor.recall"
 PREDICTOR_PRECISION_KEY = "pitools.predictor.precision"
 PREDICTOR_COMPUTED_KEY = "pitools.predictor.computed"  # share of the neurons it selects
+# The bundled FFN layout (formats/ffn_bundle.py): which tensors each ``ffn_bundle`` row holds, in order,
+# their GGML types, and the row stride in bytes.
+FFN_BUNDLE_PARTS_KEY = "pitools.ffn_bundle.parts"
+FFN_BUNDLE_TYPES_KEY = "pitools.ffn_bundle.types"
+FFN_BUNDLE_STRIDE_KEY = "pitools.ffn_bundle.stride"
 
 
 def neuron_frequency_key(layer: int) -> str:
     """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
     which ``pitools solve`` places neurons by. PowerInfer ignores it."""
     return f"pitools.blk.{layer}.neuron_frequency"
+
+
+# In a split file with a RAM tier (``pitools solve --ram``): the host memory budget and the bytes of the
+# neuron cache planned within it; each layer's RAM-resident neurons under ``ram_neurons_key`` ...
+RAM_BUDGET_KEY = "pitools.ram_budget"
+CACHE_BYTES_KEY = "pitools.cache_bytes"
+# ... and, for people, what the cost model predicts of the RAM and disk tiers.
+RAM_NEURONS_KEY = "pitools.ram_neurons"  # RAM-resident neurons per layer
+RAM_USED_KEY = "pitools.ram_used"
+DISK_BYTES_PER_TOKEN_KEY = "pitools.disk_bytes_per_token"
+CACHE_HIT_RATE_KEY = "pitools.cache_hit_rate"
+
+
+def ram_neurons_key(layer: int) -> str:
+    """Our split-file key for the sorted ids of a layer's RAM-resident neurons (int32 array), present only
+    for a layer that has some. PowerInfer ignores it."""
+    return f"pitools.blk.{layer}.ram_neurons"
 
 
 # --- spelling a tensor's name ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import MODEL_TENSOR
 from powerinfer_tools.formats.constants import PowerInferTensor, neuron_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import ModelSpec
@@ -20,16 +21,22 @@ from powerinfer_tools.errors import PitoolsError
 
 
 def sparse_layout(model: ModelFile) -> bool:
-    """Whether the file stores the down projection transposed (PowerInfer's ``ffn_down_t``)."""
-    return tensor_name(PowerInferTensor.FFN_DOWN_T, 0) in model
+    """Whether the file stores the down projection neuron-major (PowerInfer's ``ffn_down_t``, or bundled)."""
+    return any(tensor_name(t, 0) in model for t in (PowerInferTensor.FFN_DOWN_T, PowerInferTensor.FFN_BUNDLE))
 
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     """Every tensor ``spec`` implies is present with its shape; predictors come in fc1/fc2 pairs that fit."""
+    bundle = BundleLayout.of_file(model)
+    bundled = set() if bundle is None else {tensor_name(p.tensor, i) for p in bundle.parts for i in range(spec.n_layers)}
     for expected in tensor_names(spec, sparse_layout(model)):
         if expected.target == tensor_name(MODEL_TENSOR.OUTPUT) and spec.tied_embeddings:
             continue  # a tied model's head is its token embedding
-        _check_shape(model, expected.target, expected.stored_shape)
+        if expected.target not in bundled:
+            _check_shape(model, expected.target, expected.stored_shape)
+    if bundle is not None:
+        for layer in range(spec.n_layers):
+            _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
     for layer in range(spec.n_layers):
         fc1, fc2 = predictor_names(layer)
         if fc1 not in model and fc2 not in model:

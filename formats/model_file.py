@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import numpy as np
-from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFWriter, Keys
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from powerinfer_tools.formats.constants import POWERINFER_MAGIC_BYTES
 from powerinfer_tools.formats.quantization import decode, encode, storage_shape
 
@@ -35,6 +35,12 @@ _CHUNK_BYTES = 16 << 20  # float32 rows encoded at a time
 
 
 # --- writing ------------------------------------------------------------------------------------
+
+
+def stored_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    """Bytes a tensor of element ``shape`` takes stored as ``qtype``."""
+    shape, dtype = storage_shape(shape, qtype)
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,7 @@ class OutputTensor:
 
     @property
     def nbytes(self) -> int:
-        shape, dtype = storage_shape(self.shape, self.qtype)
-        return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return stored_nbytes(self.shape, self.qtype)
 
     def encoded(self) -> np.ndarray:
         """The whole tensor in its storage layout, built a chunk of rows at a time."""
@@ -69,6 +74,34 @@ class OutputTensor:
                                    "write it with --outtype f32")
             out[start:stop] = encode(rows, self.qtype)
         return out
+
+
+@dataclass(frozen=True)
+class CopiedTensor:
+    """A tensor to write whose stored bytes already exist: ``stored()`` returns them (``[shape]`` for
+    f32/f16/i8, ``uint8 [rows, row_bytes]`` for block types), built when the writer reaches it."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    stored: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return stored_nbytes(self.shape, self.qtype)
+
+    def encoded(self) -> np.ndarray:
+        return self.stored()
+
+
+def copy_metadata(source: ModelFile, writer: GGUFWriter, skip: Collection[str] = ()) -> None:
+    """Every metadata key of ``source`` but the architecture (the writer's own) and ``skip``, with its type."""
+    reader = _Reader(source.path)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in skip or name == Keys.General.ARCHITECTURE:
+            continue
+        sub_type = GGUFValueType(field.types[1]) if len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), GGUFValueType(field.types[0]), sub_type)
 
 
 def _beyond_f16(rows: np.ndarray) -> bool:
@@ -139,6 +172,7 @@ class StoredTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int  # where ``data`` starts in the file, for reads that bypass the mapping (direct I/O)
 
     @property
     def nbytes(self) -> int:
@@ -189,7 +223,8 @@ def _tensors(reader: GGUFReader) -> dict[str, StoredTensor]:
             raise ValueError(f"tensor {t.name!r} starts at byte {t.data_offset}, inside the header")
     return {
         t.name: StoredTensor(
-            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data
+            t.name, GGMLQuantizationType(t.tensor_type), tuple(int(n) for n in reversed(t.shape.tolist())), t.data,
+            int(t.data_offset),
         )
         for t in reader.tensors
     }

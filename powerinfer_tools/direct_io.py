@@ -20,6 +20,7 @@ from typing import Self
 from powerinfer_tools.errors import PitoolsError
 
 ALIGNMENT = 4096  # offsets, lengths and buffer addresses of direct reads are multiples of this
+_READ_CHUNK = 1 << 30
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -49,6 +50,17 @@ class DirectReader:
             return os.preadv(self._fd, [buffer], offset)
         except OSError as exc:
             raise PitoolsError(f"{self.path}: read of {len(buffer)} bytes at {offset} failed: {exc.strerror}") from exc
+
+    def read_range(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``offset .. offset+nbytes`` of the file, at any alignment, in a new anonymous buffer (the
+        aligned span around them is read; the view starts at ``offset``)."""
+        start = offset // ALIGNMENT * ALIGNMENT
+        view = memoryview(aligned_buffer(offset + nbytes - start))
+        for at in range(0, offset + nbytes - start, _READ_CHUNK):  # one read() returns at most ~2 GiB
+            chunk = view[at : at + _READ_CHUNK]
+            if self.read_into(chunk, start + at) < min(len(chunk), offset + nbytes - start - at):
+                raise PitoolsError(f"{self.path}: file ends before byte {offset + nbytes}: truncated")
+        return view[offset - start : offset - start + nbytes]
 
     def forget_cached(self) -> None:
         """Drop this file's pages from the page cache (what a direct read never puts there)."""

@@ -10,6 +10,7 @@ import click
 
 from powerinfer_tools import __version__
 from powerinfer_tools.commands.bench import bench
+from powerinfer_tools.commands.bundle import bundle
 from powerinfer_tools.commands.convert import convert
 from powerinfer_tools.commands.inspect import inspect
 from powerinfer_tools.commands.perplexity import perplexity
@@ -77,6 +78,7 @@ def cli() -> None:
       pitools convert SRC        write a PowerInfer GGUF (profiling + predictors)
       pitools solve FILE --vram  write the GPU/CPU neuron split
       pitools run FILE -p TEXT   generate text
+      pitools bundle FILE        one read per neuron, for run --ram (models larger than memory)
     """
 
 
@@ -85,5 +87,5 @@ def main() -> None:
     cli(prog_name="pitools")
 
 
-for command in (pull, convert, inspect, profile, train_predictors, perplexity, solve, probe, run, synth, bench):
+for command in (pull, convert, bundle, inspect, profile, train_predictors, perplexity, solve, probe, run, synth, bench):
     cli.add_command(command)

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
+from powerinfer_tools.runtime.neuron_cache import POLICIES
 
 
 def corpus_options(f):
@@ -27,6 +28,24 @@ def corpus_options(f):
                           "at most the model's context length]."),
         click.option("--skip-tokens", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Start this many tokens into the corpus (to evaluate on text a profile did not see)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def ram_options(f):
+    """--ram/--cache-policy, shared by `run`, `perplexity` and `bench`."""
+    options = [
+        click.option("--ram", default=None, metavar="SIZE",
+                     help="Memory the model's weights may occupy (4GB, 800MiB, ...): attention, embeddings, head "
+                          "and predictors are loaded, the hottest FFN neurons pinned, and the rest read from the "
+                          "file (direct I/O) into a neuron cache when the predictor selects them. The budget is "
+                          "kept: nothing is read through the page cache. A PowerInfer file; one written by "
+                          "`pitools bundle` reads each neuron in one request [default: the whole file, mapped]."),
+        click.option("--cache-policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
+                     help="With --ram: which cached neuron to evict (lru: used longest ago; lfu: used least "
+                          "often, see docs/benchmarks.md for the comparison)."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -15,7 +15,8 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
-from powerinfer_tools.units import parse_size
+from powerinfer_tools.commands.options import ram_options
+from powerinfer_tools.units import format_size, parse_size
 
 
 @click.command()
@@ -48,32 +49,37 @@ from powerinfer_tools.units import parse_size
                    "was already solved for this budget, and keep it beside the model as PowerInfer does.")
 @click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
               help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`.")
+@ram_options
 def run(model: Path, prompt: str, n_tokens: int, ctx_size: int | None, temp: float, top_k: int, top_p: float,
         seed: int | None, mode: str, device: str, threads: int | None, split: Path | None, no_split: bool,
-        vram: str | None, hardware: str) -> None:
+        vram: str | None, hardware: str, ram: str | None, cache_policy: str) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
     Hugging Face checkpoint folder (run by the NumPy reference engine); by
     default the bundled tiny ReLU LLaMA checkpoint. A summary line goes to
     stderr: prompt and generation speed, the mean fraction of FFN neurons
-    computed, bytes of weights read per step, and the GPU's share of FFN work.
+    computed, bytes of weights read per step, and the GPU's share of FFN work;
+    with --ram, the weights in memory, the neuron caches' hit rate and the
+    bytes read from disk per step.
 
     \b
     Examples:
       pitools run -p "import os" -n 48
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
       pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
+      pitools run model.powerinfer.gguf --ram 2GB -p "def "
     """
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
     budget = parse_size(vram, "--vram") if vram is not None else None
+    ram_budget = parse_size(ram, "--ram") if ram is not None else None
     if threads is not None:
         kernels.set_threads(threads)
     _spin_only_on_idle_cores(kernels.get_threads())
     if split is not None and vram is None and not split.is_file():
         raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
     llm = LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
-                   hardware=hardware, ctx_size=ctx_size)
+                   hardware=hardware, ctx_size=ctx_size, ram=ram_budget, cache_policy=cache_policy)
     pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
     click.echo(prompt, nl=False)
     for piece in pieces:
@@ -91,6 +97,11 @@ def run(model: Path, prompt: str, n_tokens: int, ctx_size: int | None, temp: flo
             f" | FFN density {s.ffn.density:.3f} | {s.ffn.bytes_per_step / 1e6:.2f} MB read/step"
             f" | GPU share {s.ffn.device_share:.2f}"
         )
+    ram_state = getattr(llm.engine, "ram", None)
+    if ram_state is not None:
+        summary += (f" | weights in memory {format_size(ram_state.resident_bytes)} of {format_size(ram_budget)}"
+                    f" | cache hit rate {s.ffn.hit_rate:.2f} | {s.ffn.disk_bytes / max(s.ffn.steps, 1) / 1e6:.2f} MB "
+                    "from disk/step")
     click.echo(f"{summary} | {llm.description}", err=True)
 
 

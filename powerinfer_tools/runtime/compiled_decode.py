@@ -17,6 +17,7 @@ of inputs that can flip with it).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, compute_cached
 
 # FFN kinds as integers for the compiled code.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
@@ -126,18 +128,19 @@ def _activation(kind, g, u):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _gate_up(vec_dot, gate, up, rows, x_encoded, cols, kind, gate_out, up_out, act):
-    """``act[i]`` = the activated value of neuron ``rows[i]`` from its gate and up rows, in one loop."""
+def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act):
+    """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
+    one loop (``at`` places the values: a cached layer computes its resident neurons first)."""
     n, row_bytes, xe = rows.shape[0], gate.strides[0], x_encoded.ctypes.data
     for i in prange(n):
         if i + PREFETCH_ROWS < n:  # scattered rows: the hardware prefetcher cannot guess the next one
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
             prefetch_span(gate.ctypes.data + ahead, row_bytes)
             prefetch_span(up.ctypes.data + ahead, row_bytes)
-        row = rows[i] * row_bytes
-        ggml_vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * i, gate.ctypes.data + row, xe)
-        ggml_vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * i, up.ctypes.data + row, xe)
-        act[i] = _activation(kind, gate_out[i], up_out[i])
+        row, j = rows[i] * row_bytes, at[i]
+        ggml_vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * j, gate.ctypes.data + row, xe)
+        ggml_vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * j, up.ctypes.data + row, xe)
+        act[j] = _activation(kind, gate_out[j], up_out[j])
 
 
 # --- the small work between the products
@@ -223,9 +226,11 @@ def _predict(x, w, s, fns):
 
 
 @njit(nogil=True, cache=True)
-def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
-    """One layer for one token at position ``pos``: updates the residual ``x`` in place, writes this
-    token's key and value into ``keys[pos]`` / ``values[pos]``; returns the number of neurons computed."""
+def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns):
+    """A layer's attention for one token at position ``pos`` (updates the residual ``x`` in place, writes
+    this token's key and value into ``keys[pos]`` / ``values[pos]``), then what its FFN needs: the
+    normed input encoded in ``s.x_encoded`` and, sparse, the predicted neurons in ``s.active``; returns
+    how many neurons to compute."""
     n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
     _rms_norm(x, w.attn_norm, eps, s.h)
     ggml_from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -240,22 +245,66 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
-    if sparse:  # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
-        n = _predict(x, w, s, fns)
-        rows = s.active[:n]
-    else:
-        n = w.up.shape[0]
-        rows = s.all_rows[:n]
-    act = s.act[:n]
+    # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
+    n = _predict(x, w, s, fns) if sparse else w.up.shape[0]
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, s.x_encoded, d_model, kind, s.gate_out, s.up_out, act)
+    return n
+
+
+@njit(nogil=True, cache=True)
+def gate_up(w, s, rows, at, kind, fns):
+    """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up."""
+    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, s.h.shape[0], kind, s.gate_out, s.up_out,
+             s.act)
+
+
+@njit(nogil=True, cache=True)
+def down(x, w, s, rows, fns, n_threads):
+    """Add the down projection of ``s.act[:len(rows)]`` (neurons in rows ``rows``) to the residual ``x``."""
+    n, d_model = rows.shape[0], x.shape[0]
+    act = s.act[:n]
     if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
         nk.axpy_rows(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
         _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
+
+
+@njit(nogil=True, cache=True)
+def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
+    """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
+    rows of the neurons it chose); returns the number of neurons computed."""
+    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns)
+    rows = s.active[:n] if sparse else s.all_rows[:n]
+    gate_up(w, s, rows, s.all_rows[:n], kind, fns)
+    down(x, w, s, rows, fns, n_threads)
     return n
+
+
+def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
+    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons: gate and
+    up of the resident ones run while the misses are read, then the misses', then one down projection
+    over all, in neuron order, so the sum is the same as without the cache. A step needing more misses
+    than the cache has free slots loads and computes them in chunks."""
+    resident = cache.resident(active)
+    missing = np.flatnonzero(~resident)
+    if len(missing) > cache.capacity - np.count_nonzero(cache.row_of[active[resident]] >= cache.n_pinned):
+        compute_cached(cache, active, lambda chosen: _rows_ffn(x, w, s, cache, active[chosen], kind, fns, n_threads))
+        return
+    cache.new_step(active[resident])
+    wait = cache.load(active[missing])
+    present = np.flatnonzero(resident)
+    gate_up(w, s, cache.row_of[active[present]], present, kind, fns)
+    wait()
+    gate_up(w, s, cache.row_of[active[missing]], missing, kind, fns)
+    down(x, w, s, cache.row_of[active], fns, n_threads)
+
+
+def _rows_ffn(x, w, s, cache: NeuronCache, neurons: np.ndarray, kind: int, fns, n_threads: int) -> None:
+    rows = cache.row_of[neurons]
+    gate_up(w, s, rows, np.arange(len(rows)), kind, fns)
+    down(x, w, s, rows, fns, n_threads)
 
 
 @dataclass
@@ -270,6 +319,8 @@ class CompiledDecoder:
     rope_frequencies: np.ndarray  # float64 [head_dim / 2]: angle per position of each rotated pair
     max_context: int  # positions the scratch holds attention scores for
     has_predictors: bool  # every layer has one: sparse mode can run here
+    neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
+    active: np.ndarray  # the scratch's ``active``: the neurons a layer's predictor chose
 
     @classmethod
     def build(cls, model) -> CompiledDecoder | None:
@@ -290,22 +341,25 @@ class CompiledDecoder:
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+        active = np.zeros(s.d_ff, np.intp)
         scratch = Scratch(
             f32(s.d_model), f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
             f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
-            np.zeros(s.d_ff, np.intp), f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
+            active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         layers = [_layer_weights(layer) for layer in model.layers]
         return cls(s, layers, [layer.partitions[0].bytes_per_neuron for layer in model.layers], scratch, fns,
-                   inv_freq / s.rope_scaling_factor, max_context, model.has_predictors)
+                   inv_freq / s.rope_scaling_factor, max_context, model.has_predictors,
+                   [layer.partitions[0].cache for layer in model.layers], active)
 
     def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
         """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
+        cached = any(c is not None for c in self.neuron_caches)  # dense mode streams them: the general path
         return (n_tokens == 1 and caches[0].length < self.max_context
-                and (mode is FFNMode.DENSE or (mode is FFNMode.SPARSE and self.has_predictors)))
+                and ((mode is FFNMode.DENSE and not cached) or (mode is FFNMode.SPARSE and self.has_predictors)))
 
     def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
         """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
@@ -318,11 +372,20 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for w, bytes_per_neuron, cache in zip(self.layers, self.bytes_per_neuron, caches):
+        for w, bytes_per_neuron, cache, neurons in zip(self.layers, self.bytes_per_neuron, caches, self.neuron_caches):
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
-            n = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                             s.norm_eps, kind, sparse, self.fns, threads)
+            if neurons is None:
+                n = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                                 s.norm_eps, kind, sparse, self.fns, threads)
+            else:
+                n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                                     s.norm_eps, sparse, self.fns)
+                counted = dataclasses.replace(neurons.counters)
+                cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
+                step.cache_hits += neurons.counters.hits - counted.hits
+                step.cache_misses += neurons.counters.misses - counted.misses
+                step.disk_bytes += neurons.counters.disk_bytes - counted.disk_bytes
             step.neurons_total += s.d_ff
             step.neurons_active += n
             step.bytes_read += n * bytes_per_neuron

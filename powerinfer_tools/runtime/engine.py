@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +25,7 @@ from powerinfer_tools.models.layers import (
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
+from powerinfer_tools.runtime.neuron_cache import compute_cached
 from powerinfer_tools.runtime.generation import context_window
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
@@ -61,6 +63,10 @@ class TokenStats:
     neurons_active: int = 0
     neurons_on_device: int = 0
     bytes_read: int = 0
+    # Under a RAM budget (neuron caches): cold neurons found in a cache, read from disk, the bytes read.
+    cache_hits: int = 0
+    cache_misses: int = 0
+    disk_bytes: int = 0
 
     def add(self, other: "TokenStats") -> None:
         for name in self.__dataclass_fields__:
@@ -79,6 +85,12 @@ class TokenStats:
     @property
     def bytes_per_step(self) -> float:
         return self.bytes_read / self.steps if self.steps else float("nan")
+
+    @property
+    def hit_rate(self) -> float:
+        """Of the cold neurons computed, the share found in a neuron cache."""
+        requests = self.cache_hits + self.cache_misses
+        return self.cache_hits / requests if requests else float("nan")
 
 
 class RuntimeModel(Engine):
@@ -122,6 +134,7 @@ class RuntimeModel(Engine):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
         self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
         self._decoder = _UNBUILT
+        self.ram = None  # ram_budget.RamState when loaded under a RAM budget
 
     @property
     def has_predictors(self) -> bool:
@@ -255,6 +268,9 @@ class RuntimeModel(Engine):
         """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
         fired = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
         for p in layer.partitions:
+            if p.cache is not None:
+                raise PitoolsError("oracle mode computes every neuron to find those that fire: it cannot run under "
+                                   "a RAM budget (--ram)")
             xh = move(h, layer.dense.backend, p.backend)
             act = move(p.activations(self.spec.ffn, xh, p.neurons), p.backend, self.host)
             fired[:, p.neurons] = act != 0
@@ -277,6 +293,18 @@ class RuntimeModel(Engine):
             work.append((p, active[mine], part_mask))
 
         def run(p: FFNPartition, ids: np.ndarray, part_mask):
+            if p.cache is None:
+                return compute(p, ids, part_mask)
+            before = dataclasses.replace(p.cache.counters)
+            out = compute_cached(p.cache, ids, lambda chosen: compute(
+                p, ids[chosen], None if part_mask is None else part_mask[:, chosen]))
+            after = p.cache.counters
+            step.cache_hits += after.hits - before.hits
+            step.cache_misses += after.misses - before.misses
+            step.disk_bytes += after.disk_bytes - before.disk_bytes
+            return out
+
+        def compute(p: FFNPartition, ids: np.ndarray, part_mask):
             if part_mask is not None and n_tokens > 1 and not p.backend.is_device:
                 out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:

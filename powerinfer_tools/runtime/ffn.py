@@ -19,6 +19,7 @@ from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
+from powerinfer_tools.runtime.neuron_cache import NeuronCache
 
 
 @dataclass
@@ -67,6 +68,9 @@ class FFNPartition:
     gate: Optional[QuantMatrix] = None
     gate_bias: Optional[np.ndarray] = None
     up_bias: Optional[np.ndarray] = None
+    # Under a RAM budget: the neuron cache whose rows these matrices are; ``row_of`` is its map and
+    # changes as neurons come and go (``neuron_cache.compute_cached`` makes rows resident first).
+    cache: Optional[NeuronCache] = None
 
     @property
     def bytes_per_neuron(self) -> int:

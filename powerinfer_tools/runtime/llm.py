@@ -83,6 +83,8 @@ class LLM:
         vram: int | None = None,
         hardware: str = DEFAULT_PRESET,
         ctx_size: int | None = None,
+        ram: int | None = None,
+        cache_policy: str = "lru",
     ) -> "LLM":
         """``mode``: which FFN neurons a GGUF file's runtime computes (sparse falls back to dense when the file
         has no predictors). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
@@ -90,11 +92,14 @@ class LLM:
 
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
         budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
+        With ``ram`` (bytes), the weights in memory stay within it (``runtime.ram_budget``): cold neurons are
+        read from the file into neuron caches that evict by ``cache_policy``.
         """
         path = Path(path)
         if path.is_dir():
-            if vram is not None or split is not None:
-                raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split")
+            if vram is not None or split is not None or ram is not None:
+                raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split "
+                                   "or RAM budget: convert it first (pitools convert)")
             engine, tokenizer = load_model_and_tokenizer(path)
             return cls(engine, tokenizer, "reference engine (NumPy)", context_window(engine.spec.max_positions, ctx_size))
         solved = ""
@@ -109,12 +114,14 @@ class LLM:
             report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
             solved = f" (solved now for {format_size(vram)})" if report is not None else f" (cached, for {format_size(vram)})"
         model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device,
-                                   context_size=ctx_size)
+                                   context_size=ctx_size, ram=ram, cache_policy=cache_policy)
         ffn_mode = FFNMode(mode)
         if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
             ffn_mode = FFNMode.DENSE
         model.mode = ffn_mode
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
+        if model.ram is not None:
+            where += f", --ram {format_size(ram)} ({cache_policy} cache)"
         return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}", model.context_size)
 
     @property

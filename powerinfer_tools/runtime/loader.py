@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -9,6 +10,7 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType
 
+from powerinfer_tools.direct_io import DirectReader
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import (
     SPARSE_THRESHOLD_KEY,
@@ -18,24 +20,49 @@ from powerinfer_tools.formats.constants import (
     predictor_names,
     tensor_name,
 )
+from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
-from powerinfer_tools.formats.model_check import check_model_tensors
+from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
 from powerinfer_tools.runtime.engine import DenseBlock, RuntimeLayer, RuntimeModel
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile, RowSource
+from powerinfer_tools.runtime.ram_budget import DEFAULT_CACHE_SHARE, RamPlan, RamState, plan_from_split, plan_ram
 
 DOWN_T = PowerInferTensor.FFN_DOWN_T
 
 
 class _Tensors:
-    """Typed access to a model file's tensors, uploaded to a backend on request."""
+    """Typed access to a model file's tensors, uploaded to a backend on request.
 
-    def __init__(self, model: ModelFile):
+    With a ``reader`` (a RAM budget), a tensor's bytes are read once with direct I/O into memory of
+    our own, so that the weights in memory are exactly what the budget counts (``resident_bytes``);
+    otherwise they are the memory-mapped file's pages."""
+
+    def __init__(self, model: ModelFile, reader: DirectReader | None = None):
         self.model = model
+        self.bundle = BundleLayout.of_file(model)
+        self.reader = reader
+        self._copies: dict[str, np.ndarray] = {}
+
+    def stored(self, name: str) -> np.ndarray:
+        """A tensor's stored array: the mapped file's, or the copy read for the RAM budget."""
+        t = self.model[name]
+        if self.reader is None:
+            return t.data
+        if name not in self._copies:
+            raw = self.reader.read_range(t.offset, t.nbytes)
+            self._copies[name] = np.frombuffer(raw, dtype=t.data.dtype).reshape(t.data.shape)
+        return self._copies[name]
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(a.nbytes for a in self._copies.values())
 
     def matrix(self, name: str, backend=None) -> QuantMatrix:
         t = self.model[name]
@@ -43,8 +70,33 @@ class _Tensors:
             supported = ", ".join(q.name for q in SUPPORTED_TYPES)
             raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {t.qtype.name}, which the runtime "
                                f"cannot compute with (supported: {supported})")
-        data = t.data if backend is None else backend.upload(t.data)
-        return QuantMatrix(t.qtype, data)
+        data = self.stored(name)
+        return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
+
+    def ffn_rows(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, np.ndarray]:
+        """The type and stored rows ``[d_ff, ...]`` of one of a layer's FFN matrices, in either layout (a
+        bundled file's are copied out of its bundle rows: the kernels read contiguous rows)."""
+        part = None if self.bundle is None else self.bundle.part(tensor)
+        if part is None:
+            t = self.model[tensor_name(tensor, layer)]
+            return t.qtype, t.data
+        bundle = self.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)].data
+        return part.qtype, np.ascontiguousarray(self.bundle.view(bundle, part, self.d_model))
+
+    @property
+    def d_model(self) -> int:
+        return self.model.get("{arch}.embedding_length")
+
+    def ffn_format(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, int]:
+        """The type and bytes per row of one of a layer's FFN matrices."""
+        part = None if self.bundle is None else self.bundle.part(tensor)
+        if part is not None:
+            return part.qtype, part.nbytes
+        t = self.model[tensor_name(tensor, layer)]
+        return t.qtype, t.nbytes // t.shape[0]
+
+    def has_ffn(self, tensor: TensorKind, layer: int) -> bool:
+        return tensor_name(tensor, layer) in self.model or (self.bundle is not None and self.bundle.part(tensor) is not None)
 
     def predictor_matrix(self, name: str, backend=None) -> QuantMatrix:
         """A predictor tensor in its stored type; one the kernels do not compute (the q5_0 of PowerInfer's own
@@ -52,13 +104,14 @@ class _Tensors:
         t = self.model[name]
         if t.qtype in SUPPORTED_TYPES:
             return self.matrix(name, backend)
-        data = t.dequantize().astype(np.float16)
+        data = decode(self.stored(name), t.qtype).reshape(t.shape).astype(np.float16)
         return QuantMatrix(GGMLQuantizationType.F16, data if backend is None else backend.upload(data))
 
     def array(self, name: str, backend=None) -> Optional[np.ndarray]:
         if name not in self.model:
             return None
-        v = np.ascontiguousarray(self.model[name].dequantize(), dtype=np.float32)
+        t = self.model[name]
+        v = np.ascontiguousarray(decode(self.stored(name), t.qtype).reshape(t.shape), dtype=np.float32)
         return v if backend is None else backend.upload(v)
 
     def norm(self, tensor: TensorKind, layer: int | None, backend) -> Norm:
@@ -76,11 +129,13 @@ def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, d_ff: int, sp
 
 def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend) -> FFNPartition:
     """The rows of ``neurons`` of one layer's FFN on ``backend``: copied to a device, in place on the host."""
-    has_gate = tensor_name(T.FFN_GATE, layer) in tensors.model
-    sparse_layout = tensor_name(DOWN_T, layer) in tensors.model
+    sparse_layout = tensors.has_ffn(DOWN_T, layer)
     if not backend.is_device:
         rows = np.arange(d_ff)
-        pick = lambda name: tensors.matrix(name)  # noqa: E731
+
+        def pick(tensor):
+            return QuantMatrix(*tensors.ffn_rows(tensor, layer))
+
         pick_bias = tensors.array
     else:
         if not sparse_layout:
@@ -88,9 +143,9 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
         rows = np.full(d_ff, -1, dtype=np.int64)
         rows[neurons] = np.arange(len(neurons))
 
-        def pick(name):
-            t = tensors.model[name]
-            return QuantMatrix(t.qtype, backend.upload(np.ascontiguousarray(t.data[neurons])))
+        def pick(tensor):
+            qtype, data = tensors.ffn_rows(tensor, layer)
+            return QuantMatrix(qtype, backend.upload(np.ascontiguousarray(data[neurons])))
 
         def pick_bias(name):
             v = tensors.array(name)
@@ -100,12 +155,77 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
         backend=backend,
         neurons=neurons,
         row_of=rows,
-        up=pick(tensor_name(T.FFN_UP, layer)),
-        down_t=pick(tensor_name(DOWN_T, layer)) if sparse_layout else None,
+        up=pick(T.FFN_UP),
+        down_t=pick(DOWN_T) if sparse_layout else None,
         down=None if sparse_layout else tensors.matrix(tensor_name(T.FFN_DOWN, layer)),
-        gate=pick(tensor_name(T.FFN_GATE, layer)) if has_gate else None,
+        gate=pick(T.FFN_GATE) if tensors.has_ffn(T.FFN_GATE, layer) else None,
         gate_bias=pick_bias(tensor_name(T.FFN_GATE, layer, "bias")),
         up_bias=pick_bias(tensor_name(T.FFN_UP, layer, "bias")),
+    )
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """What every layer's neuron cache shares."""
+
+    file: NeuronFile
+    plan: RamPlan
+    policy: str
+    d_ff: int
+
+
+def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: GpuSplit | None, ram: int,
+               policy: str, cache_share: float) -> CacheSetup:
+    """The plan for a RAM budget: the split's RAM tier when it has one, else the hottest neurons pinned."""
+    tensors = _Tensors(model)
+    if not tensors.has_ffn(DOWN_T, 0):
+        raise PitoolsError(f"{path}: --ram needs a PowerInfer file (neuron-major {block_part(DOWN_T)}); "
+                           "this one is dense")
+    ffn = {tensor_name(t, i) for t in (T.FFN_GATE, T.FFN_UP, DOWN_T, PowerInferTensor.FFN_BUNDLE)
+           for i in range(spec.n_layers)}
+    dense_bytes = sum(t.nbytes for name, t in model.tensors.items() if name not in ffn)
+    neuron_bytes = sum(tensors.ffn_format(t, 0)[1] for t in (T.FFN_GATE, T.FFN_UP, DOWN_T) if tensors.has_ffn(t, 0))
+    all_neurons = np.arange(spec.d_ff)
+    cpu = [all_neurons if gpu_split is None else all_neurons[~gpu_split.masks[i]] for i in range(spec.n_layers)]
+    if gpu_split is not None and gpu_split.ram_masks is not None:
+        plan = plan_from_split(ram, dense_bytes, neuron_bytes, gpu_split.ram_masks, gpu_split.cache_bytes or 0, cpu,
+                               str(default_split_path(path)))
+    else:
+        freqs = [neuron_frequencies(model, spec, i) for i in range(spec.n_layers)]
+        plan = plan_ram(ram, dense_bytes, neuron_bytes, cpu, freqs, cache_share)
+    return CacheSetup(file, plan, policy, spec.d_ff)
+
+
+def _row_sources(tensors: _Tensors, layer: int, present: list) -> list[RowSource]:
+    """Where the rows of a layer's ``present`` FFN matrices lie in the file (matrix i = ``present[i]``):
+    one source of bundle rows, or one per matrix."""
+    if tensors.bundle is not None:
+        bundle = tensors.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)]
+        parts = tuple((i, tensors.bundle.part(t).offset, tensors.bundle.part(t).nbytes) for i, t in enumerate(present))
+        return [RowSource(bundle.offset, tensors.bundle.stride, max(o + n for _, o, n in parts), parts)]
+    sources = []
+    for i, tensor in enumerate(present):
+        stored = tensors.model[tensor_name(tensor, layer)]
+        row_bytes = stored.nbytes // stored.shape[0]
+        sources.append(RowSource(stored.offset, row_bytes, row_bytes, ((i, 0, row_bytes),)))
+    return sources
+
+
+def _cached_partition(tensors: _Tensors, layer: int, neurons: np.ndarray, cache: CacheSetup, host) -> FFNPartition:
+    """A layer's CPU neurons through a neuron cache: its pinned rows and slots in memory of our own."""
+    present = [t for t in (T.FFN_GATE, T.FFN_UP, DOWN_T) if tensors.has_ffn(t, layer)]
+    formats = [tensors.ffn_format(t, layer) for t in present]
+    nc = NeuronCache(cache.file, _row_sources(tensors, layer, present), [n for _, n in formats],
+                     cache.d_ff, cache.plan.pinned[layer], cache.plan.capacity[layer],
+                     cache.policy)
+    matrices = {}
+    for tensor, (qtype, _), rows in zip(present, formats, nc.rows):
+        dtype = storage_shape((1, tensors.d_model), qtype)[1]
+        matrices[tensor] = QuantMatrix(qtype, rows if dtype == np.uint8 else rows.view(dtype))
+    return FFNPartition(
+        backend=host, neurons=neurons, row_of=nc.row_of, up=matrices[T.FFN_UP], down_t=matrices[DOWN_T],
+        gate=matrices.get(T.FFN_GATE), gate_bias=tensors.array(tensor_name(T.FFN_GATE, layer, "bias")),
+        up_bias=tensors.array(tensor_name(T.FFN_UP, layer, "bias")), cache=nc,
     )
 
 
@@ -138,8 +258,10 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     )
 
 
-def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | None, device, host) -> list:
-    """A layer's FFN: the split's hot neurons on the device, the rest (all without a split) on the host."""
+def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | None, device, host,
+                cache: CacheSetup | None) -> list:
+    """A layer's FFN: the split's hot neurons on the device, the rest (all without a split) on the host,
+    through a neuron cache under a RAM budget."""
     partitions = []
     all_neurons = np.arange(d_ff)
     if gpu_split is not None and gpu_split.masks[layer].any():
@@ -149,7 +271,8 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | 
     else:
         cold = all_neurons
     if len(cold):
-        partitions.append(_partition(tensors, layer, cold, d_ff, host))
+        partitions.append(_partition(tensors, layer, cold, d_ff, host) if cache is None
+                          else _cached_partition(tensors, layer, cold, cache, host))
     return partitions
 
 
@@ -167,6 +290,9 @@ def load_runtime_model(
     use_split: bool = True,
     device: str = "emulated",
     context_size: Optional[int] = None,
+    ram: Optional[int] = None,
+    cache_policy: str = "lru",
+    cache_share: float = DEFAULT_CACHE_SHARE,
 ) -> RuntimeModel:
     """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the
     model's trained positions).
@@ -174,19 +300,25 @@ def load_runtime_model(
     With ``use_split``, the split file ``split`` (default: beside the model) places
     each layer's hot neurons, and its dense block where the solver put it, on the
     device: ``cuda`` (CuPy) or ``emulated`` (see ``EmulatedDevice``). Without a
-    split everything runs on the CPU.
+    split everything runs on the CPU. With ``ram`` (bytes), the weights in memory stay within it:
+    the CPU neurons go through neuron caches (``neuron_cache``, planned by ``ram_budget``, evicting
+    by ``cache_policy``), and nothing is read through the memory map.
     """
     path = Path(path)
     model = open_model_file(path)
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
-    tensors = _Tensors(model)
     host = CpuBackend()
 
     split_path = Path(split) if split is not None else default_split_path(path)
     gpu_split, device_backend = None, None
     if use_split and (split is not None or split_path.is_file()):
         gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff, device)
+    tensors, cache = _Tensors(model), None
+    if ram is not None:
+        file = NeuronFile(path)
+        cache = _ram_setup(path, model, spec, file, gpu_split, ram, cache_policy, cache_share)
+        tensors = _Tensors(model, file.reader)
 
     threshold = float(model.get(SPARSE_THRESHOLD_KEY, 0.0))
     layers = []
@@ -196,21 +328,31 @@ def load_runtime_model(
         )
         backend = device_backend if on_device else host
         dense = _dense_block(tensors, i, backend, on_device, threshold)
-        layers.append(RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host), spec.d_ff))
+        layers.append(RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host, cache),
+                                   spec.d_ff))
+    runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path, context_size)
+    if cache is not None:
+        caches = [p.cache for layer in layers for p in layer.partitions if p.cache is not None]
+        runtime.ram = RamState(cache.plan, tensors.resident_bytes, caches, cache.file)
+    return runtime
 
+
+def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | None, device_backend, host,
+                   split_path: Path, path: Path, context_size: Optional[int]) -> RuntimeModel:
+    """The model around its layers: embeddings and the head, placed where the split says."""
+    model = tensors.model
     # The solver may place the head (output norm and matrix) on the device: then the last hidden
     # state crosses PCIe instead of the logits being computed from host memory.
     head = device_backend if gpu_split is not None and gpu_split.output_on_gpu else host
     output_name = tensor_name(T.OUTPUT)
     if output_name not in model:  # tied: the embedding
         output_name = tensor_name(T.TOKEN_EMBD)
-    output = tensors.matrix(output_name, None if head is host else head)
     return RuntimeModel(
         spec,
         layers,
         token_embd=tensors.matrix(tensor_name(T.TOKEN_EMBD)),
         output_norm=tensors.norm(T.OUTPUT_NORM, None, head) if tensor_name(T.OUTPUT_NORM) in model else None,
-        output=output,
+        output=tensors.matrix(output_name, None if head is host else head),
         positions=tensors.array(tensor_name(T.POS_EMBD)),
         device=device_backend,
         split_path=split_path if gpu_split is not None else None,

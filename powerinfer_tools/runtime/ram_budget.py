@@ -1,0 +1,103 @@
+"""What a RAM budget (``pitools run --ram``) keeps in memory: the plan the loader builds the neuron caches by.
+
+The budget is for the model's weights. Everything but the FFN rows (attention, norms, embeddings, the
+output head, predictors, biases) is read every token, or at random rows, and is loaded whole. What is
+left holds FFN rows, shared equally by the layers: per layer the hottest CPU neurons are pinned and
+``cache_share`` of the rows are cache slots for the rest (``neuron_cache``). A split file solved with
+``pitools solve --ram`` says which neurons to pin and how large the cache is; without one, the file's
+profiled frequencies say which neurons are hottest (in file order when it has none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime.neuron_cache import CacheCounters, NeuronCache, NeuronFile
+from powerinfer_tools.units import format_size
+
+DEFAULT_CACHE_SHARE = 0.25  # of each layer's rows in memory: slots for cold neurons; the rest pinned
+MIN_SLOTS = 16  # per layer: a cache smaller than this thrashes on every token
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    budget: int  # bytes the weights may occupy
+    dense_bytes: int  # loaded whole: every tensor but the FFN rows
+    neuron_bytes: int  # one neuron's rows (gate, up, ffn_down_t) in memory
+    pinned: tuple[np.ndarray, ...]  # per layer: neuron ids held for the whole run
+    capacity: tuple[int, ...]  # per layer: cache slots
+
+    @property
+    def planned_bytes(self) -> int:
+        rows = sum(len(p) for p in self.pinned) + sum(self.capacity)
+        return self.dense_bytes + rows * self.neuron_bytes
+
+
+def _minimum(dense_bytes: int, neuron_bytes: int, n_layers: int) -> int:
+    return dense_bytes + n_layers * MIN_SLOTS * neuron_bytes
+
+
+def plan_ram(budget: int, dense_bytes: int, neuron_bytes: int, cpu_neurons: list[np.ndarray],
+             frequencies: list[np.ndarray | None], cache_share: float = DEFAULT_CACHE_SHARE) -> RamPlan:
+    """Pin each layer's hottest of ``cpu_neurons`` (those not on a GPU) and size its cache within ``budget``."""
+    if not 0 < cache_share < 1:
+        raise PitoolsError(f"cache share must be between 0 and 1, got {cache_share}")
+    n_layers = len(cpu_neurons)
+    minimum = _minimum(dense_bytes, neuron_bytes, n_layers)
+    if budget < minimum:
+        raise PitoolsError(f"--ram {format_size(budget)} is too small for this model: its attention, embeddings, "
+                           f"head and predictors take {format_size(dense_bytes)}, and a neuron cache of {MIN_SLOTS} "
+                           f"neurons per layer {format_size(minimum - dense_bytes)} more: give at least "
+                           f"{format_size(minimum)}")
+    rows = (budget - dense_bytes) // (n_layers * neuron_bytes)
+    pinned, capacity = [], []
+    for neurons, freq in zip(cpu_neurons, frequencies):
+        if rows >= len(neurons):  # the whole layer fits: no cache
+            pinned.append(np.sort(neurons))
+            capacity.append(0)
+            continue
+        slots = max(MIN_SLOTS, int(cache_share * rows))
+        hottest = neurons if freq is None else neurons[np.argsort(-freq[neurons], kind="stable")]
+        pinned.append(np.sort(hottest[: rows - slots]))
+        capacity.append(slots)
+    return RamPlan(budget, dense_bytes, neuron_bytes, tuple(pinned), tuple(capacity))
+
+
+def plan_from_split(budget: int, dense_bytes: int, neuron_bytes: int, ram_masks, cache_bytes: int,
+                    cpu_neurons: list[np.ndarray], source: str) -> RamPlan:
+    """The plan a split file solved with ``--ram`` records: its pinned neurons and cache size, checked
+    against ``budget``."""
+    n_layers = len(cpu_neurons)
+    slots = max(MIN_SLOTS, cache_bytes // (n_layers * neuron_bytes))
+    pinned = tuple(np.flatnonzero(mask) for mask in ram_masks)
+    capacity = tuple(0 if len(p) >= len(c) else min(slots, len(c) - len(p)) for p, c in zip(pinned, cpu_neurons))
+    plan = RamPlan(budget, dense_bytes, neuron_bytes, pinned, capacity)
+    if plan.planned_bytes > budget:
+        raise PitoolsError(f"{source}: its RAM tier needs {format_size(plan.planned_bytes)} of weights in memory, "
+                           f"more than --ram {format_size(budget)}; solve again with this budget")
+    return plan
+
+
+@dataclass
+class RamState:
+    """A loaded model's weights under a RAM budget: what is in memory, measured, and the caches' counts."""
+
+    plan: RamPlan
+    dense_resident: int  # bytes of the tensors read whole
+    caches: list[NeuronCache]
+    file: NeuronFile
+
+    @property
+    def resident_bytes(self) -> int:
+        """The weights in memory now: the tensors read whole, every pinned row and cache slot."""
+        return self.dense_resident + sum(c.nbytes for c in self.caches)
+
+    def counters(self) -> CacheCounters:
+        total = CacheCounters()
+        for c in self.caches:
+            for name in total.__dataclass_fields__:
+                setattr(total, name, getattr(total, name) + getattr(c.counters, name))
+        return total
