@@ -4,9 +4,9 @@ A neuron that the runtime reads from disk (the neuron cache of ``pitools run --r
 each of the three matrices. In PowerInfer's layout they lie in three tensors far apart: three reads.
 Bundled, as PowerInfer-2 and Apple's "LLM in a flash" do (row-column bundling), they are one row of
 ``blk.N.ffn_bundle`` (GGML ``I8``, ``[d_ff, stride]`` bytes): gate row n's stored bytes, then up row n's,
-then ``ffn_down_t`` row n's, then zeros up to ``stride``, a multiple of ``direct_io.ALIGNMENT``. The
-file's ``general.alignment`` is that alignment too, so every row starts at an aligned file offset and
-one direct read of one neuron reads nothing else. Which tensors a row holds, their GGML types and
+then ``ffn_down_t`` row n's, then zeros up to ``stride``: a multiple of ``direct_io.ALIGNMENT`` (4096),
+or for rows smaller than that a power of two. The file's ``general.alignment`` is that alignment, so
+no row straddles an aligned block: one direct read of one block (or of a row's own blocks) gets it. Which tensors a row holds, their GGML types and
 the stride are in three ``pitools.ffn_bundle.*`` keys (an ungated FFN bundles up and down only).
 Biases, predictors and every other tensor stay as they are. PowerInfer's runtime cannot read the
 layout; ``pitools bundle`` (``conversion/bundle.py``) writes it from a PowerInfer file.
@@ -49,7 +49,7 @@ class BundlePart:
 @dataclass(frozen=True)
 class BundleLayout:
     parts: tuple[BundlePart, ...]
-    stride: int  # bytes per bundle row: the parts, then zeros to a multiple of ALIGNMENT
+    stride: int  # bytes per bundle row: the parts, then zeros (``bundle_stride``)
 
     @classmethod
     def plan(cls, parts: Sequence[tuple[TensorKind, GGMLQuantizationType, int]]) -> BundleLayout:
@@ -58,7 +58,7 @@ class BundleLayout:
         for tensor, qtype, nbytes in parts:
             placed.append(BundlePart(tensor, GGMLQuantizationType(qtype), offset, int(nbytes)))
             offset += int(nbytes)
-        return cls(tuple(placed), -(-offset // ALIGNMENT) * ALIGNMENT)
+        return cls(tuple(placed), bundle_stride(offset))
 
     @classmethod
     def of_file(cls, model: ModelFile) -> BundleLayout | None:
@@ -112,6 +112,14 @@ class BundleLayout:
         for p in self.parts:
             out[:, p.offset : p.offset + p.nbytes] = np.ascontiguousarray(rows[p.tensor]).view(np.uint8).reshape(n, -1)
         return out.view(np.int8)
+
+
+def bundle_stride(nbytes: int) -> int:
+    """Bytes from one bundle row to the next: ``nbytes`` rounded up to a power of two below ``ALIGNMENT``,
+    to a multiple of it above, so that no row straddles an aligned block and one direct read gets it."""
+    if nbytes >= ALIGNMENT:
+        return -(-nbytes // ALIGNMENT) * ALIGNMENT
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def storage_row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:

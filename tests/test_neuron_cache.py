@@ -1,0 +1,221 @@
+"""The neuron cache under a RAM budget (``pitools run --ram``) and the bundled FFN layout (``pitools bundle``):
+the cache's bookkeeping on a file of known rows, and whole models computing exactly what they compute
+unconstrained, in both layouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from cli_checks import fails, invoke
+
+from powerinfer_tools.benchmarking.synth import Planting, Shape, synthesize
+from powerinfer_tools.conversion.bundle import bundle_model
+from powerinfer_tools.direct_io import ALIGNMENT
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.constants import PowerInferTensor, tensor_name
+from powerinfer_tools.formats.ffn_bundle import BundleLayout
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile, RowSource, read_runs
+
+# --- the cache on a file whose rows say who they are --------------------------------------------------
+
+ROW = 48  # bytes per row of each of the two matrices
+N = 64  # neurons
+
+
+@pytest.fixture
+def row_file(tmp_path):
+    """A file of N rows of two 48-byte parts; part m of neuron n is filled with the byte (n + 100 m) % 256."""
+    rows = np.array([[(n + 100 * m) % 256] * ROW for n in range(N) for m in range(2)], dtype=np.uint8)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(bytes(ALIGNMENT) + rows.tobytes())  # the rows start at an aligned offset
+    return path
+
+
+def _cache(path, capacity, policy="lru", pinned=()):
+    source = RowSource(ALIGNMENT, 2 * ROW, 2 * ROW, ((0, 0, ROW), (1, ROW, ROW)))
+    return NeuronCache(NeuronFile(path), [source], [ROW, ROW], N, np.array(pinned, dtype=np.int64), capacity, policy)
+
+
+def _step(cache, neurons):
+    """One step as the runtime takes it: hits first, then the misses loaded; the misses."""
+    neurons = np.asarray(neurons)
+    resident = cache.resident(neurons)
+    cache.new_step(neurons[resident])
+    cache.load(neurons[~resident])()
+    return sorted(neurons[~resident].tolist())
+
+
+def _holds(cache, neuron):
+    row = cache.row_of[neuron]
+    return row >= 0 and (cache.rows[0][row] == neuron).all() and (cache.rows[1][row] == (neuron + 100) % 256).all()
+
+
+def test_misses_are_read_into_slots_and_hits_are_counted(row_file):
+    cache = _cache(row_file, capacity=4, pinned=[0, 1])
+    assert _holds(cache, 0) and _holds(cache, 1)  # pinned at load
+    assert _step(cache, [0, 5, 9]) == [5, 9]
+    assert _step(cache, [5, 9, 12]) == [12]
+    assert all(_holds(cache, n) for n in (0, 1, 5, 9, 12))
+    assert (cache.counters.hits, cache.counters.misses) == (2, 3)  # pinned neurons are not cache hits
+    assert cache.counters.disk_bytes > 0
+
+
+def test_lru_evicts_the_slot_used_longest_ago(row_file):
+    cache = _cache(row_file, capacity=3)
+    for neurons in ([1], [2], [3], [1]):  # 2 is now the least recently used
+        _step(cache, neurons)
+    _step(cache, [4])
+    assert cache.row_of[2] == -1 and all(_holds(cache, n) for n in (1, 3, 4))
+
+
+def test_lfu_evicts_the_slot_used_least_often(row_file):
+    cache = _cache(row_file, capacity=3, policy="lfu")
+    for neurons in ([1], [2], [3], [1], [3], [3]):  # uses: 1 twice, 2 once (and longest ago), 3 three times
+        _step(cache, neurons)
+    _step(cache, [4])
+    assert cache.row_of[2] == -1
+    _step(cache, [5])  # 4 (one use) goes before 1 (two), though 1 was used longer ago
+    assert cache.row_of[4] == -1 and _holds(cache, 1) and _holds(cache, 3)
+
+
+def test_a_step_never_evicts_what_it_uses(row_file):
+    cache = _cache(row_file, capacity=3)
+    _step(cache, [1, 2, 3])
+    cache.new_step(np.array([1, 2]))
+    assert cache.free_slots() == 1
+    with pytest.raises(RuntimeError):
+        cache.load(np.array([7, 8]))
+
+
+def test_neighbouring_rows_share_a_read():
+    source = RowSource(0, 1000, 1000, ((0, 0, 1000),))
+    assert read_runs(np.array([1, 2, 3, 40, 41]), source) == [(0, 3), (3, 2)]
+    bundled = RowSource(0, ALIGNMENT, 3000, ((0, 0, 3000),))  # aligned rows: neighbours touch, far ones do not
+    assert read_runs(np.array([0, 1, 5]), bundled) == [(0, 2), (2, 1)]
+    small = RowSource(0, 256, 216, ((0, 0, 216),))  # 16 rows to a block: one read for the block's rows
+    assert read_runs(np.array([0, 3, 15, 16]), small) == [(0, 4)]
+
+
+def test_a_truncated_file_is_one_clear_error(row_file):
+    cache = _cache(row_file, capacity=4)
+    os.truncate(row_file, ALIGNMENT + 10 * 2 * ROW)
+    with pytest.raises(PitoolsError, match="rows.bin.*truncated"):
+        _step(cache, [30])
+
+
+# --- whole models ----------------------------------------------------------------------------------------
+
+# A synthetic model whose FFN is most of its file (test-tiny's is not: its embeddings are), so that half
+# the file leaves room for only part of the FFN.
+WIDE = Shape(d_model=128, d_ff=2048, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=4096, context=256,
+             rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """(split layout, bundled layout) of the WIDE synthetic model, q4_0, with predictors."""
+    from gguf_fixtures import FAST_TRAINING
+
+    folder = tmp_path_factory.mktemp("wide")
+    path = synthesize(WIDE, folder / "wide.powerinfer.gguf", "q4_0", Planting(density=0.1), profile_tokens=800,
+                      train=FAST_TRAINING, progress=False).powerinfer
+    bundled = folder / "wide.bundled.powerinfer.gguf"
+    bundle_model(path, bundled, progress=False)
+    return path, bundled
+
+
+def _logits(model, tokens, prompt):
+    caches = model.new_cache()
+    out = [model.forward(tokens[:prompt], caches)]
+    out += [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("layout", [0, 1], ids=["split-layout", "bundled-layout"])
+def test_half_the_file_in_memory_computes_what_the_whole_file_does(wide_model, layout):
+    path = wide_model[layout]
+    budget = os.path.getsize(wide_model[0]) // 2  # of PowerInfer's layout: the bundled file adds padding
+    tokens = np.random.default_rng(0).integers(0, 4096, 48)
+    reference = load_runtime_model(path)
+    reference.mode = FFNMode.SPARSE
+    model = load_runtime_model(path, ram=budget)
+    model.mode = FFNMode.SPARSE
+    assert model.compiled_decoder() is not None  # the one-token steps take the compiled path, cache and all
+    np.testing.assert_allclose(_logits(model, tokens, 16), _logits(reference, tokens, 16), rtol=0, atol=1e-5)
+    assert model.ram.resident_bytes <= budget
+    stats = model.stats
+    assert stats.cache_misses > 0 and stats.cache_hits > 0 and stats.disk_bytes > 0
+    assert max(model.ram.plan.capacity) > 0 and min(len(p) for p in model.ram.plan.pinned) < WIDE.d_ff
+
+
+def test_bundled_file_holds_the_same_rows(wide_model):
+    source, bundled = (open_model_file(p) for p in wide_model)
+    layout = BundleLayout.of_file(bundled)
+    assert layout.stride == 256 and len(layout.parts) == 3  # 3 rows of 72 bytes, to a power of two
+    for layer in range(WIDE.n_layers):
+        stored = bundled[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)]
+        assert stored.offset % ALIGNMENT == 0
+        for part in layout.parts:
+            assert np.array_equal(layout.view(stored.data, part, WIDE.d_model), source[tensor_name(part.tensor, layer)].data)
+    assert source.metadata.keys() <= bundled.metadata.keys()
+
+
+def test_dense_mode_streams_the_ffn_through_a_small_cache(bundled_gguf):
+    """The shipped model without predictors: every neuron every step, more than the cache holds (chunks)."""
+    path = bundled_gguf("f32")  # float32 rows: no q8_0 encoding of inputs, whose rounding a chunked sum can flip
+    model = load_runtime_model(path, ram=_dense_part(path) + 1024 * 1024)
+    assert max(model.ram.plan.capacity) < model.spec.d_ff
+    tokens = np.random.default_rng(1).integers(0, model.spec.vocab_size, 12)
+    reference = load_runtime_model(path)
+    # Dense steps under a cache take the general path (the compiled one computes one set of rows per
+    # layer); compared with the same path unconstrained, only the chunks' summation order differs. (With
+    # quantized rows that order can flip the q8_0 rounding of a later layer's input: ~1e-3 in the logits.)
+    reference.compiled_decoding = False
+    np.testing.assert_allclose(_logits(model, tokens, 8), _logits(reference, tokens, 8), rtol=0, atol=1e-5)
+    assert model.stats.cache_misses > model.spec.d_ff * model.spec.n_layers  # re-read: it cannot hold them
+
+
+def _dense_part(path) -> int:
+    model = open_model_file(path)
+    return sum(t.nbytes for name, t in model.tensors.items() if ".ffn_" not in name)
+
+
+@pytest.mark.parametrize("which", ["synthetic, sparse", "shipped, dense"])
+def test_run_with_ram_prints_the_same_text_and_its_memory(wide_model, bundled_gguf, which):
+    if which == "synthetic, sparse":
+        path, budget = wide_model[1], os.path.getsize(wide_model[0]) // 2
+    else:
+        path = bundled_gguf("f32")
+        budget = _dense_part(path) + 1024 * 1024
+    args = ["run", path, "-p", "def add(a, b):", "-n", "24", "--temp", "0"]
+    plain, limited = invoke(*args), invoke(*args, "--ram", f"{budget}B")
+    assert plain.exit_code == limited.exit_code == 0 and plain.stdout == limited.stdout
+    assert "weights in memory" in limited.stderr and "cache hit rate" in limited.stderr
+
+
+def test_a_model_truncated_under_the_cache_is_one_clear_error(wide_model, tmp_path):
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(wide_model[1], path)
+    model = load_runtime_model(path, ram=os.path.getsize(wide_model[0]) // 2)
+    model.mode = FFNMode.SPARSE
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(PitoolsError, match=r"m\.powerinfer\.gguf.*truncated"):
+        _logits(model, np.arange(40), 4)
+
+
+def test_budgets_and_files_the_cache_cannot_serve(wide_model, bundled_gguf, tmp_path):
+    path = wide_model[0]
+    assert "give at least" in fails("run", path, "--ram", "100KiB", "-n", "1", match="too small for this model")
+    model = load_runtime_model(path, ram=os.path.getsize(path) // 2)
+    model.mode = FFNMode.ORACLE
+    with pytest.raises(PitoolsError, match="oracle"):
+        model.forward(np.arange(3), model.new_cache())
+    fails("bundle", wide_model[1], "-o", tmp_path / "x.gguf", match="already in the bundled layout")
+    fails("bundle", path, "-o", path, "--force", match="is the input")
+    fails("run", bundled_gguf("q8_0").parent, "--ram", "1GB", match="no GPU split or RAM budget")
