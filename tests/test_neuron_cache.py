@@ -4,6 +4,7 @@ unconstrained, in both layouts."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -219,3 +220,12 @@ def test_budgets_and_files_the_cache_cannot_serve(wide_model, bundled_gguf, tmp_
     fails("bundle", wide_model[1], "-o", tmp_path / "x.gguf", match="already in the bundled layout")
     fails("bundle", path, "-o", path, "--force", match="is the input")
     fails("run", bundled_gguf("q8_0").parent, "--ram", "1GB", match="no GPU split or RAM budget")
+
+
+def test_perplexity_with_ram_matches(wide_model, tmp_path):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = ["perplexity", wide_model[1], "--sparse", "sparse", "--corpus", corpus, "--tokens", "200", "--json", "-q"]
+    plain, limited = invoke(*args), invoke(*args, "--ram", f"{os.path.getsize(wide_model[0]) // 2}B")
+    assert plain.exit_code == limited.exit_code == 0, limited.stderr
+    assert json.loads(limited.stdout)["perplexity"] == pytest.approx(json.loads(plain.stdout)["perplexity"], rel=1e-4)

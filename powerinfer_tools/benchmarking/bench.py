@@ -78,6 +78,7 @@ class BenchSettings:
     runs: int = 5  # measured rounds, after one warm-up round
     threads: int = 2
     memory_limit: int | None = None  # bytes: each engine process in a memory cgroup of that size
+    ram: int | None = None  # bytes: our runtime's weights budget (its --ram: neuron caches)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class EngineSpec:
     context: int  # tokens the KV cache must hold
     buffers: Buffers | None = None  # llama.cpp's weight buffers
     binary: Path | None = None  # PowerInfer's main
+    ram: int | None = None  # our runtime's weights budget
 
 
 @dataclass
@@ -97,6 +99,9 @@ class Run:
     bytes_per_token: float | None  # weight bytes read per decoding step (None: unknown, PowerInfer)
     density: float | None = None  # fraction of FFN neurons computed while decoding (our runtime)
     counts: tuple[int, int] | None = None  # prompt tokens and decoding steps, where not the settings' (PowerInfer)
+    hit_rate: float | None = None  # under --ram, while decoding: cold neurons found in the neuron caches
+    disk_bytes_per_token: float | None = None  # under --ram: bytes read from the file per decoding step
+    resident_bytes: int | None = None  # under --ram: the weights in memory at the end of the run
 
 
 @dataclass
@@ -136,6 +141,7 @@ class EngineResult:
             "implied_gbs": implied_gbs,
             "bandwidth_fraction": implied_gbs / bandwidth_gbs if bandwidth_gbs and implied_gbs is not None else None,
             "density": statistics.median(densities) if densities else None,
+            **_cache_summary(self.runs),
             "peak_rss": self.peak_rss,
             "baseline_rss": self.baseline_rss,
             "file_bytes": self.file_bytes,
@@ -143,6 +149,34 @@ class EngineResult:
             "rss_budget": self.rss_budget,
             "runs": [asdict(r) for r in self.runs],
         }
+
+
+# Our runtime's memory besides its weights and KV cache: the interpreter, NumPy, numba's LLVM and ggml's
+# library, the heap (examples/memory_breakdown.py measured ~180 MiB on the 1B shape), the caches' read
+# buffers and bookkeeping: what a memory limit must leave it beyond --ram.
+RUNTIME_FIXED_BYTES = 240 * 2**20
+
+
+def ram_within_limit(model: Path, limit: int, context: int) -> int:
+    """The weights budget our runtime gets under a memory limit of ``limit`` bytes: what is left of it after
+    the runtime's fixed memory and its float32 KV cache for ``context`` tokens."""
+    m = open_model_file(model)
+    kv = 2 * f16_kv_bytes(m, context)  # ours is float32: twice llama.cpp's float16 cache
+    ram = limit - RUNTIME_FIXED_BYTES - kv
+    if ram <= 0:
+        raise PitoolsError(f"--memory-limit {format_size(limit)} leaves nothing for {model}'s weights: our runtime "
+                           f"needs ~{format_size(RUNTIME_FIXED_BYTES)} besides them and {format_size(kv)} of KV cache")
+    return ram
+
+
+def _cache_summary(runs: list[Run]) -> dict:
+    """Medians of the neuron caches' figures over the runs made under --ram; nothing for other runs."""
+    cached = [r for r in runs if r.hit_rate is not None]
+    if not cached:
+        return {}
+    return {"hit_rate": statistics.median(r.hit_rate for r in cached),
+            "disk_bytes_per_token": statistics.median(r.disk_bytes_per_token for r in cached),
+            "resident_bytes": max(r.resident_bytes for r in cached)}
 
 
 # --- the engines, each inside its worker process -------------------------------------------------
@@ -163,7 +197,7 @@ class _Runtime:
         from powerinfer_tools.runtime.loader import load_runtime_model
 
         kernels.set_threads(spec.threads)
-        self.model = load_runtime_model(spec.path, use_split=False)
+        self.model = load_runtime_model(spec.path, use_split=False, ram=spec.ram)
         mode = FFNMode(spec.name)
         if mode is FFNMode.SPARSE and not self.model.has_predictors:
             raise PitoolsError(f"{spec.path}: no predictors in the file, so no sparse run")
@@ -182,7 +216,11 @@ class _Runtime:
         for token in tokens[n_prompt:]:
             model.forward(np.array([token]), caches, all_logits=False).argmax()
         end = time.perf_counter()
-        return Run(prompt_done - start, end - prompt_done, stats.bytes_per_step, stats.density)
+        if model.ram is None:
+            return Run(prompt_done - start, end - prompt_done, stats.bytes_per_step, stats.density)
+        return Run(prompt_done - start, end - prompt_done, stats.bytes_per_step, stats.density,
+                   hit_rate=stats.hit_rate, disk_bytes_per_token=stats.disk_bytes / stats.steps,
+                   resident_bytes=model.ram.resident_bytes)
 
     def kv_bytes(self) -> int:
         return sum(c.keys.nbytes + c.values.nbytes for c in self.caches)
@@ -362,7 +400,8 @@ def engine_specs(model: Path, baseline: Path | None, settings: BenchSettings, mo
     # Dense runs on the same dense GGUF as llama.cpp when there is one: an identical file for both,
     # and its ffn_down rows are read by vec_dot, ~10% faster per token than the axpy over ffn_down_t.
     files = {SPARSE: Path(model), DENSE: Path(baseline if baseline is not None else model)}
-    specs = [(EngineSpec(m, files[m], settings.threads, total), reported) for m in modes]
+    ours = reported | ({"ram": settings.ram} if settings.ram is not None else {})
+    specs = [(EngineSpec(m, files[m], settings.threads, total, ram=settings.ram), ours) for m in modes]
     if baseline is not None:
         buffers, buffer_settings = llama_cpp_buffers(Path(baseline), settings.threads, progress)
         specs.append((EngineSpec(LLAMA_CPP, Path(baseline), settings.threads, total, buffers),
@@ -541,6 +580,11 @@ def format_report(rep: dict) -> str:
                      "GB/s = generation tokens/s x bytes read per token")
     lines.append("budget = (model file + KV cache) x 1.15; libs = peak RSS of the engine's libraries before "
                  "the model loads")
+    for name, e in rep["engines"].items():
+        if "hit_rate" in e:
+            lines.append(f"{name}: --ram {format_size(e['settings']['ram'])}: weights in memory "
+                         f"{format_size(e['resident_bytes'])}, neuron cache hit rate {e['hit_rate']:.1%}, "
+                         f"{e['disk_bytes_per_token'] / 1e6:.2f} MB read from disk per token")
     for name, e in rep["engines"].items():
         if set(e["settings"]) - {"threads"}:
             lines.append(f"{name}: " + ", ".join(f"{k} {_setting(v)}" for k, v in e["settings"].items()))

@@ -15,6 +15,7 @@ from powerinfer_tools.benchmarking.bench import (
     format_report,
     measure_bandwidth,
     predictor_summary,
+    ram_within_limit,
     report,
     run_bench,
 )
@@ -54,10 +55,13 @@ _DEFAULTS = BenchSettings()
                    "as on a machine with that much memory; each starts with its model file out of the page cache. "
                    "Needs root or a delegated cgroup. An engine the kernel kills for exceeding it ends the bench "
                    "with that error.")
+@click.option("--ram", default=None, metavar="SIZE",
+              help="Our runtime's weights budget (as `pitools run --ram`: a neuron cache over the cold neurons). "
+                   "With --memory-limit it defaults to the limit less our runtime's fixed memory and its KV cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, powerinfer, modes, hardware,
-          memory_limit, as_json, quiet) -> None:
+          memory_limit, ram, as_json, quiet) -> None:
     """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp
     (and PowerInfer's runtime).
 
@@ -96,8 +100,11 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
+    budget = parse_size(ram, "--ram") if ram is not None else None
+    if budget is None and limit is not None:
+        budget = ram_within_limit(model, limit, prompt_tokens + generate)
     settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
-                             memory_limit=limit)
+                             memory_limit=limit, ram=budget)
     if baseline == "none":
         baseline_model = None
     elif baseline_model is None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
-from powerinfer_tools.runtime.neuron_cache import POLICIES
+from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
 
 
 def corpus_options(f):
@@ -43,7 +43,7 @@ def ram_options(f):
                           "file (direct I/O) into a neuron cache when the predictor selects them. The budget is "
                           "kept: nothing is read through the page cache. A PowerInfer file; one written by "
                           "`pitools bundle` reads each neuron in one request [default: the whole file, mapped]."),
-        click.option("--cache-policy", type=click.Choice(POLICIES), default=POLICIES[0], show_default=True,
+        click.option("--cache-policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,
                      help="With --ram: which cached neuron to evict (lru: used longest ago; lfu: used least "
                           "often, see docs/benchmarks.md for the comparison)."),
     ]

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.commands.options import corpus_options
+from powerinfer_tools.commands.options import corpus_options, ram_options
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.predictor_folder import load_predictors
 from powerinfer_tools.interfaces import FFNMode
@@ -23,6 +23,7 @@ from powerinfer_tools.profiling.perplexity import (
 from powerinfer_tools.profiling.perplexity import perplexity as measure
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
+from powerinfer_tools.units import parse_size
 
 
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,10 +35,11 @@ from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
                    "sparse (or predicted): only those the predictors select.")
 @click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
+@ram_options
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
-               as_json, quiet) -> None:
+               ram, cache_policy, as_json, quiet) -> None:
     """Perplexity of MODEL on a corpus.
 
     MODEL is a GGUF file, run by the runtime, or a checkpoint folder or hub id,
@@ -56,13 +58,16 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
       pitools perplexity --sparse predicted --predictors pred --skip-tokens 40000
       pitools perplexity tiny.powerinfer.gguf --sparse predicted --corpus heldout.txt
     """
+    budget = parse_size(ram, "--ram") if ram is not None else None
     if Path(model).suffix == ".gguf":
         if predictor_dir is not None:
             raise PitoolsError(f"{model}: a GGUF file runs with its own predictors; --predictors is for checkpoints")
         result = _gguf_perplexity(Path(model), corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
-                                  mode, quiet)
+                                  mode, quiet, budget, cache_policy)
         click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
         return
+    if budget is not None:
+        raise PitoolsError(f"{model}: --ram is for GGUF files on the runtime; a checkpoint runs on the reference engine")
     if (FFNMode(mode) is FFNMode.SPARSE) != (predictor_dir is not None):
         raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
     loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
@@ -81,8 +86,8 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
 
 
 def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
-                     quiet) -> PerplexityResult:
-    model = load_runtime_model(path, use_split=False)
+                     quiet, ram: int | None, cache_policy: str) -> PerplexityResult:
+    model = load_runtime_model(path, use_split=False, ram=ram, cache_policy=cache_policy)
     if FFNMode(mode) is FFNMode.SPARSE and not model.has_predictors:
         raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
     if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():

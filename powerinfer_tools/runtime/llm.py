@@ -32,6 +32,7 @@ from powerinfer_tools.runtime.generation import (
     stream_text,
 )
 from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, load_profile
 from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
@@ -84,7 +85,7 @@ class LLM:
         hardware: str = DEFAULT_PRESET,
         ctx_size: int | None = None,
         ram: int | None = None,
-        cache_policy: str = "lru",
+        cache_policy: str = DEFAULT_POLICY,
     ) -> "LLM":
         """``mode``: which FFN neurons a GGUF file's runtime computes (sparse falls back to dense when the file
         has no predictors). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.

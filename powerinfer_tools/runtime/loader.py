@@ -31,7 +31,7 @@ from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
 from powerinfer_tools.runtime.engine import DenseBlock, RuntimeLayer, RuntimeModel
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
-from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile, RowSource
+from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, NeuronCache, NeuronFile, RowSource
 from powerinfer_tools.runtime.ram_budget import DEFAULT_CACHE_SHARE, RamPlan, RamState, plan_from_split, plan_ram
 
 DOWN_T = PowerInferTensor.FFN_DOWN_T
@@ -291,7 +291,7 @@ def load_runtime_model(
     device: str = "emulated",
     context_size: Optional[int] = None,
     ram: Optional[int] = None,
-    cache_policy: str = "lru",
+    cache_policy: str = DEFAULT_POLICY,
     cache_share: float = DEFAULT_CACHE_SHARE,
 ) -> RuntimeModel:
     """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the

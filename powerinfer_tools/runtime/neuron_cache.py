@@ -10,15 +10,14 @@ neurons coalesced into one read, the reads issued from a thread pool so that sev
 (a disk serves small reads at depth several times faster than one at a time: `pitools probe --disk`).
 
 Eviction (``POLICIES``): ``lru`` evicts the slot used longest ago (PowerInfer-2's choice); ``lfu``
-the slot used least often since it was filled, ties to the older. Slots of the neurons being computed
+the slot used least often since it was filled, ties to the older (the default, ``DEFAULT_POLICY``). Slots of the neurons being computed
 are never evicted: a step needing more cold neurons than there are slots loads them in chunks.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +26,11 @@ from powerinfer_tools.direct_io import ALIGNMENT, DirectReader, aligned_buffer
 from powerinfer_tools.errors import PitoolsError
 
 POLICIES = ("lru", "lfu")
+# The default: on the same token trace LFU read 2-6% fewer bytes from disk than LRU at every cache share
+# tried (examples/cache_policies.py; docs/benchmarks.md, "Under a memory limit").
+DEFAULT_POLICY = "lfu"
 READ_THREADS = 8  # reads in flight: the disk probe's depth-8 figure is ~4x its depth-1 rate here
-MAX_READ_BYTES = 256 << 10  # a coalesced read's span (also each reading thread's buffer)
+MAX_READ_BYTES = 256 << 10  # a coalesced read's span
 
 
 @dataclass(frozen=True)
@@ -47,51 +49,63 @@ class RowSource:
 class CacheCounters:
     hits: int = 0
     misses: int = 0
-    reads: int = 0  # read requests issued (coalesced runs)
+    reads: int = 0  # batches of reads (one per load)
     disk_bytes: int = 0
 
 
 class NeuronFile:
-    """Direct reads of neurons' rows from one model file, shared by every layer's cache."""
+    """Direct reads of neurons' rows from one model file, shared by every layer's cache. One batch of
+    reads is in flight at a time (a layer waits for its misses before the next layer loads)."""
 
     def __init__(self, path, threads: int = READ_THREADS):
         self.reader = DirectReader(path)
+        self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="neuron-read")
-        self._local = threading.local()
+        self._buffer = np.frombuffer(aligned_buffer(MAX_READ_BYTES), dtype=np.uint8)
 
-    def _buffer(self):
-        if getattr(self._local, "buffer", None) is None:
-            self._local.buffer = aligned_buffer(MAX_READ_BYTES + 2 * ALIGNMENT)
-        return self._local.buffer
-
-    def read_run(self, source: RowSource, neurons: np.ndarray, targets: list[np.ndarray], slots: np.ndarray) -> int:
-        """Read the rows of sorted ``neurons`` (one span: ``read_runs``) of ``source`` into
-        ``targets[matrix][slots[i]]``; the bytes read."""
-        start = source.base + int(neurons[0]) * source.stride
-        end = source.base + int(neurons[-1]) * source.stride + source.nbytes
-        aligned = start // ALIGNMENT * ALIGNMENT
-        length = -(-(end - aligned) // ALIGNMENT) * ALIGNMENT
-        buffer = self._buffer()
-        got = self.reader.read_into(memoryview(buffer)[:length], aligned)
-        if got < end - aligned:
-            raise PitoolsError(f"{self.reader.path}: the file ends at byte {aligned + got}, before the neuron rows "
-                               f"it should hold (to byte {end}): truncated or changed while in use")
-        raw = np.frombuffer(buffer, dtype=np.uint8, count=length)
-        for neuron, slot in zip(neurons, slots):
-            row = source.base + int(neuron) * source.stride - aligned
-            for matrix, offset, nbytes in source.parts:
-                targets[matrix][slot] = raw[row + offset : row + offset + nbytes]
-        return length
+    def _staging(self, nbytes: int) -> np.ndarray:
+        if nbytes > len(self._buffer):
+            self._buffer = np.frombuffer(aligned_buffer(2 * nbytes), dtype=np.uint8)
+        return self._buffer
 
     def read(self, neurons: np.ndarray, sources: list[RowSource], targets: list[np.ndarray],
-             slots: np.ndarray) -> list[Future]:
-        """Start reading sorted ``neurons``' rows into ``targets[matrix][slots[i]]``: one future per read."""
-        futures = []
+             slots: np.ndarray) -> Callable[[], int]:
+        """Start reading sorted ``neurons``' rows into ``targets[matrix][slots[i]]``; returns the wait, which
+        copies the rows into place and returns the bytes read (and re-raises a failed read)."""
+        reads, copies, total = [], [], 0  # reads: (file offset, bytes, where in the staging buffer)
         for source in sources:
+            starts = source.base + neurons.astype(np.int64) * source.stride
+            at = np.empty(len(neurons), dtype=np.int64)  # each row's place in the staging buffer
             for first, count in read_runs(neurons, source):
-                futures.append(self.pool.submit(self.read_run, source, neurons[first : first + count], targets,
-                                                slots[first : first + count]))
-        return futures
+                aligned = int(starts[first]) // ALIGNMENT * ALIGNMENT
+                end = int(starts[first + count - 1]) + source.nbytes
+                length = -(-(end - aligned) // ALIGNMENT) * ALIGNMENT
+                reads.append((aligned, length, total, end - aligned))
+                at[first : first + count] = total + starts[first : first + count] - aligned
+                total += length
+            copies.append((source, at))
+        buffer = self._staging(total)
+        groups = [reads[i :: self.threads] for i in range(min(self.threads, len(reads)))]
+        futures = [self.pool.submit(self._read_group, group, buffer) for group in groups]
+
+        def wait() -> int:
+            for f in futures:
+                f.result()
+            for source, at in copies:
+                for matrix, offset, nbytes in source.parts:
+                    targets[matrix][slots] = buffer[at[:, None] + (offset + np.arange(nbytes))]
+            return total
+
+        return wait
+
+    def _read_group(self, group: list, buffer: np.ndarray) -> None:
+        view = memoryview(buffer)
+        for offset, length, at, needed in group:
+            got = self.reader.read_into(view[at : at + length], offset)
+            if got < needed:
+                raise PitoolsError(f"{self.reader.path}: the file ends at byte {offset + got}, before the neuron "
+                                   f"rows it should hold (to byte {offset + needed}): truncated or changed while "
+                                   "in use")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -101,23 +115,19 @@ class NeuronFile:
 def read_runs(neurons: np.ndarray, source: RowSource) -> list[tuple[int, int]]:
     """Sorted ``neurons`` as ``(index of the first, count)`` runs read together: rows whose aligned blocks
     touch or overlap (no whole block read in vain), up to ``MAX_READ_BYTES`` a run."""
-    runs, start = [], 0
-    for i in range(1, len(neurons) + 1):
-        if i < len(neurons):
-            previous_end = source.base + int(neurons[i - 1]) * source.stride + source.nbytes
-            next_start = source.base + int(neurons[i]) * source.stride
-            span = (int(neurons[i]) - int(neurons[start])) * source.stride + source.nbytes + 2 * ALIGNMENT
-            if next_start // ALIGNMENT <= -(-previous_end // ALIGNMENT) and span <= MAX_READ_BYTES:
-                continue
-        runs.append((start, i - start))
-        start = i
+    starts = source.base + neurons.astype(np.int64) * source.stride
+    first_block, last_block = starts // ALIGNMENT, (starts + source.nbytes - 1) // ALIGNMENT
+    bounds = np.concatenate(([0], np.flatnonzero(first_block[1:] > last_block[:-1] + 1) + 1, [len(neurons)]))
+    runs, limit = [], MAX_READ_BYTES // ALIGNMENT
+    first_block, last_block = first_block.tolist(), last_block.tolist()
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        start = a
+        for i in range(a, b):  # split a run where it would pass MAX_READ_BYTES
+            if i > start and last_block[i] - first_block[start] >= limit:
+                runs.append((start, i - start))
+                start = i
+        runs.append((start, b - start))
     return runs
-
-
-def _wait(futures: list[Future], counters: CacheCounters) -> None:
-    for f in futures:
-        counters.disk_bytes += f.result()
-        counters.reads += 1
 
 
 class NeuronCache:
@@ -126,7 +136,7 @@ class NeuronCache:
     Not thread-safe: one forward pass at a time."""
 
     def __init__(self, file: NeuronFile, sources: list[RowSource], row_bytes: list[int], d_ff: int,
-                 pinned: np.ndarray, capacity: int, policy: str = "lru"):
+                 pinned: np.ndarray, capacity: int, policy: str = DEFAULT_POLICY):
         if policy not in POLICIES:
             raise PitoolsError(f"unknown cache policy {policy!r} (known: {', '.join(POLICIES)})")
         if capacity < 1 and len(pinned) < d_ff:
@@ -142,7 +152,9 @@ class NeuronCache:
         self.clock = 0
         self.counters = CacheCounters()
         order = np.sort(pinned)
-        _wait(file.read(order, sources, self.rows, self.row_of[order]), CacheCounters())
+        for first in range(0, len(order), 4096):  # bounded staging: a layer's pinned rows can be large
+            chunk = order[first : first + 4096]
+            file.read(chunk, sources, self.rows, self.row_of[chunk])()
 
     def resident(self, neurons: np.ndarray) -> np.ndarray:
         """Mask over ``neurons``: in memory now (pinned or cached)."""
@@ -175,8 +187,12 @@ class NeuronCache:
         self.row_of[neurons] = self.n_pinned + slots
         self.last_use[slots], self.uses[slots] = self.clock, 1
         self.counters.misses += len(neurons)
-        futures = self.file.read(neurons, self.sources, self.rows, self.row_of[neurons])
-        return lambda: _wait(futures, self.counters)
+        wait = self.file.read(neurons, self.sources, self.rows, self.row_of[neurons])
+        return lambda: self._count(wait())
+
+    def _count(self, nbytes: int) -> None:
+        self.counters.disk_bytes += nbytes
+        self.counters.reads += 1
 
     def _victims(self, n: int) -> np.ndarray:
         """The ``n`` slots to refill: empty ones first, then by the policy; never one used this step."""
