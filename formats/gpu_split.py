@@ -8,7 +8,8 @@ layer's neurons) and ``blk.l.gpu_bucket`` (sorted int32 ids of the GPU neurons);
 ``generic.gpu_index.block_count`` and ``split.vram_capacity`` (uint64). The runtime finds the
 tensors by position (``2l`` and ``2l + 1``), so the order matters, and it refuses a file
 with other tensors. Extra keys are ignored by it, which is where ours go (``pitools.*``):
-those our runtime acts on are ``GpuSplit``'s typed fields, the rest its ``notes``.
+those our runtime acts on are ``GpuSplit``'s typed fields, the rest its ``notes``. So is the RAM
+tier of ``pitools solve --ram``: each layer's RAM-resident neurons as a key of sorted ids.
 See formats/README.md.
 """
 
@@ -23,14 +24,17 @@ from typing import Any
 import gguf
 import numpy as np
 from powerinfer_tools.formats.constants import (
+    CACHE_BYTES_KEY,
     DENSE_ON_GPU_KEY,
     GPU_INDEX_ARCHITECTURE,
     MODEL_FINGERPRINT_KEY,
     OUTPUT_ON_GPU_KEY,
     POWERINFER_MAGIC_BYTES,
+    RAM_BUDGET_KEY,
     VRAM_BUDGET_KEY,
     VRAM_CAPACITY_KEY,
     PowerInferTensor,
+    ram_neurons_key,
     tensor_base_name,
 )
 from powerinfer_tools.formats.model_file import open_model_file
@@ -59,6 +63,21 @@ class GpuSplit:
     output_on_gpu: bool | None = None  # the head (output norm and matrix) on the GPU
     model_fingerprint: str | None = None  # formats.fingerprint.model_fingerprint of the model solved for
     notes: Mapping[str, Any] = field(default_factory=dict)  # other keys, for people: objective, predictions
+    # The RAM tier (pitools solve --ram); None without one. Neurons in neither mask are on disk behind the cache.
+    ram_masks: tuple[np.ndarray, ...] | None = None  # per layer: bool over its neurons, True = resident in RAM
+    ram_budget: int | None = None  # the whole RAM budget the split was solved for, bytes
+    cache_bytes: int | None = None  # the neuron cache the solver planned, bytes (the same slots in every layer)
+
+    def __post_init__(self) -> None:
+        if self.ram_masks is None:
+            return
+        if self.ram_budget is None and self.cache_bytes is None:
+            raise ValueError("a RAM tier is stored with its ram_budget or cache_bytes, which mark it in the file")
+        if len(self.ram_masks) != len(self.masks):
+            raise ValueError(f"{len(self.ram_masks)} RAM masks for {len(self.masks)} layers")
+        for layer, (gpu, ram) in enumerate(zip(self.masks, self.ram_masks)):
+            if ram.shape != gpu.shape or (ram & gpu).any():
+                raise ValueError(f"layer {layer}: a RAM mask has its GPU mask's length and none of its neurons")
 
     def bucket(self, layer: int) -> np.ndarray:
         """Sorted ids of the GPU neurons of ``layer``, as the file stores them."""
@@ -72,13 +91,23 @@ class GpuSplit:
             DENSE_ON_GPU_KEY: None if self.dense_on_gpu is None else list(self.dense_on_gpu),
             OUTPUT_ON_GPU_KEY: self.output_on_gpu,
             MODEL_FINGERPRINT_KEY: self.model_fingerprint,
+            RAM_BUDGET_KEY: self.ram_budget,
+            CACHE_BYTES_KEY: self.cache_bytes,
         }
+        if self.ram_masks is not None:  # a layer without RAM neurons has no key (GGUF arrays are not empty)
+            typed.update({ram_neurons_key(layer): self.ram_neurons(layer) for layer in range(len(self.ram_masks))
+                          if self.ram_masks[layer].any()})
         return {**self.notes, **{key: value for key, value in typed.items() if value is not None}}
 
+    def ram_neurons(self, layer: int) -> np.ndarray:
+        """Sorted ids of the RAM-resident neurons of ``layer``, as the file stores them."""
+        return np.flatnonzero(self.ram_masks[layer]).astype(np.int32)
 
-def _from_extra(masks: tuple[np.ndarray, ...], vram_capacity: int, extra: dict[str, Any]) -> GpuSplit:
+
+def _from_extra(masks: tuple[np.ndarray, ...], vram_capacity: int, extra: dict[str, Any], path) -> GpuSplit:
     """The split of a file's keys: ours that the runtime acts on become typed fields, the rest notes."""
     budget, dense, head = (extra.pop(key, None) for key in (VRAM_BUDGET_KEY, DENSE_ON_GPU_KEY, OUTPUT_ON_GPU_KEY))
+    ram_budget, cache_bytes = extra.pop(RAM_BUDGET_KEY, None), extra.pop(CACHE_BYTES_KEY, None)
     return GpuSplit(
         masks,
         vram_capacity,
@@ -86,8 +115,35 @@ def _from_extra(masks: tuple[np.ndarray, ...], vram_capacity: int, extra: dict[s
         dense_on_gpu=None if dense is None else tuple(bool(on) for on in dense),
         output_on_gpu=None if head is None else bool(head),
         model_fingerprint=extra.pop(MODEL_FINGERPRINT_KEY, None),
+        ram_masks=_ram_masks(path, masks, extra, has_tier=ram_budget is not None or cache_bytes is not None),
+        ram_budget=None if ram_budget is None else int(ram_budget),
+        cache_bytes=None if cache_bytes is None else int(cache_bytes),
         notes=extra,
     )
+
+
+def _ram_masks(path, masks: tuple[np.ndarray, ...], extra: dict[str, Any], has_tier: bool) -> tuple[np.ndarray, ...] | None:
+    """The RAM masks of a file's ``ram_neurons_key`` keys (popped from ``extra``), checked: sorted ids of
+    neurons not on the GPU. None for a file without a RAM tier (neither ``RAM_BUDGET_KEY`` nor ``CACHE_BYTES_KEY``)."""
+    stored = {layer: extra.pop(ram_neurons_key(layer)) for layer in range(len(masks)) if ram_neurons_key(layer) in extra}
+    if not has_tier:
+        if stored:
+            raise PitoolsError(f"{path}: {ram_neurons_key(min(stored))} without {RAM_BUDGET_KEY} or {CACHE_BYTES_KEY}")
+        return None
+    return tuple(_ram_mask(path, layer, stored.get(layer, []), gpu) for layer, gpu in enumerate(masks))
+
+
+def _ram_mask(path, layer: int, stored: Any, gpu: np.ndarray) -> np.ndarray:
+    ids = np.asarray(stored)
+    if not (ids.ndim == 1 and (ids.size == 0 or (np.issubdtype(ids.dtype, np.integer) and ids[0] >= 0
+                                                 and ids[-1] < len(gpu) and (np.diff(ids) > 0).all()))):
+        raise PitoolsError(f"{path}: {ram_neurons_key(layer)} is not a sorted list of distinct neuron ids below "
+                           f"{len(gpu)}")
+    mask = np.zeros(len(gpu), dtype=bool)
+    mask[ids.astype(np.int64)] = True
+    if (mask & gpu).any():
+        raise PitoolsError(f"{path}: {ram_neurons_key(layer)} names neurons that are also on the GPU")
+    return mask
 
 
 def _add_extra(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
@@ -154,7 +210,7 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
             raise PitoolsError(f"{path}: {bucket.name} is not the sorted list of the neurons {idx.name} marks")
         masks.append(mask.astype(bool))
     ours = {key: value for key, value in fields.items() if key not in _STANDARD_KEYS}
-    return _from_extra(tuple(masks), int(fields[VRAM_CAPACITY_KEY]), ours)
+    return _from_extra(tuple(masks), int(fields[VRAM_CAPACITY_KEY]), ours, path)
 
 
 def _idx_name(layer: int) -> str:

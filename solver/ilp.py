@@ -164,7 +164,7 @@ def _build(problem: PlacementProblem, objective: Objective, batch: int, capacity
     return _Model(lp, counts, ys, dense, head, scale)
 
 
-def _solver_name(requested: str) -> str:
+def solver_name(requested: str) -> str:
     if requested == "auto":
         return "highs" if pulp.HiGHS().available() else "cbc"
     if requested == "highs" and not pulp.HiGHS().available():
@@ -172,7 +172,7 @@ def _solver_name(requested: str) -> str:
     return requested
 
 
-def _solver(name: str, gap_rel: float, time_limit: float, mip: bool = True) -> pulp.LpSolver:
+def make_solver(name: str, gap_rel: float, time_limit: float, mip: bool = True) -> pulp.LpSolver:
     if name == "highs":
         # Presolve reduces nothing in chain rows, yet with it HiGHS spent 23 of 28 s before its
         # first node on a 70B instance; without it the same solve took 3.6 s.
@@ -181,7 +181,7 @@ def _solver(name: str, gap_rel: float, time_limit: float, mip: bool = True) -> p
 
 
 @contextlib.contextmanager
-def _native_stdout_silenced() -> Iterator[None]:
+def native_stdout_silenced() -> Iterator[None]:
     """highspy prints a banner from C++ on stdout the first time it is used, whatever its
     options say; stdout belongs to our report (``--json`` must stay parseable)."""
     sys.stdout.flush()
@@ -199,7 +199,7 @@ def _native_stdout_silenced() -> Iterator[None]:
 
 
 def _run(model: _Model, solver: pulp.LpSolver) -> None:
-    with _native_stdout_silenced():
+    with native_stdout_silenced():
         model.lp.solve(solver)
     if model.lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         status = pulp.LpStatus[model.lp.status]
@@ -229,16 +229,16 @@ def solve(
 ) -> SolveReport:
     """Place neurons, dense blocks and the head to optimise ``objective`` within the budget."""
     check_budget(problem)
-    name = _solver_name(solver)
+    name = solver_name(solver)
     start = time.perf_counter()
     capacity = problem.budget_bytes - problem.reserve_bytes
     while True:
         model = _build(problem, objective, batch, capacity)
         if name == "cbc":
             # CBC does not report its best bound through PuLP: bound with the LP relaxation.
-            _run(model, _solver(name, gap_rel, time_limit, mip=False))
+            _run(model, make_solver(name, gap_rel, time_limit, mip=False))
             bound, bound_kind = model.scale * model.lp.objective.value(), "LP relaxation"
-        _run(model, _solver(name, gap_rel, time_limit))
+        _run(model, make_solver(name, gap_rel, time_limit))
         placement = model.placement()
         prediction = predict(problem, placement)
         # The solver works in floating point; the budget is checked here in whole bytes.

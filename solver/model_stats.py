@@ -20,7 +20,7 @@ from powerinfer_tools.errors import PitoolsError
 
 # Tensors of a layer's dense block: attention and both norms (read every token, wherever the block runs).
 _DENSE_PARTS = (T.ATTN_NORM, T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT, T.FFN_NORM)
-_NEURON_PARTS = (T.FFN_GATE, T.FFN_UP, PowerInferTensor.FFN_DOWN_T)
+_NEURON_PARTS = (T.FFN_GATE, T.FFN_UP, PowerInferTensor.FFN_DOWN_T, PowerInferTensor.FFN_BUNDLE)  # either layout
 _PREDICTOR_PARTS = (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)
 
 
@@ -54,4 +54,14 @@ def read_model_stats(path: str | Path) -> dict:
         "kv_bytes_per_token": kv_cache_bytes_per_token(spec.n_kv_heads * spec.head_dim),
         "head_bytes": _bytes(model, None, (T.OUTPUT_NORM,)) + model[tensor_name(logits)].nbytes,
         "hidden_bytes": spec.d_model * 4,
+    }
+
+
+def read_embedding_stats(path: str | Path) -> dict:
+    """The RAM tier's inputs beyond ``read_model_stats`` (``tiers.EMBEDDING_STATS_KEYS``): the token embedding
+    matrix's bytes, and whether the file has no output matrix, its head reading the embeddings (tied)."""
+    model = open_model_file(path)
+    return {
+        "embedding_bytes": model[tensor_name(T.TOKEN_EMBD)].nbytes,
+        "embedding_in_head": tensor_name(T.OUTPUT) not in model,
     }

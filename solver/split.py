@@ -1,6 +1,7 @@
 """From a solved placement to the split file, and the whole step for a model file at a budget.
 
-``pitools solve`` and ``pitools run --vram`` (which solves on the fly when no split fits) share it.
+``pitools solve`` and ``pitools run --vram`` (which solves on the fly when no split fits) share it;
+``tiered_split_file`` writes the three-tier placement of ``pitools solve --ram``.
 """
 
 from __future__ import annotations
@@ -8,11 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from powerinfer_tools.formats.constants import (
+    CACHE_HIT_RATE_KEY,
+    DISK_BYTES_PER_TOKEN_KEY,
     GPU_NEURONS_KEY,
     HARDWARE_KEY,
     N_CTX_KEY,
     OBJECTIVE_KEY,
     PREDICTED_TOKEN_MS_KEY,
+    RAM_NEURONS_KEY,
+    RAM_USED_KEY,
     VRAM_USED_KEY,
 )
 from powerinfer_tools.formats.fingerprint import model_fingerprint
@@ -28,6 +33,8 @@ from powerinfer_tools.solver.problem import (
     predict,
     problem_from_stats,
 )
+from powerinfer_tools.solver.tier_ilp import TierSolveReport, solve_tiers
+from powerinfer_tools.solver.tiers import TieredPlacement, TieredProblem, predict_tiers
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.units import check_size
@@ -58,6 +65,46 @@ def split_file(problem: PlacementProblem, placement: Placement, objective: str,
     )
 
 
+def tiered_split_file(problem: TieredProblem, placement: TieredPlacement, fingerprint: str | None = None) -> GpuSplit:
+    """The split file of a three-tier placement: PowerInfer's GPU masks (all empty without a GPU), and
+    the RAM tier in our keys."""
+    prediction = predict_tiers(problem, placement)
+    n_layers = len(problem.layers)
+    notes = {
+        OBJECTIVE_KEY: "latency",
+        PREDICTED_TOKEN_MS_KEY: prediction.token_s * 1e3,
+        GPU_NEURONS_KEY: list(placement.gpu_neurons),
+        RAM_NEURONS_KEY: list(placement.ram_neurons),
+        RAM_USED_KEY: prediction.ram,
+        DISK_BYTES_PER_TOKEN_KEY: prediction.disk_read_bytes,
+        N_CTX_KEY: problem.base.n_ctx,
+        HARDWARE_KEY: problem.base.hardware.name,
+    }
+    if problem.has_gpu:
+        notes[VRAM_USED_KEY] = prediction.vram
+    if prediction.cache_hit_rate is not None:
+        notes[CACHE_HIT_RATE_KEY] = prediction.cache_hit_rate
+    return GpuSplit(
+        masks=tuple(placement.gpu_placement.gpu_mask(problem.base, index) for index in range(n_layers)),
+        vram_capacity=int(sum(layer.base.ffn_vram for layer in prediction.layers)),
+        vram_budget=problem.base.budget_bytes if problem.has_gpu else None,
+        dense_on_gpu=tuple(placement.dense_on_gpu),
+        output_on_gpu=placement.head_on_gpu,
+        model_fingerprint=fingerprint,
+        notes=notes,
+        ram_masks=tuple(placement.ram_mask(problem, index) for index in range(n_layers)),
+        ram_budget=problem.ram_budget,
+        cache_bytes=placement.cache_bytes(problem),
+    )
+
+
+def solve_tiers_into(problem: TieredProblem, split_path: Path, fingerprint: str | None, **ilp_options) -> TierSolveReport:
+    """Solve the three-tier ``problem`` and write its split to ``split_path``, naming the model by ``fingerprint``."""
+    report = solve_tiers(problem, **ilp_options)
+    write_gpu_split(split_path, tiered_split_file(problem, report.placement, fingerprint))
+    return report
+
+
 def model_problem(model_path: Path, budget_bytes: int, hardware: HardwareProfile, *, n_ctx: int = 2048,
                   reserve_bytes: int = DEFAULT_RESERVE_BYTES, stats: dict | None = None) -> PlacementProblem:
     """The placement problem of a model file (sizes and firing frequencies read from it, or ``stats``
@@ -70,9 +117,12 @@ def serves(split: GpuSplit, fingerprint: str, budget_bytes: int) -> bool:
     """Whether a cached split may serve the model of ``fingerprint`` at ``budget_bytes``: ours when
     solved for that model file and exactly that budget (a larger budget deserves a new solve; one of
     ours without a fingerprint may be another model's of the same shape); PowerInfer's, which records
-    neither, when its FFN capacity fits, as its loader decides."""
+    neither, when its FFN capacity fits, as its loader decides. A CPU-only split of ours (``solve --ram``
+    without ``--vram``) serves no VRAM budget."""
     if split.vram_budget is not None:
         return split.model_fingerprint == fingerprint and split.vram_budget == budget_bytes
+    if split.ram_budget is not None:  # ours, solved without a GPU: it plans none
+        return False
     return split.vram_capacity <= budget_bytes
 
 
