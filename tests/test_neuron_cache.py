@@ -18,8 +18,10 @@ from powerinfer_tools.direct_io import ALIGNMENT
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import PowerInferTensor, tensor_name
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
+from powerinfer_tools.formats.gpu_split import default_split_path, read_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile, RowSource, read_runs
 
@@ -229,3 +231,19 @@ def test_perplexity_with_ram_matches(wide_model, tmp_path):
     plain, limited = invoke(*args), invoke(*args, "--ram", f"{os.path.getsize(wide_model[0]) // 2}B")
     assert plain.exit_code == limited.exit_code == 0, limited.stderr
     assert json.loads(limited.stdout)["perplexity"] == pytest.approx(json.loads(plain.stdout)["perplexity"], rel=1e-4)
+
+
+def test_a_split_solved_with_ram_decides_what_is_pinned(wide_model, tmp_path):
+    path = tmp_path / "w.powerinfer.gguf"
+    shutil.copy(wide_model[0], path)
+    budget = os.path.getsize(path) * 3 // 5  # the solver's RAM holds the KV cache too: more than half the file
+    assert invoke("solve", path, "--ram", f"{budget}B", "--ctx", "64").exit_code == 0
+    split = read_gpu_split(default_split_path(path))
+    model = LLM.load(path, ram=budget).engine
+    for layer, pinned in enumerate(model.ram.plan.pinned):
+        assert np.array_equal(pinned, np.flatnonzero(split.ram_masks[layer]))
+    reference = load_runtime_model(path, use_split=False)
+    reference.mode = FFNMode.SPARSE
+    tokens = np.arange(1, 30)
+    np.testing.assert_allclose(_logits(model, tokens, 8), _logits(reference, tokens, 8), rtol=0, atol=1e-5)
+    fails("run", path, "--ram", f"{budget * 9 // 10}B", match="solve again with this budget")

@@ -99,12 +99,7 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
-    limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
-    budget = parse_size(ram, "--ram") if ram is not None else None
-    if budget is None and limit is not None:
-        budget = ram_within_limit(model, limit, prompt_tokens + generate)
-    settings = BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
-                             memory_limit=limit, ram=budget)
+    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram)
     if baseline == "none":
         baseline_model = None
     elif baseline_model is None:
@@ -122,3 +117,15 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log, powerinfer)
     rep = report(results, settings, bandwidth, source, predictor_summary(model) if SPARSE in results else None)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
+
+
+def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads: int, memory_limit: str | None,
+              ram: str | None) -> BenchSettings:
+    """The checked settings; under a memory limit without --ram, our runtime's weights get what the limit
+    leaves them."""
+    limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
+    budget = parse_size(ram, "--ram") if ram is not None else None
+    if budget is None and limit is not None:
+        budget = ram_within_limit(model, limit, prompt_tokens + generate)
+    return BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
+                         memory_limit=limit, ram=budget)

@@ -114,8 +114,10 @@ class LLM:
             reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
             report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
             solved = f" (solved now for {format_size(vram)})" if report is not None else f" (cached, for {format_size(vram)})"
-        model = load_runtime_model(path, split=split, use_split=use_split and device != "cpu", device=device,
-                                   context_size=ctx_size, ram=ram, cache_policy=cache_policy)
+        # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
+        model = load_runtime_model(path, split=split, use_split=use_split and (device != "cpu" or ram is not None),
+                                   device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
+                                   cache_policy=cache_policy, cpu_only=device == "cpu")
         ffn_mode = FFNMode(mode)
         if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
             ffn_mode = FFNMode.DENSE

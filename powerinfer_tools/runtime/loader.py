@@ -293,6 +293,7 @@ def load_runtime_model(
     ram: Optional[int] = None,
     cache_policy: str = DEFAULT_POLICY,
     cache_share: float = DEFAULT_CACHE_SHARE,
+    cpu_only: bool = False,
 ) -> RuntimeModel:
     """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the
     model's trained positions).
@@ -302,7 +303,8 @@ def load_runtime_model(
     device: ``cuda`` (CuPy) or ``emulated`` (see ``EmulatedDevice``). Without a
     split everything runs on the CPU. With ``ram`` (bytes), the weights in memory stay within it:
     the CPU neurons go through neuron caches (``neuron_cache``, planned by ``ram_budget``, evicting
-    by ``cache_policy``), and nothing is read through the memory map.
+    by ``cache_policy``), and nothing is read through the memory map. ``cpu_only``: a split is used only
+    for its RAM tier, and one that places neurons on a GPU is refused.
     """
     path = Path(path)
     model = open_model_file(path)
@@ -314,6 +316,11 @@ def load_runtime_model(
     gpu_split, device_backend = None, None
     if use_split and (split is not None or split_path.is_file()):
         gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff, device)
+        if cpu_only:
+            if any(mask.any() for mask in gpu_split.masks) or gpu_split.ram_masks is None:
+                raise PitoolsError(f"{split_path}: places neurons on a GPU, and this run is on the CPU: give --device "
+                                   "cuda, or --no-split")
+            device_backend = None
     tensors, cache = _Tensors(model), None
     if ram is not None:
         file = NeuronFile(path)

@@ -16,12 +16,12 @@ import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.neuron_cache import CacheCounters, NeuronCache, NeuronFile
+from powerinfer_tools.solver.tiers import MIN_CACHE_SLOTS as MIN_SLOTS  # the solver plans with the same minimum
 from powerinfer_tools.units import format_size
 
 # Of each layer's rows in memory, the share that are cache slots for cold neurons; the rest pin the hottest.
 # With the hottest pinned, a larger cache raised the hit rate but read more from disk (examples/cache_policies.py).
 DEFAULT_CACHE_SHARE = 0.1
-MIN_SLOTS = 16  # per layer: a cache smaller than this thrashes on every token
 
 
 @dataclass(frozen=True)
