@@ -46,8 +46,9 @@ _DEFAULTS = BenchSettings()
 @click.option("--powerinfer", type=click.Path(path_type=Path), default=None, metavar="PATH",
               help="PowerInfer's own `main` (a CPU build of SJTU-IPADS/PowerInfer): run it on MODEL as a third "
                    "engine.")
-@click.option("--mode", "modes", type=click.Choice([SPARSE, DENSE]), multiple=True,
-              help="Our runtime's FFN modes to run (repeatable) [default: both].")
+@click.option("--mode", "modes", type=click.Choice([SPARSE, DENSE, "none"]), multiple=True,
+              help="Our runtime's FFN modes to run (repeatable); none: only the other engines (for a memory limit "
+                   "below what our runtime needs) [default: both].")
 @click.option("--hardware", default=None,
               help="Hardware profile whose CPU bandwidth to use (a `pitools probe` output); default: probe now.")
 @click.option("--memory-limit", default=None, metavar="SIZE",
@@ -99,7 +100,7 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
-    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram)
+    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes)
     if baseline == "none":
         baseline_model = None
     elif baseline_model is None:
@@ -114,18 +115,21 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     else:
         log("probing memory bandwidth (as `pitools probe`) ...")
         bandwidth, source = measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
-    results = run_bench(model, baseline_model, settings, modes or (SPARSE, DENSE), log, powerinfer)
+    modes = tuple(m for m in modes if m != "none") if modes else (SPARSE, DENSE)
+    if not modes and baseline_model is None and powerinfer is None:
+        raise PitoolsError("--mode none and --baseline none leave no engine to run")
+    results = run_bench(model, baseline_model, settings, modes, log, powerinfer)
     rep = report(results, settings, bandwidth, source, predictor_summary(model) if SPARSE in results else None)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
 
 
 def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads: int, memory_limit: str | None,
-              ram: str | None) -> BenchSettings:
+              ram: str | None, modes: tuple[str, ...]) -> BenchSettings:
     """The checked settings; under a memory limit without --ram, our runtime's weights get what the limit
     leaves them."""
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
     budget = parse_size(ram, "--ram") if ram is not None else None
-    if budget is None and limit is not None:
+    if budget is None and limit is not None and modes != ("none",):
         budget = ram_within_limit(model, limit, prompt_tokens + generate)
     return BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
                          memory_limit=limit, ram=budget)
