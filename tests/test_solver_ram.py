@@ -29,24 +29,11 @@ from powerinfer_tools.solver.tiers import (
 )
 
 from powerinfer_tools.errors import PitoolsError
+from solver_instances import random_stats
 
 # GPU 10x the CPU's bandwidth; a disk read costs tens of neurons' CPU time, as on real machines.
 TEST_HW = HardwareProfile("test", gpu_bandwidth_gbs=100.0, cpu_bandwidth_gbs=10.0, pcie_bandwidth_gbs=10.0,
                           sync_latency_us=1.0, disk_read_gbs=1.0, disk_latency_us=50.0, disk_iops=50_000.0)
-
-
-def random_stats(rng: np.random.Generator, n_layers: int, n_ff: int) -> dict:
-    freqs = rng.uniform(0, 1, (n_layers, n_ff)) ** 3  # skewed, as profiled firing rates are
-    freqs[rng.uniform(size=freqs.shape) < 0.1] = 0.0
-    return {
-        "freqs": freqs,
-        "neuron_bytes": rng.integers(1_000, 20_000, n_layers),
-        "dense_bytes": rng.integers(5_000, 60_000, n_layers),
-        "predictor_bytes": rng.integers(0, 10_000, n_layers),
-        "kv_bytes_per_token": rng.integers(10, 200, n_layers),
-        "head_bytes": int(rng.integers(5_000, 80_000)),
-        "hidden_bytes": 256,
-    }
 
 
 def random_tiered(rng, n_layers: int, n_ff: int, has_gpu: bool, min_gpu_share=None) -> TieredProblem:
