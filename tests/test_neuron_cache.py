@@ -13,6 +13,7 @@ import pytest
 from cli_checks import fails, invoke
 
 from powerinfer_tools.benchmarking.synth import Planting, Shape, synthesize
+from powerinfer_tools.commands.inspect import describe
 from powerinfer_tools.conversion.bundle import bundle_model
 from powerinfer_tools.direct_io import ALIGNMENT
 from powerinfer_tools.errors import PitoolsError
@@ -167,6 +168,8 @@ def test_bundled_file_holds_the_same_rows(wide_model):
         for part in layout.parts:
             assert np.array_equal(layout.view(stored.data, part, WIDE.d_model), source[tensor_name(part.tensor, layer)].data)
     assert source.metadata.keys() <= bundled.metadata.keys()
+    described = describe(bundled)  # `pitools inspect`: the same parameters, bundled or not
+    assert described["bundled_ffn"] and described["total_parameters"] == describe(source)["total_parameters"]
 
 
 def test_dense_mode_streams_the_ffn_through_a_small_cache(bundled_gguf):

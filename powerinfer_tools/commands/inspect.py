@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 import numpy as np
-from gguf import Keys
+from gguf import GGMLQuantizationType, Keys
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
+from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_kind
 from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, predictor_quality, spec_from_model_file
 from powerinfer_tools.formats.model_check import sparse_layout
@@ -30,11 +31,19 @@ def _summary(value: Any) -> Any:
 
 def describe(model: ModelFile) -> dict:
     """Everything ``inspect`` reports, as plain JSON-able data."""
+    bundle = BundleLayout.of_file(model)
+
+    def parameters(t) -> int:  # a bundled FFN row holds one row of each bundled matrix, in bytes
+        if bundle is not None and tensor_kind(t.name) == "ffn" and t.qtype == GGMLQuantizationType.I8:
+            return t.shape[0] * model.get(Keys.LLM.EMBEDDING_LENGTH) * len(bundle.parts)
+        return int(np.prod(t.shape, dtype=np.int64))
+
     tensors = [
         {
             "name": t.name,
             "type": t.qtype.name,
             "shape": list(t.shape),
+            "parameters": parameters(t),
             "bytes": t.nbytes,
             "kind": tensor_kind(t.name),
         }
@@ -44,7 +53,7 @@ def describe(model: ModelFile) -> dict:
     for t in tensors:
         total = totals[t["kind"]]
         total["tensors"] += 1
-        total["parameters"] += int(np.prod(t["shape"], dtype=np.int64))
+        total["parameters"] += t["parameters"]
         total["bytes"] += t["bytes"]
     predictor_layers = {t["name"].split(".")[1] for t in tensors if t["kind"] == "predictor"}
     return {
@@ -56,6 +65,7 @@ def describe(model: ModelFile) -> dict:
         "predictor_layers": len(predictor_layers),
         "predictor_quality": predictor_quality(model),
         "sparse_ffn": sparse_layout(model),
+        "bundled_ffn": bundle is not None,
         "metadata": {key: _summary(value) for key, value in model.metadata.items()},
         "tensors": tensors,
         "totals": {kind: total for kind, total in totals.items() if total["tensors"]},
