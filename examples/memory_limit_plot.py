@@ -18,8 +18,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
-ENGINES = {"sparse": "ours, sparse, --ram (neuron cache)", "llama.cpp": "llama.cpp, its best under the limit"}
+ENGINES = {"sparse": "ours, sparse (under a limit: --ram, neuron cache)", "llama.cpp": "llama.cpp, its best under the limit"}
 
 
 def main() -> None:
@@ -43,6 +44,8 @@ def main() -> None:
         xs, ys = zip(*sorted(points[name])) if points[name] else ((), ())
         ax.plot(xs, ys, marker="o", label=label)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xticks(sorted(set(limited)) + [free_x], [f"{p}%" for p in sorted(set(limited))] + ["no limit"])
     ax.set_xlabel("memory limit (cgroup, page cache counted), % of the model file")
     ax.set_ylabel("generation tokens/s (log)")
