@@ -7,6 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 TYPES = [T.F32, T.F16, T.Q8_0, T.Q4_0]
@@ -59,3 +60,26 @@ def test_empty_row_selection_gives_empty_or_zero_results():
 def test_unsupported_type_is_refused():
     with pytest.raises(ValueError, match="Q5_K"):
         QuantMatrix(T.Q5_K, np.zeros((2, 176), np.uint8))
+
+
+@pytest.mark.parametrize("bundled", [False, True], ids=["powerinfer-layout", "bundled-layout"])
+def test_an_ffn_matrix_of_a_type_the_kernels_lack_is_one_clear_error(small_powerinfer_file, tmp_path, bundled):
+    """A file whose ffn_up matrices are q5_0 (PowerInfer's quantizer writes it; our kernels do not compute it)."""
+    from powerinfer_tools.conversion.bundle import bundle_model
+    from powerinfer_tools.formats.model_file import CopiedTensor, ModelFileWriter, copy_metadata, open_model_file
+    from powerinfer_tools.formats.quantization import encode
+    from powerinfer_tools.runtime.loader import load_runtime_model
+
+    source = open_model_file(small_powerinfer_file)
+    path = tmp_path / "q5.powerinfer.gguf"
+    writer = ModelFileWriter(path, source.architecture, source.powerinfer)
+    copy_metadata(source, writer.gguf)
+    writer.write([CopiedTensor(t.name, t.shape, T.Q5_0, lambda t=t: encode(t.dequantize(), T.Q5_0))
+                  if t.name.endswith("ffn_up.weight") else CopiedTensor(t.name, t.shape, t.qtype, lambda t=t: t.data)
+                  for t in source.tensors.values()], progress=False)
+    if bundled:
+        bundle_model(path, tmp_path / "q5.bundled.powerinfer.gguf", progress=False)
+        path = tmp_path / "q5.bundled.powerinfer.gguf"
+    for ram in (None, 10**9):
+        with pytest.raises(PitoolsError, match=r"stored as Q5_0, which the runtime cannot compute with"):
+            load_runtime_model(path, ram=ram)

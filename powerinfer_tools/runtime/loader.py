@@ -64,35 +64,40 @@ class _Tensors:
     def resident_bytes(self) -> int:
         return sum(a.nbytes for a in self._copies.values())
 
+    def _check_type(self, name: str, qtype: GGMLQuantizationType) -> None:
+        if qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {qtype.name}, which the runtime "
+                               f"cannot compute with (supported: {supported})")
+
     def matrix(self, name: str, backend=None) -> QuantMatrix:
         t = self.model[name]
-        if t.qtype not in SUPPORTED_TYPES:
-            supported = ", ".join(q.name for q in SUPPORTED_TYPES)
-            raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {t.qtype.name}, which the runtime "
-                               f"cannot compute with (supported: {supported})")
+        self._check_type(name, t.qtype)
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
 
     def ffn_rows(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, np.ndarray]:
         """The type and stored rows ``[d_ff, ...]`` of one of a layer's FFN matrices, in either layout (a
         bundled file's are copied out of its bundle rows: the kernels read contiguous rows)."""
+        qtype, _ = self.ffn_format(tensor, layer)
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is None:
-            t = self.model[tensor_name(tensor, layer)]
-            return t.qtype, t.data
+            return qtype, self.model[tensor_name(tensor, layer)].data
         bundle = self.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)].data
-        return part.qtype, np.ascontiguousarray(self.bundle.view(bundle, part, self.d_model))
+        return qtype, np.ascontiguousarray(self.bundle.view(bundle, part, self.d_model))
 
     @property
     def d_model(self) -> int:
         return self.model.get("{arch}.embedding_length")
 
     def ffn_format(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, int]:
-        """The type and bytes per row of one of a layer's FFN matrices."""
+        """The type (one the kernels compute, checked) and bytes per row of one of a layer's FFN matrices."""
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is not None:
+            self._check_type(tensor_name(PowerInferTensor.FFN_BUNDLE, layer), part.qtype)
             return part.qtype, part.nbytes
         t = self.model[tensor_name(tensor, layer)]
+        self._check_type(t.name, t.qtype)
         return t.qtype, t.nbytes // t.shape[0]
 
     def has_ffn(self, tensor: TensorKind, layer: int) -> bool:
