@@ -17,7 +17,6 @@ of inputs that can flip with it).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -381,11 +380,9 @@ class CompiledDecoder:
             else:
                 n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
                                      s.norm_eps, sparse, self.fns)
-                counted = dataclasses.replace(neurons.counters)
+                before = neurons.counters.snapshot()
                 cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
-                step.cache_hits += neurons.counters.hits - counted.hits
-                step.cache_misses += neurons.counters.misses - counted.misses
-                step.disk_bytes += neurons.counters.disk_bytes - counted.disk_bytes
+                step.add_cache_use(neurons.counters.since(before))
             step.neurons_total += s.d_ff
             step.neurons_active += n
             step.bytes_read += n * bytes_per_neuron

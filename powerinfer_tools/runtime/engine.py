@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,7 +24,7 @@ from powerinfer_tools.models.layers import (
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
-from powerinfer_tools.runtime.neuron_cache import compute_cached
+from powerinfer_tools.runtime.neuron_cache import CacheCounters, compute_cached
 from powerinfer_tools.runtime.generation import context_window
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
@@ -85,6 +84,11 @@ class TokenStats:
     @property
     def bytes_per_step(self) -> float:
         return self.bytes_read / self.steps if self.steps else float("nan")
+
+    def add_cache_use(self, used: CacheCounters) -> None:
+        self.cache_hits += used.hits
+        self.cache_misses += used.misses
+        self.disk_bytes += used.disk_bytes
 
     @property
     def hit_rate(self) -> float:
@@ -295,13 +299,10 @@ class RuntimeModel(Engine):
         def run(p: FFNPartition, ids: np.ndarray, part_mask):
             if p.cache is None:
                 return compute(p, ids, part_mask)
-            before = dataclasses.replace(p.cache.counters)
+            before = p.cache.counters.snapshot()
             out = compute_cached(p.cache, ids, lambda chosen: compute(
                 p, ids[chosen], None if part_mask is None else part_mask[:, chosen]))
-            after = p.cache.counters
-            step.cache_hits += after.hits - before.hits
-            step.cache_misses += after.misses - before.misses
-            step.disk_bytes += after.disk_bytes - before.disk_bytes
+            step.add_cache_use(p.cache.counters.since(before))
             return out
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):

@@ -16,6 +16,7 @@ are never evicted: a step needing more cold neurons than there are slots loads t
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,14 @@ class CacheCounters:
     hits: int = 0
     misses: int = 0
     disk_bytes: int = 0
+
+    def snapshot(self) -> CacheCounters:
+        return dataclasses.replace(self)
+
+    def since(self, before: CacheCounters) -> CacheCounters:
+        """What was counted after ``before`` (a snapshot of these counters)."""
+        return CacheCounters(self.hits - before.hits, self.misses - before.misses,
+                             self.disk_bytes - before.disk_bytes)
 
 
 class NeuronFile:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime.neuron_cache import CacheCounters, NeuronCache, NeuronFile
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile
 from powerinfer_tools.solver.tiers import MIN_CACHE_SLOTS as MIN_SLOTS  # the solver plans with the same minimum
 from powerinfer_tools.units import format_size
 
@@ -85,7 +85,7 @@ def plan_from_split(budget: int, dense_bytes: int, neuron_bytes: int, ram_masks,
 
 @dataclass
 class RamState:
-    """A loaded model's weights under a RAM budget: what is in memory, measured, and the caches' counts."""
+    """A loaded model's weights under a RAM budget: the plan, what is in memory (measured), and its caches."""
 
     plan: RamPlan
     dense_resident: int  # bytes of the tensors read whole
@@ -96,10 +96,3 @@ class RamState:
     def resident_bytes(self) -> int:
         """The weights in memory now: the tensors read whole, every pinned row and cache slot."""
         return self.dense_resident + sum(c.nbytes for c in self.caches)
-
-    def counters(self) -> CacheCounters:
-        total = CacheCounters()
-        for c in self.caches:
-            for name in total.__dataclass_fields__:
-                setattr(total, name, getattr(total, name) + getattr(c.counters, name))
-        return total
