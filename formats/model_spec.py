@@ -20,6 +20,7 @@ MAX_WIDTH = 2**20  # d_model, d_ff, head_dim, embed_dim, and heads x head_dim
 MAX_LAYERS = 1024
 MAX_VOCAB = 2**24
 MAX_POSITIONS = 2**24
+MAX_EXPERTS = 1024  # DeepSeek-V3 routes among 256 experts per layer, Mixtral among 8
 
 # OPT reserves the first two rows of its position table (ModelSpec.position_offset): the reference
 # engine and the GGUF reader both need it.
@@ -82,6 +83,10 @@ class ModelSpec:
     position_offset: int = 0  # OPT's learned positions start at index 2
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Mixture of experts (Mixtral): each layer's FFN is n_experts FFNs of width d_ff, of which a router
+    # picks n_experts_used per token. 0: one dense FFN per layer.
+    n_experts: int = 0
+    n_experts_used: int = 0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -89,6 +94,10 @@ class ModelSpec:
     @property
     def n_kv_groups(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def token_embed_dim(self) -> int:
@@ -199,3 +208,6 @@ def _validate(spec: ModelSpec) -> None:
     _positive_real(spec, "rope_scaling_factor")
     for field in ("tied_embeddings", "attention_bias", "ffn_bias", "pre_norm", "final_norm"):
         _flag(spec, field)
+    _integer(spec, "n_experts", 0, MAX_EXPERTS)
+    # A router picks at least one of the experts there are; a dense model picks none.
+    _integer(spec, "n_experts_used", min(spec.n_experts, 1), spec.n_experts)

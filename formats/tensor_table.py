@@ -34,6 +34,11 @@ class TensorRow:
     def hf_name(self, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
         return f"{self.hf.format(bid=layer, xid=expert)}.{part}"
 
+    @property
+    def per_expert(self) -> bool:
+        """One checkpoint tensor per expert, stacked into one GGUF tensor."""
+        return "{xid}" in self.hf
+
 
 @dataclass(frozen=True)
 class ArchitectureTable:
@@ -51,9 +56,10 @@ class ArchitectureTable:
                 return row
         raise KeyError(f"the architecture has no tensor {tensor.name if tensor else hf}")
 
-    def hf_name(self, tensor: MODEL_TENSOR, layer: int | None = None, part: str = "weight") -> str:
+    def hf_name(self, tensor: MODEL_TENSOR, layer: int | None = None, part: str = "weight",
+                expert: int | None = None) -> str:
         """The checkpoint's name for ``tensor``: ``hf_name(FFN_UP, 3)`` is ``model.layers.3.mlp.up_proj.weight``."""
-        return self.row(tensor).hf_name(layer, part)
+        return self.row(tensor).hf_name(layer, part, expert)
 
     def neuron_rows(self) -> tuple[TensorRow, ...]:
         """The block's FFN tensors, which are indexed by neuron along their ``neuron_axis``."""
@@ -81,6 +87,23 @@ LLAMA = ArchitectureTable(
         (T.FFN_DOWN, "mlp.down_proj", 1),
     ),
     after=(TensorRow(T.OUTPUT_NORM, "model.norm"), TensorRow(T.OUTPUT, "lm_head")),
+)
+
+# Mixtral: LLaMA's attention; per layer a router and experts, which GGUF stores stacked
+# ([experts, d_ff, d_model] for gate and up, [experts, d_model, d_ff] for down) as llama.cpp's
+# converter does, under the "llama" architecture with expert-count keys.
+_MIXTRAL_MOE = "block_sparse_moe."
+MIXTRAL = ArchitectureTable(
+    gguf_architecture="llama",
+    before=LLAMA.before,
+    block=tuple(row for row in LLAMA.block if row.neuron_axis is None) + _block(  # all but the FFN
+        "model.layers.{bid}." + _MIXTRAL_MOE,
+        (T.FFN_GATE_INP, "gate", None),
+        (T.FFN_GATE_EXP, "experts.{xid}.w1", 0),
+        (T.FFN_UP_EXP, "experts.{xid}.w3", 0),
+        (T.FFN_DOWN_EXP, "experts.{xid}.w2", 1),
+    ),
+    after=LLAMA.after,
 )
 
 _OPT_DECODER = "model.decoder."
@@ -111,13 +134,13 @@ OPT = ArchitectureTable(
 )
 
 # ModelSpec.architecture -> its table. Mistral is LLaMA to llama.cpp: the same tensors, the same name.
-TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "opt": OPT}
+TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "mixtral": MIXTRAL, "opt": OPT}
 
 # The neuron axis of a block's GGUF tensor as stored. GGUF keeps the checkpoint's [out, in] NumPy
-# shape, so the tables' axes hold (ffn_down [d, d_ff]: 1); PowerInfer's transposed ffn_down_t
-# [d_ff, d] and the predictor's fc2 [d_ff, hidden] have one row per neuron.
+# shape, so the tables' axes hold (ffn_down [d, d_ff]: 1), one further for experts stacked in front;
+# PowerInfer's transposed ffn_down_t [d_ff, d] and the predictor's fc2 [d_ff, hidden] have one row per neuron.
 _GGUF_NEURON_AXIS: dict[TensorKind, int] = {
-    **{row.tensor: row.neuron_axis for table in TABLES.values() for row in table.neuron_rows()},
+    **{row.tensor: row.neuron_axis + row.per_expert for table in TABLES.values() for row in table.neuron_rows()},
     PowerInferTensor.FFN_DOWN_T: 0,
     PowerInferTensor.PREDICTOR_FC2: 0,
 }

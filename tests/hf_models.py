@@ -25,6 +25,21 @@ def _drelu_forward(mlp):
     return forward
 
 
+def _drelu_experts_forward(experts):
+    """The same for MixtralExperts (``relu(gate) * relu(up)`` in each routed expert): TurboSparse-Mixtral."""
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for token, slot in zip(*torch.where(top_k_index >= 0)):
+            e = top_k_index[token, slot]
+            gate, up = torch.nn.functional.linear(hidden_states[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.relu(gate) * torch.relu(up), experts.down_proj[e])
+            out[token] += y * top_k_weights[token, slot]
+        return out
+
+    return forward
+
+
 def _randomize(model, seed: int) -> None:
     """Larger-than-default random weights so every path (biases, norms) matters in the logits."""
     gen = torch.Generator().manual_seed(seed)
@@ -56,6 +71,7 @@ def build(
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
     }[family]
     config = config_cls(**(config_overrides or {}))
@@ -69,7 +85,10 @@ def build(
     model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
     if drelu:
         for layer in model.model.layers:
-            layer.mlp.forward = _drelu_forward(layer.mlp)
+            if family == "mixtral":
+                layer.mlp.experts.forward = _drelu_experts_forward(layer.mlp.experts)
+            else:
+                layer.mlp.forward = _drelu_forward(layer.mlp)
         path = Path(folder) / "config.json"
         saved = json.loads(path.read_text())
         if saved_model_type:

@@ -20,6 +20,8 @@ OPT_PRE = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_h
 OPT_POST_PROJ = dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=83,
                      max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False,
                      pad_token_id=1)
+MIXTRAL_GQA = dict(LLAMA_GQA, num_local_experts=3, num_experts_per_tok=2, sliding_window=None)
+MIXTRAL_MHA_ODD = dict(LLAMA_MHA_ODD, num_local_experts=5, num_experts_per_tok=1, sliding_window=None)
 
 CASES = {
     "llama-reglu-gqa-tied": ("llama", dict(LLAMA_GQA, hidden_act="relu", tie_word_embeddings=True), {}),
@@ -31,11 +33,18 @@ CASES = {
     "mistral-reglu": ("mistral", dict(LLAMA_MHA_ODD, hidden_act="relu", sliding_window=None), {}),
     "bamboo-drelu": ("mistral", dict(LLAMA_GQA, hidden_act="relu", sliding_window=None),
                      dict(drelu=True, saved_model_type="bamboo")),
+    "mixtral-swiglu-gqa-3x2": ("mixtral", dict(MIXTRAL_GQA, hidden_act="silu"), {}),
+    "mixtral-reglu-odd-5x1": ("mixtral", dict(MIXTRAL_MHA_ODD, hidden_act="relu"), {}),
+    "mixtral-drelu-4x4": ("mixtral", dict(MIXTRAL_GQA, hidden_act="relu", num_local_experts=4, num_experts_per_tok=4),
+                          dict(drelu=True)),
+    "turbosparse-mixtral-drelu-4x2": ("mixtral", dict(MIXTRAL_GQA, hidden_act="relu", num_local_experts=4),
+                                      dict(drelu=True, saved_model_type="turbosparse_mixtral")),
     "opt-pre-ln": ("opt", OPT_PRE, {}),
     "opt-post-ln-projections": ("opt", OPT_POST_PROJ, {}),
     "opt-untied": ("opt", dict(OPT_PRE, tie_word_embeddings=False), {}),
 }
-EXPECTED_FFN = {"llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
+EXPECTED_FFN = {"mixtral-drelu-4x4": FFNKind.DRELU, "turbosparse-mixtral-drelu-4x2": FFNKind.DRELU,
+                "mixtral-reglu-odd-5x1": FFNKind.REGLU, "llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
                 "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU}
 
 
@@ -84,14 +93,18 @@ def test_ffn_hook_sees_firing_neurons(case):
     name, folder, _, tokens = case
     model = load_model(Checkpoint(folder))
     seen = {}
-    model.ffn_hook = lambda trace: seen.setdefault(trace.layer, trace)
+    model.ffn_hook = lambda trace: seen.setdefault(trace.layer, []).append(trace)
     model.forward(tokens, model.new_cache())
     spec = model.spec
     assert sorted(seen) == list(range(spec.n_layers))
-    trace = seen[0]
-    assert trace.activated.shape == (len(tokens), spec.d_ff)
-    assert trace.ffn_input.shape == (len(tokens), spec.d_model)
-    fired = trace.fired.mean()
+    traces = seen[0]
+    # A mixture of experts: each routed expert sees its own tokens, each token k experts.
+    assert [t.expert for t in traces] == (sorted({t.expert for t in traces}) if spec.moe else [None])
+    assert sum(len(t.activated) for t in traces) == len(tokens) * max(spec.n_experts_used, 1)
+    for trace in traces:
+        assert trace.activated.shape[1] == spec.d_ff
+        assert trace.ffn_input.shape == (len(trace.activated), spec.d_model) == trace.residual.shape
+    fired = np.concatenate([t.fired for t in traces]).mean()
     if spec.ffn.sparse:
         assert 0 < fired < 1  # random ReLU-family weights fire about half the neurons
     else:

@@ -17,11 +17,13 @@ from powerinfer_tools.models.layers import (
     FFNHook,
     FFNWeights,
     KVCache,
+    MoEWeights,
     NeuronSelector,
     Rotation,
     decoder_layer,
     feed_forward,
     linear,
+    mixture_of_experts,
     self_attention,
 )
 
@@ -93,7 +95,7 @@ class Block:
     bv: np.ndarray | None
     bo: np.ndarray | None
     ffn_norm: Any
-    ffn: FFNWeights
+    ffn: FFNWeights | MoEWeights
 
 
 def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int,
@@ -107,11 +109,25 @@ def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, 
 
     (wq, bq), (wk, bk) = projection(T.ATTN_Q, q_rows, d), projection(T.ATTN_K, kv_rows, d)
     (wv, bv), (wo, bo) = projection(T.ATTN_V, kv_rows, d), projection(T.ATTN_OUT, d, q_rows)
-    gate, gate_bias = projection(T.FFN_GATE, d_ff, d) if spec.ffn.gated else (None, None)
-    (up, up_bias), (down, down_bias) = projection(T.FFN_UP, d_ff, d), projection(T.FFN_DOWN, d, d_ff)
+    if spec.moe:
+        ffn = MoEWeights(w.get(table.hf_name(T.FFN_GATE_INP, layer), spec.n_experts, d),
+                         [_expert(w, table, spec, layer, e) for e in range(spec.n_experts)])
+    else:
+        gate, gate_bias = projection(T.FFN_GATE, d_ff, d) if spec.ffn.gated else (None, None)
+        (up, up_bias), (down, down_bias) = projection(T.FFN_UP, d_ff, d), projection(T.FFN_DOWN, d, d_ff)
+        ffn = FFNWeights(up, down, gate=gate, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
     return Block(attn_norm=norm(T.ATTN_NORM, layer), wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
-                 ffn_norm=norm(T.FFN_NORM, layer),
-                 ffn=FFNWeights(up, down, gate=gate, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias))
+                 ffn_norm=norm(T.FFN_NORM, layer), ffn=ffn)
+
+
+def _expert(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int, expert: int) -> FFNWeights:
+    """One expert's gated FFN (experts have no biases)."""
+    d, d_ff = spec.d_model, spec.d_ff
+
+    def weight(tensor: T, rows: int, cols: int) -> np.ndarray:
+        return w.get(table.hf_name(tensor, layer, expert=expert), rows, cols)
+
+    return FFNWeights(weight(T.FFN_UP_EXP, d_ff, d), weight(T.FFN_DOWN_EXP, d, d_ff), gate=weight(T.FFN_GATE_EXP, d_ff, d))
 
 
 class DecoderModel(Engine, FFNTracer):
@@ -159,6 +175,10 @@ class DecoderModel(Engine, FFNTracer):
             return linear(out, b.wo, b.bo)
 
         def ffn(h: np.ndarray, residual: np.ndarray) -> np.ndarray:
+            if s.moe:
+                if self.neuron_selector is not None:
+                    raise PitoolsError("selecting neurons is per layer; a mixture of experts has no selector yet")
+                return mixture_of_experts(s.ffn, b.ffn, s.n_experts_used, h, i, self.ffn_hook, residual)
             return feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=residual)
 
         return decoder_layer(x, attend, ffn, lambda v: norm(b.attn_norm, v), lambda v: norm(b.ffn_norm, v),

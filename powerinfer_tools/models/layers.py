@@ -197,8 +197,16 @@ class FFNWeights:
 
 
 @dataclass
+class MoEWeights:
+    """One layer's mixture of experts: a router ``[n_experts, d_model]`` and each expert's FFN."""
+
+    router: np.ndarray
+    experts: list[FFNWeights]
+
+
+@dataclass
 class FFNTrace:
-    """What a profiling hook sees of one layer's FFN for a block of tokens."""
+    """What a profiling hook sees of one layer's FFN (or one expert's) for a block of tokens."""
 
     layer: int
     ffn_input: np.ndarray  # [T, d_model], after the norm: what the FFN multiplies
@@ -208,6 +216,7 @@ class FFNTrace:
     gate_pre: Optional[np.ndarray]  # [T, d_ff] gate projection before activation (None for OPT)
     up_pre: np.ndarray  # [T, d_ff] up projection (fc1 + bias for OPT) before activation
     activated: np.ndarray  # [T, d_ff] the values multiplied into the down projection
+    expert: Optional[int] = None  # a mixture of experts: whose FFN this is (T: the tokens routed to it)
 
     @property
     def fired(self) -> np.ndarray:
@@ -234,6 +243,35 @@ def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) 
     raise ValueError(f"unknown FFN kind {kind}")
 
 
+def route(router_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mixtral's routing (transformers' ``MixtralTopKRouter``): softmax over the experts, the ``k``
+    most probable, their probabilities renormalised to sum to 1. Returns ``(experts [T, k] int,
+    weights [T, k])``, most probable first; of equal probabilities the lower expert index wins."""
+    xp = array_namespace(router_logits)
+    shifted = router_logits - router_logits.max(axis=-1, keepdims=True)
+    probs = xp.exp(shifted)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    experts = xp.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = xp.take_along_axis(probs, experts, axis=-1)
+    return experts, weights / weights.sum(axis=-1, keepdims=True)
+
+
+def mixture_of_experts(kind: FFNKind, w: MoEWeights, k: int, x: np.ndarray, layer: int,
+                       hook: Optional[FFNHook] = None, residual: Optional[np.ndarray] = None) -> np.ndarray:
+    """A mixture of experts over ``x [T, d_model]``: each token's ``k`` routed experts, weighted by the
+    router. Each expert runs once on the tokens routed to it (the ``hook`` sees them, with the expert)."""
+    xp = array_namespace(x)
+    residual = x if residual is None else residual
+    experts, weights = route(linear(x, w.router), k)
+    out = xp.zeros_like(x)
+    for e, expert in enumerate(w.experts):
+        tokens, slot = xp.nonzero(experts == e)  # a token routes to an expert at most once
+        if len(tokens):
+            y = feed_forward(kind, expert, x[tokens], layer, hook, residual=residual[tokens], expert=e)
+            out[tokens] += y * weights[tokens, slot][:, None]
+    return out
+
+
 def feed_forward(
     kind: FFNKind,
     w: FFNWeights,
@@ -242,8 +280,10 @@ def feed_forward(
     hook: Optional[FFNHook] = None,
     selector: Optional[NeuronSelector] = None,
     residual: Optional[np.ndarray] = None,
+    expert: Optional[int] = None,
 ) -> np.ndarray:
-    """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``).
+    """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``);
+    ``expert``: which of a mixture's experts it is, for the ``hook``.
 
     With a ``selector``, neurons it leaves out are treated as not firing (their
     activated value is zeroed), which is what a sparse runtime computes when it
@@ -259,5 +299,5 @@ def feed_forward(
         if mask is not None:
             activated = np.where(mask, activated, 0)
     if hook is not None:
-        hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
+        hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated, expert))
     return linear(activated, w.down, w.down_bias)

@@ -8,7 +8,7 @@ from gguf import MODEL_TENSOR as T
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import LLAMA
+from powerinfer_tools.formats.tensor_table import TABLES
 from powerinfer_tools.models.base import (
     Block,
     CheckpointWeights,
@@ -85,8 +85,9 @@ class Model(DecoderModel):
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
         w = CheckpointWeights(checkpoint, dtype)
         d, vocab = spec.d_model, spec.vocab_size
-        hf = LLAMA.hf_name  # the checkpoint's tensor names
-        blocks = [load_block(w, LLAMA, spec, i, lambda tensor, layer: w.get(hf(tensor, layer), d))
+        table = TABLES[spec.architecture]  # LLaMA's, or Mixtral's with experts
+        hf = table.hf_name  # the checkpoint's tensor names
+        blocks = [load_block(w, table, spec, i, lambda tensor, layer: w.get(hf(tensor, layer), d))
                   for i in range(spec.n_layers)]
         embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
         untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
