@@ -50,18 +50,20 @@ def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
 
 @dataclass(frozen=True)
 class TensorName:
-    """One checkpoint tensor and where it goes in the GGUF file."""
+    """One GGUF tensor and the checkpoint tensor(s) it is made of."""
 
-    source: str  # Hugging Face name in the checkpoint
+    sources: tuple[str, ...]  # Hugging Face name(s) in the checkpoint: one, or each expert's for a stacked tensor
     target: str  # GGUF name
-    shape: tuple[int, ...]  # shape in the checkpoint, as config.json implies it
+    shape: tuple[int, ...]  # shape of each source in the checkpoint, as config.json implies it
     transpose: bool = False  # stored transposed: PowerInfer's neuron-major ffn_down_t
     rope_heads: int = 0  # > 0: rows regrouped per head into llama.cpp's rotary pair order
     layer: int | None = None  # the block it belongs to; None: a global tensor
+    stacked: bool = False  # a mixture's experts, stacked along a new first axis (ffn_up_exps ...)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
-        return self.shape[::-1] if self.transpose else self.shape
+        shape = self.shape[::-1] if self.transpose else self.shape
+        return (len(self.sources),) + shape if self.stacked else shape
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -86,6 +88,9 @@ def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
         T.ATTN_NORM: (d,), T.ATTN_Q: (q_rows, d), T.ATTN_K: (kv_rows, d), T.ATTN_V: (kv_rows, d),
         T.ATTN_OUT: (d, q_rows), T.FFN_NORM: (d,), T.FFN_GATE: (d_ff, d), T.FFN_UP: (d_ff, d),
         T.FFN_DOWN: (d, d_ff), T.OUTPUT_NORM: (d,), T.OUTPUT: (vocab, d),
+        # a mixture of experts: the router, and each expert's matrices (stacked in the file)
+        T.FFN_GATE_INP: (spec.n_experts, d), T.FFN_GATE_EXP: (d_ff, d), T.FFN_UP_EXP: (d_ff, d),
+        T.FFN_DOWN_EXP: (d, d_ff),
     }
 
 
@@ -109,13 +114,15 @@ def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: b
     shape, rope_heads = _shapes(spec)[row.tensor], _rope_heads(spec, row.tensor)
     transpose = powerinfer and row.tensor is T.FFN_DOWN
     target = PowerInferTensor.FFN_DOWN_T if transpose else row.tensor
-    source = row.hf_name(layer)
+    sources = (row.hf_name(layer),)
+    if row.per_expert:
+        sources = tuple(row.hf_name(layer, expert=e) for e in range(spec.n_experts))
     if row.tensor is T.OUTPUT and spec.tied_embeddings:
         # PowerInfer's loader requires output.weight, so tied models get a copy of the embedding.
-        source = row_of(spec, T.TOKEN_EMBD).hf_name()
-    names = [TensorName(source, tensor_name(target, layer), shape, transpose, rope_heads, layer)]
+        sources = (row_of(spec, T.TOKEN_EMBD).hf_name(),)
+    names = [TensorName(sources, tensor_name(target, layer), shape, transpose, rope_heads, layer, row.per_expert)]
     if _has_bias(spec, row.tensor):
-        names.append(TensorName(row.hf_name(layer, "bias"), tensor_name(target, layer, "bias"), shape[:1],
+        names.append(TensorName((row.hf_name(layer, "bias"),), tensor_name(target, layer, "bias"), shape[:1],
                                 rope_heads=rope_heads, layer=layer))
     return names
 
@@ -173,6 +180,9 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
             writer.add_rope_scaling_factor(spec.rope_scaling_factor)
     if spec.sliding_window is not None:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.moe:
+        writer.add_expert_count(spec.n_experts)
+        writer.add_expert_used_count(spec.n_experts_used)
     writer.add_string(FFN_ACTIVATION_KEY, spec.ffn.value)
 
 

@@ -41,6 +41,8 @@ METADATA_KEYS = {
     "bos_token_id": Keys.Tokenizer.BOS_ID,
     "eos_token_id": Keys.Tokenizer.EOS_ID,
     "ffn": FFN_ACTIVATION_KEY,
+    "n_experts": Keys.LLM.EXPERT_COUNT,
+    "n_experts_used": Keys.LLM.EXPERT_USED_COUNT,
 }
 TOKENS_KEY = Keys.Tokenizer.LIST
 
@@ -92,8 +94,9 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
     n_heads = need("n_heads")
     vocab_size = value("vocab_size")
     linear_rope = model.get(Keys.Rope.SCALING_TYPE, "none") == "linear"
+    moe = value("n_experts", 0) != 0  # llama.cpp's "llama" with experts is Mixtral
     return ModelSpec(
-        architecture="opt" if is_opt else ("mistral" if arch == BAMBOO else "llama"),
+        architecture="opt" if is_opt else ("mixtral" if moe else ("mistral" if arch == BAMBOO else "llama")),
         n_layers=need("n_layers"),
         d_model=need("d_model"),
         n_heads=n_heads,
@@ -114,6 +117,8 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
         position_offset=OPT_POSITION_OFFSET if is_opt else 0,
         bos_token_id=value("bos_token_id"),
         eos_token_id=value("eos_token_id"),
+        n_experts=value("n_experts", 0),
+        n_experts_used=value("n_experts_used", 0),
     )
 
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
 from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
 from powerinfer_tools.formats.constants import POWERINFER_TENSOR_NAMES, PowerInferTensor
@@ -64,10 +64,18 @@ OUTTYPES = {
 # sparse token's). PowerInfer's runtime computes them with ggml_mul_mat, which takes any of these
 # (its own convert.py writes q8_0 predictors). An f32 file is the unrounded one: everything stays f32.
 PREDICTOR_TYPES = {F32: (F32, F32), F16: (Q8_0, Q8_0), Q8_0: (Q8_0, Q8_0), Q4_0: (Q4_0, Q8_0)}
-_PREDICTOR_NAMES = [  # fc1, fc2
-    re.compile(re.escape(POWERINFER_TENSOR_NAMES[t]).replace(re.escape("{bid}"), r"\d+") + r"\.weight")
-    for t in (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)
-]
+
+
+def _block_weight_pattern(template: str) -> re.Pattern:
+    """A block tensor's weight name in any layer: ``blk.{bid}.fc1`` matches ``blk.7.fc1.weight``."""
+    return re.compile(re.escape(template).replace(re.escape("{bid}"), r"\d+") + r"\.weight")
+
+
+_PREDICTOR_NAMES = [_block_weight_pattern(POWERINFER_TENSOR_NAMES[t])  # fc1, fc2
+                    for t in (PowerInferTensor.PREDICTOR_FC1, PowerInferTensor.PREDICTOR_FC2)]
+# A mixture's router stays f32, as llama.cpp's converter and quantizer keep it: a few KB per layer
+# whose rounding would move tokens between experts.
+_ROUTER_NAME = _block_weight_pattern(TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_INP])
 
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_output: bool) -> GGMLQuantizationType:
@@ -78,7 +86,7 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_outpu
     """
     if len(shape) < 2 or name.endswith("_norm.weight") or not name.endswith(".weight"):
         return F32
-    if name.startswith("position_embd."):
+    if name.startswith("position_embd.") or _ROUTER_NAME.fullmatch(name):
         return F32
     wanted = outtype.weight_type
     for part, pattern in enumerate(_PREDICTOR_NAMES):

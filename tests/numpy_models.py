@@ -32,7 +32,7 @@ def tiny_checkpoint(folder: Path) -> Path:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     names = tensor_names(spec_from_config(TINY), powerinfer=False)
-    save_file({t.source: (0.2 * rng.standard_normal(t.shape)).astype(np.float32) for t in names},
+    save_file({t.sources[0]: (0.2 * rng.standard_normal(t.shape)).astype(np.float32) for t in names},
               str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(TINY))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

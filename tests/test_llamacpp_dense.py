@@ -23,6 +23,7 @@ MODELS = {
     "mistral": ("mistral", dict(BASE, tie_word_embeddings=True, sliding_window=None)),
     "llama-bias": ("llama", dict(BASE, attention_bias=True, mlp_bias=True)),
     "relu-llama": ("llama", dict(BASE, hidden_act="relu")),
+    "mixtral": ("mixtral", dict(BASE, num_local_experts=3, num_experts_per_tok=2, sliding_window=None)),
 }
 PROMPT = SAMPLE_TEXTS[1]
 GENERATED = 12
@@ -69,11 +70,17 @@ def dequantized_reference(folder, path):
     for i, b in enumerate(model.blocks):
         b.wq, b.wk = unrope(f"blk.{i}.attn_q.weight", s.n_heads), unrope(f"blk.{i}.attn_k.weight", s.n_kv_heads)
         b.wv, b.wo = w(f"blk.{i}.attn_v.weight"), w(f"blk.{i}.attn_output.weight")
-        b.ffn.gate, b.ffn.up, b.ffn.down = (w(f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up", "down"))
+        if s.moe:
+            b.ffn.router = w(f"blk.{i}.ffn_gate_inp.weight")
+            stacked = [w(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+            for expert, (gate, up, down) in zip(b.ffn.experts, zip(*stacked)):
+                expert.gate, expert.up, expert.down = gate, up, down
+        else:
+            b.ffn.gate, b.ffn.up, b.ffn.down = (w(f"blk.{i}.ffn_{p}.weight") for p in ("gate", "up", "down"))
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama-bias"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama-bias", "mixtral"])
 @pytest.mark.parametrize("outtype, tolerance", [("f32", 1e-4), ("f16", 1e-2)])
 def test_silu_logits_and_greedy_tokens_match(tmp_path, models, name, outtype, tolerance):
     folder = models / name
@@ -119,11 +126,12 @@ def test_relu_model_in_dense_mode_runs_silu_in_llamacpp(tmp_path, models):
     assert relative_error(got, model.forward(ids, model.new_cache())) < 1e-4
 
 
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
-def test_quantized_files_compute_what_they_store(tmp_path, models, outtype):
+def test_quantized_files_compute_what_they_store(tmp_path, models, name, outtype):
     """llama.cpp on a quantized file agrees with our engine on the dequantized weights; what is left
     is llama.cpp's own rounding of activations to q8_0 inside its quantized dot products."""
-    folder = models / "llama"
+    folder = models / name
     path, _ = convert(str(folder), tmp_path / "m.gguf", outtype=outtype, progress=False)
     ids = tokens(folder)
     model = dequantized_reference(folder, path)
@@ -131,10 +139,12 @@ def test_quantized_files_compute_what_they_store(tmp_path, models, outtype):
     assert relative_error(got, model.forward(ids, model.new_cache())) < 0.1
 
 
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
 @pytest.mark.parametrize("outtype, ftype", [("q8_0", 7), ("q4_0", 2)])
-def test_quantization_is_llama_quantize_bit_for_bit(tmp_path, models, outtype, ftype):
-    """Our q8_0/q4_0 files hold exactly what llama.cpp's own quantizer makes of our f32 file."""
-    folder = models / "llama"
+def test_quantization_is_llama_quantize_bit_for_bit(tmp_path, models, name, outtype, ftype):
+    """Our q8_0/q4_0 files hold exactly what llama.cpp's own quantizer makes of our f32 file (the
+    router of a mixture stays f32 in both)."""
+    folder = models / name
     f32, _ = convert(str(folder), tmp_path / "f32.gguf", outtype="f32", progress=False)
     ours, _ = convert(str(folder), tmp_path / "ours.gguf", outtype=outtype, progress=False)
     params = llama_cpp.llama_model_quantize_default_params()

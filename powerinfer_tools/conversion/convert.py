@@ -78,6 +78,18 @@ class CheckpointRows:
 
 
 @dataclass(frozen=True)
+class StackedRows:
+    """A mixture's stacked tensor ``[experts, rows, cols]``: expert ``e`` is ``experts[e]``'s rows, one
+    expert at a time (the writer's chunks of a 3-D tensor are whole experts)."""
+
+    experts: tuple[CheckpointRows, ...]
+    rows_per_expert: int
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        return np.stack([expert(0, self.rows_per_expert) for expert in self.experts[start:stop]])
+
+
+@dataclass(frozen=True)
 class ConversionPlan:
     """Everything that goes into the output file, weights still on disk."""
 
@@ -99,24 +111,29 @@ def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | N
     if predictors is not None and (dense or not spec.ffn.sparse):
         why = "with --dense" if dense else f"to a {spec.ffn.value} model, which is not activation-sparse"
         raise PitoolsError(f"predictors do not apply {why}")
+    if spec.moe and spec.ffn.sparse and not dense:
+        raise PitoolsError(f"the sparse layout of a {spec.ffn.value} mixture of experts is not written yet: "
+                           "convert it with --dense")
     return spec.ffn.sparse and not dense
 
 
 class _Source(NamedTuple):
     target: str  # GGUF name
     shape: tuple[int, ...]  # as stored
-    rows: CheckpointRows
+    rows: CheckpointRows | StackedRows
 
 
 def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None,
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
-        checkpoint.check_weight(t.source, t.shape)
+        for source in t.sources:
+            checkpoint.check_weight(source, t.shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
             order = orders[t.layer]
-        rows = CheckpointRows(checkpoint, t.source, t.transpose, order, allow_nonfinite)
+        parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite) for source in t.sources)
+        rows = StackedRows(parts, t.stored_shape[1]) if t.stacked else parts[0]
         sources.append(_Source(t.target, t.stored_shape, rows))
     return sources
 

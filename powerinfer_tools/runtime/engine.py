@@ -20,6 +20,7 @@ from powerinfer_tools.models.layers import (
     decoder_layer,
     normalize,
     rope_tables,
+    route,
     self_attention,
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
@@ -46,10 +47,20 @@ class DenseBlock:
 
 
 @dataclass
+class Expert:
+    """One expert of a layer's mixture: its FFN's partitions and, in a sparse file, its predictor."""
+
+    partitions: list[FFNPartition]
+    predictor: Optional[Predictor] = None
+
+
+@dataclass
 class RuntimeLayer:
     dense: DenseBlock
-    partitions: list[FFNPartition]  # device partition first when there is one
-    d_ff: int
+    partitions: list[FFNPartition]  # device partition first when there is one; none for a mixture
+    d_ff: int  # neurons of the FFN, or of each expert
+    router: Optional[np.ndarray] = None  # a mixture of experts: [n_experts, d_model] float32 ...
+    experts: list[Expert] = field(default_factory=list)  # ... and its experts
 
 
 @dataclass
@@ -133,7 +144,8 @@ class RuntimeModel(Engine):
         self.head_backend = head_backend or self.host  # where the output norm and matrix live
         self.mode = FFNMode.DENSE
         self.stats = TokenStats()
-        self.static_bytes = sum(m.nbytes for m in self._dense_matrices())
+        self.static_bytes = (sum(m.nbytes for m in self._dense_matrices())
+                             + sum(layer.router.nbytes for layer in layers if layer.router is not None))
         self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
         self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
@@ -220,7 +232,9 @@ class RuntimeModel(Engine):
         d = layer.dense
 
         def ffn(h, residual):
-            out = self._ffn(layer, h, residual, step)
+            if layer.experts:
+                return self._mixture(layer, h, residual, step)
+            out = self._ffn(layer, layer.partitions, d.predictor, h, residual, step)
             return out + d.biases["down"] if "down" in d.biases else out
 
         return decoder_layer(x, lambda h: self._attention(d, h, cache, start, rope), ffn,
@@ -249,7 +263,21 @@ class RuntimeModel(Engine):
 
     # -- FFN --------------------------------------------------------------------
 
-    def _select(self, layer: RuntimeLayer, h, residual):
+    def _mixture(self, layer: RuntimeLayer, h, residual, step: TokenStats):
+        """A mixture of experts: each expert computes, as one FFN, the tokens the router sends it; the
+        outputs are summed with the router's weights (``models.layers.route``: transformers' rule)."""
+        xp = layer.dense.backend.xp
+        experts, weights = route(h @ layer.router.T, self.spec.n_experts_used)
+        out = xp.zeros_like(h)
+        for e, expert in enumerate(layer.experts):
+            tokens, slot = xp.nonzero(experts == e)
+            if len(tokens):
+                y = self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
+                out[tokens] += y * weights[tokens, slot][:, None]
+        return out
+
+    def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,
+                residual):
         """Which neurons to compute: (active global ids, per-token mask over them or None).
 
         The predictor reads ``residual``, the stream entering the FFN block before its
@@ -258,20 +286,19 @@ class RuntimeModel(Engine):
         if self.mode is FFNMode.DENSE:
             return np.arange(layer.d_ff), None
         if self.mode is FFNMode.SPARSE:
-            predictor = layer.dense.predictor
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
             chosen = predictor(residual)
         else:
-            chosen = self._firing(layer, h)
+            chosen = self._firing(layer, partitions, h)
         chosen = move(chosen, layer.dense.backend, self.host)
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
 
-    def _firing(self, layer: RuntimeLayer, h) -> np.ndarray:
+    def _firing(self, layer: RuntimeLayer, partitions: list[FFNPartition], h) -> np.ndarray:
         """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
         fired = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
-        for p in layer.partitions:
+        for p in partitions:
             if p.cache is not None:
                 raise PitoolsError("oracle mode computes every neuron to find those that fire: it cannot run under "
                                    "a RAM budget (--ram)")
@@ -280,13 +307,15 @@ class RuntimeModel(Engine):
             fired[:, p.neurons] = act != 0
         return fired
 
-    def _ffn(self, layer: RuntimeLayer, h, residual, step: TokenStats):
+    def _ffn(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h, residual,
+             step: TokenStats):
+        """One FFN (the layer's, or one expert's) over the tokens ``h``, its neurons split in ``partitions``."""
         home = layer.dense.backend
-        active, mask = self._select(layer, h, residual)
+        active, mask = self._select(layer, partitions, predictor, h, residual)
         n_tokens = h.shape[0]
         step.neurons_total += layer.d_ff * n_tokens
         work = []
-        for p in layer.partitions:
+        for p in partitions:
             mine = np.isin(active, p.neurons, assume_unique=True)
             n_rows = int(mine.sum())
             part_mask = None if mask is None else mask[:, mine]

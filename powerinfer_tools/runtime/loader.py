@@ -29,7 +29,7 @@ from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
-from powerinfer_tools.runtime.engine import DenseBlock, RuntimeLayer, RuntimeModel
+from powerinfer_tools.runtime.engine import DenseBlock, Expert, RuntimeLayer, RuntimeModel
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, NeuronCache, NeuronFile, RowSource
 from powerinfer_tools.runtime.ram_budget import DEFAULT_CACHE_SHARE, RamPlan, RamState, plan_from_split, plan_ram
@@ -64,7 +64,7 @@ class _Tensors:
     def resident_bytes(self) -> int:
         return sum(a.nbytes for a in self._copies.values())
 
-    def _check_type(self, name: str, qtype: GGMLQuantizationType) -> None:
+    def check_type(self, name: str, qtype: GGMLQuantizationType) -> None:
         if qtype not in SUPPORTED_TYPES:
             supported = ", ".join(q.name for q in SUPPORTED_TYPES)
             raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {qtype.name}, which the runtime "
@@ -72,7 +72,7 @@ class _Tensors:
 
     def matrix(self, name: str, backend=None) -> QuantMatrix:
         t = self.model[name]
-        self._check_type(name, t.qtype)
+        self.check_type(name, t.qtype)
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
 
@@ -94,10 +94,10 @@ class _Tensors:
         """The type (one the kernels compute, checked) and bytes per row of one of a layer's FFN matrices."""
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is not None:
-            self._check_type(tensor_name(PowerInferTensor.FFN_BUNDLE, layer), part.qtype)
+            self.check_type(tensor_name(PowerInferTensor.FFN_BUNDLE, layer), part.qtype)
             return part.qtype, part.nbytes
         t = self.model[tensor_name(tensor, layer)]
-        self._check_type(t.name, t.qtype)
+        self.check_type(t.name, t.qtype)
         return t.qtype, t.nbytes // t.shape[0]
 
     def has_ffn(self, tensor: TensorKind, layer: int) -> bool:
@@ -263,6 +263,23 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     )
 
 
+def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int) -> RuntimeLayer:
+    """A layer whose FFN is a mixture of experts (a dense file's stacked ``*_exps`` tensors): each expert's
+    matrices are its slice of them, in place in the memory map, computed on the host."""
+    def expert_matrix(tensor: TensorKind, e: int) -> QuantMatrix:
+        stored = tensors.model[tensor_name(tensor, layer)]
+        tensors.check_type(stored.name, stored.qtype)
+        return QuantMatrix(stored.qtype, stored.data[e])
+
+    router = tensors.array(tensor_name(T.FFN_GATE_INP, layer))
+    all_neurons = np.arange(d_ff)
+    experts = [Expert([FFNPartition(dense.backend, all_neurons, all_neurons, up=expert_matrix(T.FFN_UP_EXP, e),
+                                    down_t=None, down=expert_matrix(T.FFN_DOWN_EXP, e),
+                                    gate=expert_matrix(T.FFN_GATE_EXP, e))])
+               for e in range(len(router))]
+    return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
+
+
 def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | None, device, host,
                 cache: CacheSetup | None) -> list:
     """A layer's FFN: the split's hot neurons on the device, the rest (all without a split) on the host,
@@ -279,6 +296,20 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | 
         partitions.append(_partition(tensors, layer, cold, d_ff, host) if cache is None
                           else _cached_partition(tensors, layer, cold, cache, host))
     return partitions
+
+
+def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_backend, host,
+           cache: CacheSetup | None) -> RuntimeLayer:
+    """Layer ``i``: its dense block where the split puts it (the device when it holds the layer's hot
+    neurons, unless the split says otherwise), its FFN partitions or its experts."""
+    on_device = gpu_split is not None and (
+        gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
+    )
+    backend = device_backend if on_device else host
+    dense = _dense_block(tensors, i, backend, on_device, float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0)))
+    if spec.moe:
+        return _mixture_layer(tensors, i, dense, spec.d_ff)
+    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host, cache), spec.d_ff)
 
 
 def _open_split(split_path: Path, model: ModelFile, n_layers: int, d_ff: int, device: str) -> tuple[GpuSplit, object]:
@@ -316,6 +347,8 @@ def load_runtime_model(
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
     host = CpuBackend()
+    if spec.moe and (ram is not None or (use_split and (split is not None or default_split_path(path).is_file()))):
+        raise PitoolsError(f"{path}: a mixture of experts runs on the CPU in memory for now: no split file, no --ram")
 
     split_path = Path(split) if split is not None else default_split_path(path)
     gpu_split, device_backend = None, None
@@ -332,16 +365,7 @@ def load_runtime_model(
         cache = _ram_setup(path, model, spec, file, gpu_split, ram, cache_policy, cache_share)
         tensors = _Tensors(model, file.reader)
 
-    threshold = float(model.get(SPARSE_THRESHOLD_KEY, 0.0))
-    layers = []
-    for i in range(spec.n_layers):
-        on_device = gpu_split is not None and (
-            gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
-        )
-        backend = device_backend if on_device else host
-        dense = _dense_block(tensors, i, backend, on_device, threshold)
-        layers.append(RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host, cache),
-                                   spec.d_ff))
+    layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache) for i in range(spec.n_layers)]
     runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path, context_size)
     if cache is not None:
         caches = [p.cache for layer in layers for p in layer.partitions if p.cache is not None]

@@ -1,0 +1,98 @@
+"""Mixtures of experts (Mixtral, TurboSparse-Mixtral): routing, the dense runtime against transformers,
+and bad input. The reference engine's logits against MixtralForCausalLM are in test_reference_engine.py,
+llama.cpp's on our dense files in test_llamacpp_dense.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from cli_checks import fails, invoke
+from gguf_fixtures import SAMPLE_TEXTS, make_model
+from numpy_models import edit_config
+from tokenizers import Tokenizer
+
+from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.models.layers import route
+
+MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=2, sliding_window=None)
+PROMPT = SAMPLE_TEXTS[1][:60]
+
+
+def test_routing_is_transformers_top_k_renormalised():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    rng = np.random.default_rng(0)
+    for n_experts, k in ((5, 2), (3, 1), (4, 4)):
+        router = MixtralTopKRouter(MixtralConfig(hidden_size=16, num_local_experts=n_experts, num_experts_per_tok=k))
+        weight = rng.standard_normal((n_experts, 16)).astype(np.float32)
+        x = rng.standard_normal((32, 16)).astype(np.float32)
+        with torch.no_grad():
+            router.weight.copy_(torch.from_numpy(weight))
+            _, want_weights, want_experts = router(torch.from_numpy(x))
+        experts, weights = route(x @ weight.T, k)
+        assert np.array_equal(experts, want_experts.numpy())
+        np.testing.assert_allclose(weights, want_weights.numpy(), rtol=1e-5)
+
+
+def test_routing_ties_and_all_experts():
+    logits = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]], dtype=np.float32)
+    experts, weights = route(logits, 2)
+    assert experts.tolist() == [[1, 2], [0, 1]]  # of equal probabilities, the lower expert index
+    np.testing.assert_allclose(weights, 0.5)
+    experts, weights = route(logits, 4)  # every expert: the weights are the softmax itself
+    assert sorted(experts[0].tolist()) == [0, 1, 2, 3]
+    probs = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    np.testing.assert_allclose(weights[0], probs[experts[0]], rtol=1e-6)
+
+
+@pytest.fixture(scope="module", params=["relu", "drelu"])
+def converted(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"mixtral-{request.param}")
+    torch_model = make_model(folder / "ckpt", "mixtral", **dict(MIXTRAL, hidden_act="relu"),
+                             build_kwargs=dict(seed=3, drelu=request.param == "drelu"))
+    path, plan = convert(str(folder / "ckpt"), folder / "m.gguf", outtype="f32", dense=True, progress=False)
+    return folder, torch_model, path
+
+
+def test_run_greedy_gives_transformers_tokens_in_dense_mode(converted):
+    folder, torch_model, path = converted
+    tokenizer = Tokenizer.from_file(str(folder / "ckpt" / "tokenizer.json"))
+    ids = tokenizer.encode(PROMPT).ids
+    with torch.no_grad():
+        out = torch_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    want = tokenizer.decode(out[0, len(ids):].tolist())
+    assert len(want) >= 12
+    result = invoke("run", path, "-p", PROMPT, "-n", 12, "--temp", 0, "--mode", "dense")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == PROMPT + want + "\n"
+
+
+def test_expert_count_that_disagrees_with_the_tensors_is_one_error(converted, tmp_path):
+    folder, _, path = converted
+    # llama.expert_count is a uint32 (type 4) after its key: the file now claims 4 experts of its 5.
+    data = bytearray(path.read_bytes())
+    at = data.index(b"llama.expert_count") + len(b"llama.expert_count")
+    assert data[at : at + 8] == (4).to_bytes(4, "little") + (5).to_bytes(4, "little")
+    data[at + 4 : at + 8] = (4).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    fails("run", bad, "-n", 1, match="ffn_gate_inp.weight has shape [5, 64]; the metadata implies [4, 64]",
+          names=bad)
+
+
+def test_config_expert_counts_are_checked(converted, tmp_path):
+    folder, _, _ = converted
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(folder / "ckpt", ckpt)
+    edit_config(ckpt, num_local_experts=4)  # the checkpoint holds 5
+    fails("convert", ckpt, "--dense", "--outtype", "f32", match="gate.weight", names=ckpt)
+    edit_config(ckpt, num_local_experts=5, num_experts_per_tok=6)
+    fails("convert", ckpt, "--dense", match="num_experts_per_tok is 6; it must be at most 5", names="config.json")
+    edit_config(ckpt, num_local_experts=None, num_experts_per_tok=2)
+    fails("convert", ckpt, "--dense", match="lacks the field 'num_local_experts'")
+    assert not list(tmp_path.glob("*.gguf"))
