@@ -73,10 +73,17 @@ FFN_BUNDLE_TYPES_KEY = "pitools.ffn_bundle.types"
 FFN_BUNDLE_STRIDE_KEY = "pitools.ffn_bundle.stride"
 
 
-def neuron_frequency_key(layer: int) -> str:
+def neuron_frequency_key(layer: int, expert: int | None = None) -> str:
     """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
-    which ``pitools solve`` places neurons by. PowerInfer ignores it."""
-    return f"pitools.blk.{layer}.neuron_frequency"
+    which ``pitools solve`` places neurons by. PowerInfer ignores it. An expert's is the probability
+    over the tokens routed to it (``expert_frequency_key`` holds how often that is)."""
+    return f"pitools.blk.{layer}.neuron_frequency" + ("" if expert is None else f".{expert}")
+
+
+def expert_frequency_key(layer: int) -> str:
+    """Our key for a mixture's routing frequency: per expert of the layer, the share of profiled tokens
+    routed to it (float32 array; they sum to the experts used per token)."""
+    return f"pitools.blk.{layer}.expert_frequency"
 
 
 # In a split file with a RAM tier (``pitools solve --ram``): the host memory budget and the bytes of the
@@ -101,12 +108,15 @@ def ram_neurons_key(layer: int) -> str:
 TensorKind = MODEL_TENSOR | PowerInferTensor
 
 
-def tensor_base_name(tensor: TensorKind, layer: int | None = None) -> str:
-    """The GGUF name of ``tensor`` without its ``.weight``/``.bias``: ``blk.3.ffn_up``, ``token_embd``."""
+def tensor_base_name(tensor: TensorKind, layer: int | None = None, expert: int | None = None) -> str:
+    """The GGUF name of ``tensor`` without its ``.weight``/``.bias``: ``blk.3.ffn_up``, ``token_embd``.
+
+    With ``expert``, that expert's own tensor in a mixture's sparse layout: ``blk.3.ffn_up.5``, as
+    llama.cpp named Mixtral's per-expert tensors before it stacked them, and ``blk.3.fc1.5``."""
     template = POWERINFER_TENSOR_NAMES[tensor] if isinstance(tensor, PowerInferTensor) else TENSOR_NAMES[tensor]
     if ("{bid}" in template) != (layer is not None):
         raise ValueError(f"{template}: a block tensor needs a layer, a global one takes none")
-    return template.format(bid=layer)
+    return template.format(bid=layer) + ("" if expert is None else f".{expert}")
 
 
 def block_part(tensor: TensorKind) -> str:
@@ -114,12 +124,14 @@ def block_part(tensor: TensorKind) -> str:
     return tensor_base_name(tensor, 0).split(".", 2)[2]  # blk.0.<part>
 
 
-def tensor_name(tensor: TensorKind, layer: int | None = None, part: str = "weight") -> str:
+def tensor_name(tensor: TensorKind, layer: int | None = None, part: str = "weight", expert: int | None = None) -> str:
     """The GGUF name of one of ``tensor``'s parts: ``tensor_name(MODEL_TENSOR.FFN_UP, 3)`` is
-    ``blk.3.ffn_up.weight``, with ``part="bias"`` its bias."""
-    return f"{tensor_base_name(tensor, layer)}.{part}"
+    ``blk.3.ffn_up.weight``, with ``part="bias"`` its bias, with ``expert=5`` ``blk.3.ffn_up.5.weight``."""
+    return f"{tensor_base_name(tensor, layer, expert)}.{part}"
 
 
-def predictor_names(layer: int) -> tuple[str, str]:
-    """PowerInfer's predictor tensors of one layer: fc1 [hidden, n_embd] and fc2 [n_ff, hidden]."""
-    return tensor_name(PowerInferTensor.PREDICTOR_FC1, layer), tensor_name(PowerInferTensor.PREDICTOR_FC2, layer)
+def predictor_names(layer: int, expert: int | None = None) -> tuple[str, str]:
+    """PowerInfer's predictor tensors of one layer (or one expert of it): fc1 [hidden, n_embd] and fc2
+    [n_ff, hidden]."""
+    return (tensor_name(PowerInferTensor.PREDICTOR_FC1, layer, expert=expert),
+            tensor_name(PowerInferTensor.PREDICTOR_FC2, layer, expert=expert))

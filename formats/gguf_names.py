@@ -22,7 +22,7 @@ from powerinfer_tools.formats.constants import (
     tensor_base_name,
     tensor_name,
 )
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, TensorRow
 
 from powerinfer_tools.errors import PitoolsError
@@ -59,6 +59,11 @@ class TensorName:
     rope_heads: int = 0  # > 0: rows regrouped per head into llama.cpp's rotary pair order
     layer: int | None = None  # the block it belongs to; None: a global tensor
     stacked: bool = False  # a mixture's experts, stacked along a new first axis (ffn_up_exps ...)
+    expert: int | None = None  # one expert's own tensor (a mixture's sparse layout: blk.N.ffn_up.X)
+
+    @property
+    def unit(self) -> FFNUnit:
+        return FFNUnit(self.layer, self.expert)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -108,9 +113,24 @@ def _rope_heads(spec: ModelSpec, tensor: MODEL_TENSOR) -> int:
     return {T.ATTN_Q: spec.n_heads, T.ATTN_K: spec.n_kv_heads}.get(tensor, 0)
 
 
+# A mixture's experts in the sparse layout: each expert's matrices are its own tensors, named as a
+# layer's FFN in PowerInfer's layout with the expert's index after them (formats/README.md).
+_EXPERT_TENSORS = {T.FFN_GATE_EXP: T.FFN_GATE, T.FFN_UP_EXP: T.FFN_UP, T.FFN_DOWN_EXP: PowerInferTensor.FFN_DOWN_T}
+
+
+def _expert_names(row: TensorRow, layer: int, spec: ModelSpec) -> list[TensorName]:
+    """One expert tensor row in the sparse layout: each expert's own, the down projection transposed."""
+    target = _EXPERT_TENSORS[row.tensor]
+    return [TensorName((row.hf_name(layer, expert=e),), tensor_name(target, layer, expert=e), _shapes(spec)[row.tensor],
+                       transpose=row.tensor is T.FFN_DOWN_EXP, layer=layer, expert=e)
+            for e in range(spec.n_experts)]
+
+
 def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
     """The weight (and bias) of one table row. PowerInfer's sparse axpy wants the down projection
     transposed, as ffn_down_t; a bias follows its weight's output rows (regrouped, never transposed)."""
+    if powerinfer and row.per_expert:
+        return _expert_names(row, layer, spec)
     shape, rope_heads = _shapes(spec)[row.tensor], _rope_heads(spec, row.tensor)
     transpose = powerinfer and row.tensor is T.FFN_DOWN
     target = PowerInferTensor.FFN_DOWN_T if transpose else row.tensor

@@ -21,8 +21,10 @@ from powerinfer_tools.errors import PitoolsError
 
 
 def sparse_layout(model: ModelFile) -> bool:
-    """Whether the file stores the down projection neuron-major (PowerInfer's ``ffn_down_t``, or bundled)."""
-    return any(tensor_name(t, 0) in model for t in (PowerInferTensor.FFN_DOWN_T, PowerInferTensor.FFN_BUNDLE))
+    """Whether the file stores the down projection neuron-major (PowerInfer's ``ffn_down_t``, or bundled;
+    a mixture's first expert's ``ffn_down_t.0``)."""
+    return any(tensor_name(t, 0, expert=expert) in model
+               for t in (PowerInferTensor.FFN_DOWN_T, PowerInferTensor.FFN_BUNDLE) for expert in (None, 0))
 
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
@@ -37,8 +39,8 @@ def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     if bundle is not None:
         for layer in range(spec.n_layers):
             _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
-    for layer in range(spec.n_layers):
-        fc1, fc2 = predictor_names(layer)
+    for unit in spec.ffn_units:
+        fc1, fc2 = predictor_names(unit.layer, unit.expert)
         if fc1 not in model and fc2 not in model:
             continue
         if not sparse_layout(model):
@@ -57,10 +59,10 @@ def _check_shape(model: ModelFile, name: str, shape: tuple[int, ...]) -> None:
                            f"the metadata implies {list(shape)}")
 
 
-def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int) -> np.ndarray | None:
-    """A layer's recorded firing probabilities (None when the file has none), checked to be ``d_ff``
-    finite probabilities."""
-    key = neuron_frequency_key(layer)
+def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int, expert: int | None = None) -> np.ndarray | None:
+    """A layer's (or an expert's) recorded firing probabilities (None when the file has none), checked to
+    be ``d_ff`` finite probabilities."""
+    key = neuron_frequency_key(layer, expert)
     raw = model.get(key)
     if raw is None:
         return None

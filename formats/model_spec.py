@@ -48,6 +48,25 @@ class FFNKind(str, enum.Enum):
         return self is not FFNKind.SWIGLU
 
 
+@dataclass(frozen=True)
+class FFNUnit:
+    """One FFN of a model: a layer's, or one expert's of a layer's mixture. Profiles, predictors and
+    neuron orders are per unit, in ``ModelSpec.ffn_units`` order."""
+
+    layer: int
+    expert: int | None = None
+
+    def __str__(self) -> str:
+        return f"layer {self.layer}" + ("" if self.expert is None else f" expert {self.expert}")
+
+
+def ffn_units(n_layers: int, n_experts: int) -> list[FFNUnit]:
+    """Every FFN of a model, layer by layer and, in a mixture (``n_experts`` > 0), expert by expert."""
+    if not n_experts:
+        return [FFNUnit(layer) for layer in range(n_layers)]
+    return [FFNUnit(layer, e) for layer in range(n_layers) for e in range(n_experts)]
+
+
 class NormKind(str, enum.Enum):
     RMS = "rms"
     LAYER = "layer"
@@ -98,6 +117,10 @@ class ModelSpec:
     @property
     def moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def ffn_units(self) -> list[FFNUnit]:
+        return ffn_units(self.n_layers, self.n_experts)
 
     @property
     def token_embed_dim(self) -> int:

@@ -10,6 +10,10 @@ per layer instead)::
       predictors.safetensors    blk.N.fc1.weight  [hidden_N, n_embd]
                                 blk.N.fc2.weight  [n_ff, hidden_N]     for N = 0 .. n_layers-1
 
+A mixture of experts (``"experts": E``) has one predictor per expert, ``blk.N.fc1.X.weight`` and
+``blk.N.fc2.X.weight`` (the names its sparse GGUF layout uses), and predictors.json one entry per
+expert, in layer then expert order.
+
 Tensors are float32, float16 or bfloat16 in ``torch.nn.Linear`` orientation
 ``[out, in]``, which is also how PowerInfer's runtime expects them. predictors.json
 is written after the weights: it is what says which layers are finished, so a
@@ -25,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from powerinfer_tools.formats.constants import predictor_names
 from powerinfer_tools.formats.json_fields import check_fields, check_format
-from powerinfer_tools.formats.model_spec import ModelSpec
+from powerinfer_tools.formats.model_spec import FFNUnit, ModelSpec, ffn_units
 from powerinfer_tools.formats.safetensors_file import SafetensorsTensors
 from safetensors.numpy import save_file
 
@@ -60,13 +64,18 @@ class PredictorFolder:
         threshold = self.meta.get("sparse_threshold")
         return None if threshold is None else float(threshold)
 
-    def layer(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Layer ``index``'s (fc1, fc2)."""
-        fc1, fc2 = predictor_names(index)
+    @property
+    def units(self) -> list[FFNUnit]:
+        """The FFNs predicted, finished or not: the layers, or each layer's experts."""
+        return ffn_units(self.meta["n_layers"], self.meta.get("experts", 0))
+
+    def unit(self, unit: FFNUnit) -> tuple[np.ndarray, np.ndarray]:
+        """The (fc1, fc2) of one layer, or one expert of it."""
+        fc1, fc2 = predictor_names(unit.layer, unit.expert)
         return self.tensors[fc1], self.tensors[fc2]
 
-    def set_layer(self, index: int, fc1: np.ndarray, fc2: np.ndarray) -> None:
-        for name, weight in zip(predictor_names(index), (fc1, fc2)):
+    def set_unit(self, unit: FFNUnit, fc1: np.ndarray, fc2: np.ndarray) -> None:
+        for name, weight in zip(predictor_names(unit.layer, unit.expert), (fc1, fc2)):
             self.tensors[name] = weight
 
     def save(self, folder: Path) -> None:
@@ -88,16 +97,17 @@ def read_predictors(folder: str | Path, spec: ModelSpec | None = None,
         hint = " (PowerInfer's model_N.pt predictors are not supported)" if pickles else ""
         raise PitoolsError(f"{folder}: not a predictor folder: no {META_FILE}{hint}")
     meta = _checked_meta(meta_path, read_json(meta_path))
+    units = ffn_units(meta["n_layers"], meta.get("experts", 0))
     if require_complete and not meta["complete"]:
         raise PitoolsError(
-            f"{folder}: predictors exist for {len(meta['layers'])} of {meta['n_layers']} layers; training is "
+            f"{folder}: predictors exist for {len(meta['layers'])} of {len(units)} {_units_word(meta)}; training is "
             "not complete: run `pitools train-predictors` again to finish"
         )
     weights = folder / WEIGHTS_FILE
     if meta["layers"] and not weights.is_file():
         raise PitoolsError(f"{folder}: predictor folder has no {WEIGHTS_FILE}")
     tensors = SafetensorsTensors([weights] if meta["layers"] else [], where=weights)
-    finished = {name for entry in meta["layers"] for name in predictor_names(entry["layer"])}
+    finished = {name for unit in units[: len(meta["layers"])] for name in predictor_names(unit.layer, unit.expert)}
     for name in finished:
         tensors.info(name)  # each finished layer's tensors are there
     if spec is not None:
@@ -106,24 +116,26 @@ def read_predictors(folder: str | Path, spec: ModelSpec | None = None,
 
 
 def _check_fits(tensors: SafetensorsTensors, spec: ModelSpec) -> None:
-    expected = {name for layer in range(spec.n_layers) for name in predictor_names(layer)}
+    expected = {name for unit in spec.ffn_units for name in predictor_names(unit.layer, unit.expert)}
     extra = sorted(set(tensors) - expected)
     if extra:
-        raise PitoolsError(f"{tensors.where}: unexpected tensor {extra[0]!r} (the model has {spec.n_layers} layers)")
-    for layer in range(spec.n_layers):
-        fc1, fc2 = (tensors.info(name) for name in predictor_names(layer))
+        experts = f" of {spec.n_experts} experts" if spec.moe else ""
+        raise PitoolsError(f"{tensors.where}: unexpected tensor {extra[0]!r} (the model has {spec.n_layers} layers"
+                           f"{experts})")
+    for unit in spec.ffn_units:
+        fc1, fc2 = (tensors.info(name) for name in predictor_names(unit.layer, unit.expert))
         hidden = fc1.shape[0] if len(fc1.shape) == 2 else -1
         if fc1.shape != (hidden, spec.d_model) or fc2.shape != (spec.d_ff, hidden):
             raise PitoolsError(
-                f"{tensors.where}: layer {layer} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
+                f"{tensors.where}: {unit} predictor has fc1 {list(fc1.shape)} and fc2 {list(fc2.shape)}; "
                 f"expected [hidden, {spec.d_model}] and [{spec.d_ff}, hidden]"
             )
 
 
 def load_predictors(folder: Path) -> tuple[float, list[tuple[np.ndarray, np.ndarray]]]:
-    """The sparse threshold and every layer's (fc1, fc2) of a finished predictor folder."""
+    """The sparse threshold and every FFN's (fc1, fc2) of a finished predictor folder, in unit order."""
     predictors = read_predictors(folder)
-    return predictors.sparse_threshold, [predictors.layer(i) for i in range(predictors.meta["n_layers"])]
+    return predictors.sparse_threshold, [predictors.unit(unit) for unit in predictors.units]
 
 
 def predictor_report(meta: dict) -> dict:
@@ -175,12 +187,23 @@ def _checked_meta(path: Path, meta) -> dict:
     check_format(path, meta, FORMAT, "a pitools predictor folder")
     check_fields(path, meta, _META_FIELDS)
     check_fields(path, meta["settings"], _SETTINGS_FIELDS, "settings.")
-    layers = meta["layers"]
+    if "experts" in meta:  # a mixture's predictors; absent: none
+        check_fields(path, meta, {"experts": (int, 0)})
+    layers, units = meta["layers"], ffn_units(meta["n_layers"], meta.get("experts", 0))
     for i, entry in enumerate(layers):
         check_fields(path, entry if isinstance(entry, dict) else {}, _LAYER_FIELDS, f"layers[{i}].")
-        if entry["layer"] != i:
-            raise PitoolsError(f"{path}: layers[{i}] is layer {entry['layer']}; finished layers must be in order")
-    if len(layers) > meta["n_layers"] or meta["complete"] != (len(layers) == meta["n_layers"]):
-        raise PitoolsError(f"{path}: {len(layers)} of {meta['n_layers']} layers finished, "
+        if i >= len(units) or FFNUnit(entry["layer"], entry.get("expert")) != units[i]:
+            raise PitoolsError(f"{path}: layers[{i}] is layer {entry['layer']}{_expert_of(entry)}; finished "
+                               "layers (and experts) must be in order")
+    if meta["complete"] != (len(layers) == len(units)):
+        raise PitoolsError(f"{path}: {len(layers)} of {len(units)} {_units_word(meta)} finished, "
                            f"yet complete is {str(meta['complete']).lower()}")
     return meta
+
+
+def _units_word(meta: dict) -> str:
+    return "experts" if meta.get("experts") else "layers"
+
+
+def _expert_of(entry: dict) -> str:
+    return f" expert {entry['expert']!r:.20}" if "expert" in entry else ""

@@ -9,6 +9,11 @@ Layout (``formats/README.md``)::
       pairs/blk.N.fired.npy fired masks [capacity, ceil(d_ff/8)] uint8, packed bits
       report.json, firing_cdf.png   the firing report and its plot
 
+A mixture of experts (profile.json ``"experts": E``) profiles each layer as one FFN of
+``E * d_ff`` neurons, expert ``e``'s at ``e*d_ff .. (e+1)*d_ff - 1``: a neuron's count is of the
+tokens routed to its expert, ``blk.N.routed [E]`` int64 counts those tokens, and each fired row
+ends with ``E`` routing bits (the token went to expert ``e``).
+
 Every reader checks what it opens: profile.json holds every field its readers use,
 the stats and the training pairs have the profile's shape, and a corrupt or truncated
 file is an error naming it (never zero-filled).
@@ -28,6 +33,7 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 from powerinfer_tools.formats.json_fields import check_fields, check_format
+from powerinfer_tools.formats.model_spec import FFNUnit, ffn_units
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -45,45 +51,78 @@ PAIR_X_DTYPE = np.float16
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
+def layer_neurons(d_ff: int, experts: int) -> int:
+    """Neurons profiled per layer: its FFN's, or all its experts' side by side."""
+    return d_ff * max(experts, 1)
+
+
+def fired_bits(d_ff: int, experts: int) -> int:
+    """Bits of one token's fired row in a layer's pairs: its neurons, then a mixture's routing bits."""
+    return layer_neurons(d_ff, experts) + experts
+
+
 @dataclass
 class FiringStats:
-    """Per layer and neuron: tokens fired on, and the sum of absolute activated values."""
+    """Per layer and neuron: tokens fired on, and the sum of absolute activated values; for a mixture,
+    per layer and expert the tokens routed to it (``routed``)."""
 
-    fire_count: np.ndarray  # [n_layers, d_ff] int64
-    abs_sum: np.ndarray  # [n_layers, d_ff] float64
+    fire_count: np.ndarray  # [n_layers, layer_neurons] int64
+    abs_sum: np.ndarray  # [n_layers, layer_neurons] float64
     tokens: int = 0
+    routed: np.ndarray | None = None  # [n_layers, experts] int64; None: no mixture
 
     @classmethod
-    def zeros(cls, n_layers: int, d_ff: int) -> FiringStats:
-        return cls(np.zeros((n_layers, d_ff), np.int64), np.zeros((n_layers, d_ff), np.float64))
+    def zeros(cls, n_layers: int, d_ff: int, experts: int = 0) -> FiringStats:
+        width = layer_neurons(d_ff, experts)
+        routed = np.zeros((n_layers, experts), np.int64) if experts else None
+        return cls(np.zeros((n_layers, width), np.int64), np.zeros((n_layers, width), np.float64), routed=routed)
 
     @property
     def n_layers(self) -> int:
         return self.fire_count.shape[0]
+
+    def unit_frequencies(self, unit: FFNUnit, d_ff: int) -> np.ndarray:
+        """A unit's firing probability per neuron: of every token, or of those routed to its expert."""
+        if unit.expert is None:
+            return self.fire_count[unit.layer] / max(self.tokens, 1)
+        counts = self.fire_count[unit.layer, unit.expert * d_ff : (unit.expert + 1) * d_ff]
+        return counts / max(int(self.routed[unit.layer, unit.expert]), 1)
+
+    def unit_counts(self, unit: FFNUnit, d_ff: int) -> np.ndarray:
+        """A unit's firing count per neuron."""
+        start = 0 if unit.expert is None else unit.expert * d_ff
+        return self.fire_count[unit.layer, start : start + d_ff]
 
     def save(self, path: Path, metadata: dict[str, str]) -> None:
         tensors = {"tokens": np.array(self.tokens, dtype=np.int64)}
         for i in range(self.n_layers):
             tensors[f"blk.{i}.fire_count"] = self.fire_count[i]
             tensors[f"blk.{i}.abs_sum"] = self.abs_sum[i]
+            if self.routed is not None:
+                tensors[f"blk.{i}.routed"] = self.routed[i]
         with atomic_output(path) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
 
     @classmethod
-    def load(cls, path: Path, n_layers: int, d_ff: int) -> tuple[FiringStats, dict[str, str]]:
-        """The stats of ``n_layers`` layers of ``d_ff`` neurons, and the file's metadata."""
+    def load(cls, path: Path, n_layers: int, d_ff: int, experts: int = 0) -> tuple[FiringStats, dict[str, str]]:
+        """The stats of ``n_layers`` layers of ``d_ff`` neurons (per expert), and the file's metadata."""
         try:
             with safe_open(str(path), "np") as f:
                 metadata = f.metadata() or {}
                 fire = np.stack([f.get_tensor(f"blk.{i}.fire_count") for i in range(n_layers)])
                 abs_sum = np.stack([f.get_tensor(f"blk.{i}.abs_sum") for i in range(n_layers)])
+                routed = np.stack([f.get_tensor(f"blk.{i}.routed") for i in range(n_layers)]) if experts else None
                 tokens = int(f.get_tensor("tokens"))
         except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
             raise PitoolsError(f"{path}: not a readable profile stats file ({exc!r})") from None
-        if fire.shape != (n_layers, d_ff) or abs_sum.shape != (n_layers, d_ff) or fire.dtype != np.int64:
+        width = layer_neurons(d_ff, experts)
+        if fire.shape != (n_layers, width) or abs_sum.shape != (n_layers, width) or fire.dtype != np.int64:
             raise PitoolsError(f"{path}: holds firing counts {fire.dtype} {list(fire.shape)}; "
-                               f"the profile has {n_layers} layers of {d_ff} neurons")
-        return cls(fire, abs_sum, tokens), metadata
+                               f"the profile has {n_layers} layers of {width} neurons")
+        if routed is not None and routed.shape != (n_layers, experts):
+            raise PitoolsError(f"{path}: holds routing counts {list(routed.shape)}; "
+                               f"the profile has {n_layers} layers of {experts} experts")
+        return cls(fire, abs_sum, tokens, routed), metadata
 
 
 class PairStore:
@@ -91,7 +130,7 @@ class PairStore:
 
     ``blk.N.x.npy`` holds predictor inputs ``[capacity, d_model]`` (see
     ``predictor_input``) as float16, clipped to its range; ``blk.N.fired.npy`` the fired
-    masks ``[capacity, ceil(d_ff/8)]``
+    masks ``[capacity, ceil(bits/8)]`` (``fired_bits``)
     packed by ``np.packbits`` (first neuron in the high bit). Row ``r`` of every
     layer belongs to the same token.
 
@@ -108,13 +147,13 @@ class PairStore:
         return folder / f"blk.{layer}.x.npy", folder / f"blk.{layer}.fired.npy"
 
     @staticmethod
-    def shapes(capacity: int, d_model: int, d_ff: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    def shapes(capacity: int, d_model: int, bits: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """The shapes of one layer's x and fired files."""
-        return (capacity, d_model), (capacity, (d_ff + 7) // 8)
+        return (capacity, d_model), (capacity, (bits + 7) // 8)
 
     @classmethod
-    def create(cls, folder: Path, n_layers: int, d_model: int, d_ff: int, capacity: int) -> PairStore:
-        x_shape, fired_shape = cls.shapes(capacity, d_model, d_ff)
+    def create(cls, folder: Path, n_layers: int, d_model: int, bits: int, capacity: int) -> PairStore:
+        x_shape, fired_shape = cls.shapes(capacity, d_model, bits)
         with _writing(folder):
             folder.mkdir(parents=True, exist_ok=True)
         try:
@@ -125,12 +164,12 @@ class PairStore:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)  # give back the space of a store that does not fit
             raise
-        return cls.open(folder, n_layers, (capacity, d_model, d_ff))
+        return cls.open(folder, n_layers, (capacity, d_model, bits))
 
     @classmethod
     def open(cls, folder: Path, n_layers: int, shape: tuple[int, int, int] | None = None) -> PairStore:
         """Map every layer's files, checked: readable headers, data complete, every layer alike
-        and, given ``shape`` (capacity, d_model, d_ff: what profile.json says), of that shape."""
+        and, given ``shape`` (capacity, d_model, fired bits: what profile.json says), of that shape."""
         x, fired = [], []
         for i in range(n_layers):
             x_path, fired_path = cls.paths(folder, i)
@@ -235,14 +274,14 @@ def predictor_input(residual: np.ndarray) -> np.ndarray:
     return np.divide(residual, rms, out=np.zeros_like(residual), where=rms > 0).astype(residual.dtype)
 
 
-def pair_bytes(n_layers: int, d_model: int, d_ff: int) -> int:
+def pair_bytes(n_layers: int, d_model: int, d_ff: int, experts: int = 0) -> int:
     """Disk bytes of one token's training pairs, all layers together."""
-    return n_layers * (d_model * np.dtype(PAIR_X_DTYPE).itemsize + (d_ff + 7) // 8)
+    return n_layers * (d_model * np.dtype(PAIR_X_DTYPE).itemsize + (fired_bits(d_ff, experts) + 7) // 8)
 
 
-def pair_capacity(n_tokens: int, n_layers: int, d_model: int, d_ff: int, pairs_mib: int) -> int:
+def pair_capacity(n_tokens: int, n_layers: int, d_model: int, d_ff: int, pairs_mib: int, experts: int = 0) -> int:
     """Training pairs that fit the disk cap: every token's when they fit, else fewer."""
-    return min(n_tokens, pairs_mib * 2**20 // pair_bytes(n_layers, d_model, d_ff))
+    return min(n_tokens, pairs_mib * 2**20 // pair_bytes(n_layers, d_model, d_ff, experts))
 
 
 # What readers of profile.json rely on: key -> (type, least value for numbers).
@@ -269,6 +308,8 @@ def read_profile_json(folder: Path) -> dict:
     content = read_json(path)
     check_format(path, content, FORMAT, "a pitools profile")
     check_fields(path, content, _PROFILE_FIELDS)
+    if "experts" in content:  # written since mixtures were profiled; absent: none
+        check_fields(path, content, {"experts": (int, 0)})
     check_fields(path, content["progress"], _PROGRESS_FIELDS, "progress.")
     if not content["progress"]["complete"]:
         check_fields(path, content["progress"], _INCOMPLETE_FIELDS, "progress.")
@@ -291,5 +332,15 @@ def load_profile(folder: Path, require_complete: bool = False) -> tuple[dict, Fi
             f"{folder}: the profile is incomplete ({p['tokens_done']} of {meta['tokens']} tokens); "
             "run the same `pitools profile` command again to finish it"
         )
-    stats, _ = FiringStats.load(folder / STATS_FILE, meta["n_layers"], meta["d_ff"])
+    stats, _ = FiringStats.load(folder / STATS_FILE, meta["n_layers"], meta["d_ff"], profile_experts(meta))
     return meta, stats
+
+
+def profile_experts(meta: dict) -> int:
+    """A profile's experts per layer (profile.json's ``experts``; 0, or absent, for no mixture)."""
+    return meta.get("experts", 0)
+
+
+def profile_units(meta: dict) -> list[FFNUnit]:
+    """The FFNs a profile (or a predictor folder, whose meta has the same keys) covers, in order."""
+    return ffn_units(meta["n_layers"], profile_experts(meta))

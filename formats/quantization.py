@@ -67,8 +67,9 @@ PREDICTOR_TYPES = {F32: (F32, F32), F16: (Q8_0, Q8_0), Q8_0: (Q8_0, Q8_0), Q4_0:
 
 
 def _block_weight_pattern(template: str) -> re.Pattern:
-    """A block tensor's weight name in any layer: ``blk.{bid}.fc1`` matches ``blk.7.fc1.weight``."""
-    return re.compile(re.escape(template).replace(re.escape("{bid}"), r"\d+") + r"\.weight")
+    """A block tensor's weight name in any layer, an expert's too: ``blk.{bid}.fc1`` matches
+    ``blk.7.fc1.weight`` and ``blk.7.fc1.3.weight``."""
+    return re.compile(re.escape(template).replace(re.escape("{bid}"), r"\d+") + r"(\.\d+)?\.weight")
 
 
 _PREDICTOR_NAMES = [_block_weight_pattern(POWERINFER_TENSOR_NAMES[t])  # fc1, fc2

@@ -154,14 +154,15 @@ def stored_neuron_axis(tensor: TensorKind) -> int | None:
 
 
 def gguf_neuron_axis(name: str) -> int | None:
-    """The neuron axis of a block's GGUF tensor (``blk.N.ffn_up.weight`` ...), None if it has none."""
+    """The neuron axis of a block's GGUF tensor (``blk.N.ffn_up.weight``, an expert's
+    ``blk.N.ffn_up.X.weight`` ...), None if it has none."""
     parts = name.split(".")
-    if len(parts) != 4 or not parts[1].isdigit():
+    if len(parts) not in (4, 5) or not parts[1].isdigit() or (len(parts) == 5 and not parts[3].isdigit()):
         return None
-    layer = int(parts[1])
+    layer, expert = int(parts[1]), int(parts[3]) if len(parts) == 5 else None
     for tensor, axis in _GGUF_NEURON_AXIS.items():
-        if name == tensor_name(tensor, layer):
+        if name == tensor_name(tensor, layer, expert=expert):
             return axis
-        if name == tensor_name(tensor, layer, "bias"):
+        if name == tensor_name(tensor, layer, "bias", expert):
             return 0 if tensor in _NEURON_BIASES else None
     return None

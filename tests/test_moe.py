@@ -10,12 +10,19 @@ import numpy as np
 import pytest
 import torch
 from cli_checks import fails, invoke
-from gguf_fixtures import SAMPLE_TEXTS, make_model
+from gguf_fixtures import FAST_TRAINING, SAMPLE_TEXTS, make_model, relative_error, write_code_corpus
 from numpy_models import edit_config
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.formats.predictor_folder import read_predictors
+from powerinfer_tools.formats.profile_folder import load_profile
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models.layers import route
+from powerinfer_tools.runtime.loader import load_runtime_model
 
 MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=2, sliding_window=None)
@@ -96,3 +103,83 @@ def test_config_expert_counts_are_checked(converted, tmp_path):
     edit_config(ckpt, num_local_experts=None, num_experts_per_tok=2)
     fails("convert", ckpt, "--dense", match="lacks the field 'num_local_experts'")
     assert not list(tmp_path.glob("*.gguf"))
+
+
+# --- the sparse layout: profiled per expert, a predictor per expert, hot-first neurons per expert ----------
+
+
+def sparse_conversion(root, config, edit_router=None):
+    """A ReLU Mixtral checkpoint converted to the sparse layout (profile and predictors in its work folder)."""
+    make_model(root / "ckpt", "mixtral", **config, build_kwargs=dict(seed=5))
+    if edit_router is not None:
+        weights = load_file(root / "ckpt" / "model.safetensors")
+        for name in [n for n in weights if n.endswith("block_sparse_moe.gate.weight")]:
+            weights[name] = edit_router(weights[name])
+        save_file(weights, str(root / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    settings = SparsifySettings(corpus=(write_code_corpus(root / "corpus.txt"),), tokens=2048, seq_len=128,
+                                train=FAST_TRAINING)
+    path, plan = convert(str(root / "ckpt"), root / "m.powerinfer.gguf", outtype="f32", sparsify=settings,
+                         progress=False)
+    return path, root / "m.powerinfer.gguf.work"
+
+
+@pytest.fixture(scope="module")
+def sparse_mixtral(tmp_path_factory):
+    return sparse_conversion(tmp_path_factory.mktemp("sparse-mixtral"), dict(MIXTRAL, hidden_act="relu"))
+
+
+def test_profile_counts_each_experts_firing_over_the_tokens_routed_to_it(sparse_mixtral):
+    path, work = sparse_mixtral
+    meta, stats = load_profile(work / "profile")
+    assert meta["experts"] == MIXTRAL["num_local_experts"]
+    k, d_ff = MIXTRAL["num_experts_per_tok"], MIXTRAL["intermediate_size"]
+    assert np.all(stats.routed.sum(axis=1) == stats.tokens * k)  # each token to k experts in every layer
+    per_expert = stats.fire_count.reshape(len(stats.routed), -1, d_ff)
+    assert np.all(per_expert.max(axis=2) <= stats.routed) and per_expert.sum() > 0
+    model = open_model_file(path)
+    for layer in range(MIXTRAL["num_hidden_layers"]):
+        routing = np.array(model.get(f"pitools.blk.{layer}.expert_frequency"))
+        np.testing.assert_allclose(routing, stats.routed[layer] / stats.tokens, rtol=1e-6)
+        for e in range(MIXTRAL["num_local_experts"]):
+            freq = np.array(model.get(f"pitools.blk.{layer}.neuron_frequency.{e}"))
+            want = np.sort(per_expert[layer, e])[::-1] / stats.routed[layer, e]
+            np.testing.assert_allclose(freq, want, rtol=1e-6)  # hot-first, over the expert's own tokens
+            assert f"blk.{layer}.fc1.{e}.weight" in model and f"blk.{layer}.ffn_down_t.{e}.weight" in model
+
+
+def test_sparse_experts_in_oracle_mode_compute_what_dense_mode_does(sparse_mixtral):
+    path, _ = sparse_mixtral
+    model = load_runtime_model(path)
+    tokens = np.arange(40) * 11 % 500
+    dense = model.forward(tokens, model.new_cache())
+    model.mode = FFNMode.ORACLE
+    model.stats.__init__()
+    oracle = model.forward(tokens, model.new_cache())
+    assert relative_error(oracle, dense) < 1e-5
+    s = model.stats
+    assert s.neurons_total == len(tokens) * MIXTRAL["num_experts_per_tok"] * MIXTRAL["intermediate_size"] * 2
+    assert 0.2 < s.density < 0.8  # random ReLU experts fire about half their neurons
+    model.mode = FFNMode.SPARSE
+    assert model.has_predictors
+    model.forward(tokens, model.new_cache())
+
+
+def test_an_expert_the_profile_never_reaches_computes_every_neuron(tmp_path):
+    """Top-1 of 3 experts whose router logits are (l, -l, 0): expert 2 never wins."""
+    def unreachable_third(router):
+        router[1], router[2] = -router[0], 0
+        return router
+
+    config = dict(MIXTRAL, hidden_act="relu", num_local_experts=3, num_experts_per_tok=1)
+    path, work = sparse_conversion(tmp_path, config, unreachable_third)
+    _, stats = load_profile(work / "profile")
+    assert np.all(stats.routed[:, 2] == 0) and np.all(stats.routed[:, :2] > 0)
+    predictors = read_predictors(work / "predictors")
+    untrained = [e for e in predictors.meta["layers"] if e["expert"] == 2]
+    assert len(untrained) == 2 and all(not e["tried"] and e["predicted_density"] == 1.0 for e in untrained)
+    model = load_runtime_model(path)
+    fc1 = model.layers[0].experts[2].predictor.fc1
+    assert not np.any(fc1.data)  # all outputs 0, at the threshold: every neuron is selected
+    assert np.all(np.array(open_model_file(path).get("pitools.blk.0.neuron_frequency.2")) == 0)
+    model.mode = FFNMode.SPARSE
+    assert np.all(np.isfinite(model.forward(np.arange(10), model.new_cache())))

@@ -51,8 +51,9 @@ def test_profile_of_the_reordered_model_is_hot_first(tmp_path):
     build(tmp_path, "llama", config_overrides=TINY_RELU_LLAMA)
     model = load_model(Checkpoint(tmp_path))
     tokens = np.random.default_rng(2).integers(0, 256, 256)
-    counts = run_profiler(model, tokens, tmp_path / "before").fire_count
-    perms = profile_permutations(counts)
+    stats = run_profiler(model, tokens, tmp_path / "before")
+    counts = stats.fire_count
+    perms = list(profile_permutations(stats, model.spec.ffn_units, model.spec.d_ff).values())
     for block, perm in zip(model.blocks, perms):
         block.ffn = permute_ffn(block.ffn, perm)
     reordered = run_profiler(model, tokens, tmp_path / "after").fire_count

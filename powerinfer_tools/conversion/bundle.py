@@ -63,6 +63,8 @@ def bundle_model(source: str | Path, output: str | Path, force: bool = False, pr
     model = open_model_file(source)
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
+    if spec.moe:
+        raise PitoolsError(f"{model.path}: the bundled layout of a mixture of experts is not written yet")
     layout = bundled_layout(model, spec.n_layers)
     output = Path(output)
     check_writable_output(output, force, [model.path])

@@ -33,6 +33,7 @@ from powerinfer_tools.formats.constants import (
     PREDICTOR_PRECISION_KEY,
     PREDICTOR_RECALL_KEY,
     SPARSE_THRESHOLD_KEY,
+    expert_frequency_key,
     neuron_frequency_key,
     predictor_names,
     tensor_name,
@@ -44,6 +45,7 @@ from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
 from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, bf16_to_float32
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
+from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.models import ModelSpec, spec_from_config
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
@@ -101,8 +103,9 @@ class ConversionPlan:
     vocab: GGUFVocab
     tensors: list[OutputTensor]
     sparse_threshold: float | None = None
-    neuron_frequencies: list[np.ndarray] | None = None  # per layer, in the file's neuron order
-    predictor_layers: list[dict] | None = None  # predictors.json's per-layer quality, when predictors are merged
+    neuron_frequencies: dict[FFNUnit, np.ndarray] | None = None  # per FFN, in the file's neuron order
+    predictor_layers: list[dict] | None = None  # predictors.json's per-FFN quality, when predictors are merged
+    routing: np.ndarray | None = None  # a mixture's routing frequencies [n_layers, experts]
 
 
 
@@ -111,9 +114,6 @@ def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | N
     if predictors is not None and (dense or not spec.ffn.sparse):
         why = "with --dense" if dense else f"to a {spec.ffn.value} model, which is not activation-sparse"
         raise PitoolsError(f"predictors do not apply {why}")
-    if spec.moe and spec.ffn.sparse and not dense:
-        raise PitoolsError(f"the sparse layout of a {spec.ffn.value} mixture of experts is not written yet: "
-                           "convert it with --dense")
     return spec.ffn.sparse and not dense
 
 
@@ -123,7 +123,7 @@ class _Source(NamedTuple):
     rows: CheckpointRows | StackedRows
 
 
-def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: list | None,
+def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: dict | None,
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
@@ -131,20 +131,20 @@ def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, or
             checkpoint.check_weight(source, t.shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
-            order = orders[t.layer]
+            order = orders[t.unit]
         parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite) for source in t.sources)
         rows = StackedRows(parts, t.stored_shape[1]) if t.stacked else parts[0]
         sources.append(_Source(t.target, t.stored_shape, rows))
     return sources
 
 
-def _predictor_tensors(predictors: PredictorFolder, n_layers: int, orders: list | None,
+def _predictor_tensors(predictors: PredictorFolder, units: list[FFNUnit], orders: dict | None,
                        allow_nonfinite: bool) -> list[_Source]:
-    """fc1 and fc2 of every layer; fc2's rows follow the neuron order."""
+    """fc1 and fc2 of every FFN; fc2's rows follow the neuron order."""
     sources = []
-    for layer in range(n_layers):
-        for name in predictor_names(layer):
-            order = orders[layer] if orders is not None and gguf_neuron_axis(name) == 0 else None
+    for unit in units:
+        for name in predictor_names(unit.layer, unit.expert):
+            order = orders[unit] if orders is not None and gguf_neuron_axis(name) == 0 else None
             rows = CheckpointRows(predictors.tensors, name, row_order=order, allow_nonfinite=allow_nonfinite)
             sources.append(_Source(name, predictors.tensors.info(name).shape, rows))
     return sources
@@ -173,7 +173,7 @@ def plan_conversion(
     orders = sparsity.orders if sparsity is not None and powerinfer else None
     sources = _model_tensors(checkpoint, spec, powerinfer, orders, allow_nonfinite)
     if predictors is not None:
-        sources += _predictor_tensors(predictors, spec.n_layers, orders, allow_nonfinite)
+        sources += _predictor_tensors(predictors, spec.ffn_units, orders, allow_nonfinite)
     # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
     output = tensor_name(MODEL_TENSOR.OUTPUT)
     logits = output if any(s.target == output for s in sources) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
@@ -183,12 +183,13 @@ def plan_conversion(
         for s in sources
     ]
     threshold = predictors.sparse_threshold if predictors is not None else None
-    frequencies = None
+    frequencies, routing = None, None
     if sparsity is not None and sparsity.frequencies is not None and powerinfer:
-        frequencies = list(sparsity.frequencies) if orders is None else [f[o] for f, o in zip(sparsity.frequencies, orders)]
+        frequencies = {unit: f if orders is None else f[orders[unit]] for unit, f in sparsity.frequencies.items()}
+        routing = sparsity.routing
     return ConversionPlan(
         name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies,
-        predictors.meta["layers"] if predictors is not None else None,
+        predictors.meta["layers"] if predictors is not None else None, routing,
     )
 
 
@@ -199,8 +200,10 @@ def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
     add_hyperparameters(writer, plan.spec)
     if plan.sparse_threshold is not None:
         writer.add_float32(SPARSE_THRESHOLD_KEY, plan.sparse_threshold)
-    for layer, freq in enumerate(plan.neuron_frequencies or []):
-        writer.add_array(neuron_frequency_key(layer), [float(f) for f in freq])
+    for unit, freq in (plan.neuron_frequencies or {}).items():
+        writer.add_array(neuron_frequency_key(unit.layer, unit.expert), [float(f) for f in freq])
+    for layer, shares in enumerate(plan.routing if plan.routing is not None else []):
+        writer.add_array(expert_frequency_key(layer), [float(f) for f in shares])
     if plan.predictor_layers:
         for key, field in ((PREDICTOR_RECALL_KEY, "recall"), (PREDICTOR_PRECISION_KEY, "precision"),
                            (PREDICTOR_COMPUTED_KEY, "predicted_density")):

@@ -13,6 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from powerinfer_tools.formats.constants import PowerInferTensor
+from powerinfer_tools.formats.model_spec import FFNUnit
+from powerinfer_tools.formats.profile_folder import FiringStats
 from powerinfer_tools.formats.tensor_table import stored_neuron_axis
 from powerinfer_tools.models.layers import FFNWeights
 
@@ -47,6 +49,6 @@ def permute_predictor(fc1: np.ndarray, fc2: np.ndarray, perm: np.ndarray) -> tup
     return fc1, permute_neurons(fc2, perm, stored_neuron_axis(PowerInferTensor.PREDICTOR_FC2))
 
 
-def profile_permutations(fire_count: np.ndarray) -> list[np.ndarray]:
-    """One hot-first permutation per layer of a profile's ``[n_layers, d_ff]`` firing counts."""
-    return [hot_first_permutation(counts) for counts in fire_count]
+def profile_permutations(stats: FiringStats, units: list[FFNUnit], d_ff: int) -> dict[FFNUnit, np.ndarray]:
+    """One hot-first permutation per FFN (a layer's, or an expert's) of a profile's firing counts."""
+    return {unit: hot_first_permutation(stats.unit_counts(unit, d_ff)) for unit in units}

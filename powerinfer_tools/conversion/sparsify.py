@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.conversion.reorder import profile_permutations
-from powerinfer_tools.formats.profile_folder import load_profile
+from powerinfer_tools.formats.model_spec import FFNUnit
+from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.models import load_model_and_tokenizer
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
@@ -32,11 +33,13 @@ class SparsifySettings:
 
 @dataclass(frozen=True)
 class SparsityArtifacts:
-    """What the converter writes into a PowerInfer file beyond the checkpoint's weights."""
+    """What the converter writes into a PowerInfer file beyond the checkpoint's weights, per FFN (a
+    layer's, or an expert's)."""
 
     predictors: Path  # predictor folder (formats/README.md)
-    frequencies: np.ndarray | None  # [n_layers, d_ff] firing probability per token, in the checkpoint's order
-    orders: list[np.ndarray] | None  # per layer: file neuron i is checkpoint neuron orders[l][i]
+    frequencies: dict[FFNUnit, np.ndarray] | None  # firing probability per neuron, in the checkpoint's order
+    orders: dict[FFNUnit, np.ndarray] | None  # file neuron i is checkpoint neuron orders[unit][i]
+    routing: np.ndarray | None = None  # a mixture's [n_layers, experts]: share of tokens routed to each
 
 
 def work_folder(output: Path) -> Path:
@@ -76,6 +79,8 @@ def prepare_sparsity(
         predictors_dir = work / "predictors"
         train_predictors(profile_dir, predictors_dir, settings.train, progress=progress)
     meta, stats = load_profile(profile_dir, require_complete=True)
-    frequencies = stats.fire_count / max(int(meta["tokens"]), 1)
-    orders = profile_permutations(stats.fire_count) if settings.reorder else None
-    return SparsityArtifacts(predictors_dir, frequencies, orders)
+    units, d_ff = profile_units(meta), meta["d_ff"]
+    frequencies = {unit: stats.unit_frequencies(unit, d_ff) for unit in units}
+    orders = profile_permutations(stats, units, d_ff) if settings.reorder else None
+    routing = None if stats.routed is None else stats.routed / max(stats.tokens, 1)
+    return SparsityArtifacts(predictors_dir, frequencies, orders, routing)

@@ -14,7 +14,8 @@ array module of their inputs, so the runtime runs them on CuPy arrays as well.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -216,7 +217,9 @@ class FFNTrace:
     gate_pre: Optional[np.ndarray]  # [T, d_ff] gate projection before activation (None for OPT)
     up_pre: np.ndarray  # [T, d_ff] up projection (fc1 + bias for OPT) before activation
     activated: np.ndarray  # [T, d_ff] the values multiplied into the down projection
-    expert: Optional[int] = None  # a mixture of experts: whose FFN this is (T: the tokens routed to it)
+    # A mixture of experts: whose FFN this is, and which tokens of the block (ascending) were routed to it.
+    expert: Optional[int] = None
+    tokens: Optional[np.ndarray] = None
 
     @property
     def fired(self) -> np.ndarray:
@@ -267,9 +270,14 @@ def mixture_of_experts(kind: FFNKind, w: MoEWeights, k: int, x: np.ndarray, laye
     for e, expert in enumerate(w.experts):
         tokens, slot = xp.nonzero(experts == e)  # a token routes to an expert at most once
         if len(tokens):
-            y = feed_forward(kind, expert, x[tokens], layer, hook, residual=residual[tokens], expert=e)
+            traced = None if hook is None else partial(_expert_trace, hook, e, tokens)
+            y = feed_forward(kind, expert, x[tokens], layer, traced, residual=residual[tokens])
             out[tokens] += y * weights[tokens, slot][:, None]
     return out
+
+
+def _expert_trace(hook: FFNHook, expert: int, tokens: np.ndarray, trace: FFNTrace) -> None:
+    hook(replace(trace, expert=expert, tokens=tokens))
 
 
 def feed_forward(
@@ -280,10 +288,8 @@ def feed_forward(
     hook: Optional[FFNHook] = None,
     selector: Optional[NeuronSelector] = None,
     residual: Optional[np.ndarray] = None,
-    expert: Optional[int] = None,
 ) -> np.ndarray:
-    """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``);
-    ``expert``: which of a mixture's experts it is, for the ``hook``.
+    """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``).
 
     With a ``selector``, neurons it leaves out are treated as not firing (their
     activated value is zeroed), which is what a sparse runtime computes when it
@@ -299,5 +305,5 @@ def feed_forward(
         if mask is not None:
             activated = np.where(mask, activated, 0)
     if hook is not None:
-        hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated, expert))
+        hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
     return linear(activated, w.down, w.down_bias)

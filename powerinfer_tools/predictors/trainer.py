@@ -48,8 +48,17 @@ from powerinfer_tools.formats.predictor_folder import (
     PredictorFolder,
     read_predictors,
 )
-from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore, load_profile
-from powerinfer_tools.predictors.fit import Fit, fit_predictor
+from powerinfer_tools.formats.model_spec import FFNUnit
+from powerinfer_tools.formats.profile_folder import (
+    PAIRS_DIR,
+    PairStore,
+    fired_bits,
+    layer_neurons,
+    load_profile,
+    profile_experts,
+    profile_units,
+)
+from powerinfer_tools.predictors.fit import Fit, Quality, fit_predictor
 from powerinfer_tools.predictors.search import best_trade_off, search_sizes
 from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.xp import cupy_or_none
@@ -151,10 +160,42 @@ class LayerPairs:
         return self.train_x[rows], self._unpack(self.train_fired[rows])
 
 
+def unit_pairs(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts: int,
+               min_train: int) -> LayerPairs | None:
+    """A unit's pairs: a layer's all; an expert's, those of the tokens routed to it (its routing bit),
+    with its own neurons' fired bits, read a chunk of rows at a time. None for an expert the profile
+    routed too few tokens to (fewer than ``min_train`` to train on, or none held out)."""
+    if unit.expert is None:
+        return LayerPairs(store.x[unit.layer], store.fired[unit.layer], n_train, d_ff)
+    x, fired, bits = store.x[unit.layer], store.fired[unit.layer], fired_bits(d_ff, experts)
+    neurons = slice(unit.expert * d_ff, (unit.expert + 1) * d_ff)
+    rows, packed = [], []
+    for start in range(0, len(x), 4096):
+        chunk = np.unpackbits(fired[start : start + 4096], axis=1, count=bits).view(bool)
+        routed = np.flatnonzero(chunk[:, layer_neurons(d_ff, experts) + unit.expert])
+        rows.append(start + routed)
+        packed.append(np.packbits(chunk[routed, neurons], axis=1))
+    rows = np.concatenate(rows)
+    n_routed_train = int(np.searchsorted(rows, n_train))
+    if n_routed_train < min_train or n_routed_train == len(rows):
+        return None
+    return LayerPairs(x[rows], np.concatenate(packed), n_routed_train, d_ff)
+
+
+def compute_all(d_model: int, d_ff: int) -> Fit:
+    """A predictor that selects every neuron (its outputs are all 0, at the threshold): for an expert the
+    profile routed too few tokens to, which then computes densely whenever it is routed. Its recall is
+    1 by construction; nothing measured its precision."""
+    hidden = hidden_ladder(d_ff)[0]
+    return Fit(hidden, np.zeros((hidden, d_model), np.float32), np.zeros((d_ff, hidden), np.float32),
+               Quality(recall=1.0, precision=0.0, predicted_density=1.0, true_density=0.0, precision_at_target=0.0),
+               pos_weight=0.0, epochs=0, stopped_early=False)
+
+
 def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[PairStore, int]:
     """The profile's training pairs, checked against ``meta`` (its profile.json), and how many of
     each layer's train (the rest are held out)."""
-    shape = (meta["pairs_capacity"], meta["d_model"], meta["d_ff"])
+    shape = (meta["pairs_capacity"], meta["d_model"], fired_bits(meta["d_ff"], profile_experts(meta)))
     store = PairStore.open(Path(profile_dir) / PAIRS_DIR, meta["n_layers"], shape)
     n = meta["pairs_capacity"]
     n_val = min(settings.max_val_pairs, int(n * settings.val_fraction))
@@ -215,41 +256,44 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
     warning = too_few_pairs(profile_dir, profile, store)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    n_layers, d_ff, first = profile["n_layers"], profile["d_ff"], len(state.meta["layers"])
-    bar = progress_bar(total=(n_layers - first) * CANDIDATES_GUESS, unit="candidate", desc="predictors",
+    units, d_ff, first = profile_units(profile), profile["d_ff"], len(state.meta["layers"])
+    bar = progress_bar(total=(len(units) - first) * CANDIDATES_GUESS, unit="candidate", desc="predictors",
                        enabled=progress)
     log = bar.write if progress else (lambda message: None)
     out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     with bar:
-        for layer in range(first, n_layers):
-            started = time.monotonic()
-            sizes = _allowed_sizes(state.meta, layer, settings)
-            data = LayerPairs(store.x[layer], store.fired[layer], n_train, d_ff)
+        for index in range(first, len(units)):
+            unit, started = units[index], time.monotonic()
+            sizes = _allowed_sizes(state.meta, index, len(units), settings)
+            data = unit_pairs(store, unit, n_train, d_ff, profile_experts(profile), settings.batch_size)
 
-            def fit(hidden: int, layer=layer, data=data) -> Fit:
-                bar.set_description(f"predictors: layer {layer}, hidden {hidden}")
-                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, layer, hidden))
+            def fit(hidden: int, unit=unit, index=index, data=data) -> Fit:
+                bar.set_description(f"predictors: {unit}, hidden {hidden}")
+                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, index, hidden))
                 bar.update(1)
                 return candidate
 
-            start = _search_start(state.meta["layers"], sizes)
-            chosen, tried, reached = choose_predictor(sizes, start, fit, settings)
-            state.set_layer(layer, chosen.fc1, chosen.fc2)
-            state.meta["layers"].append(_layer_entry(layer, chosen, tried, reached, profile))
-            state.meta["complete"] = layer + 1 == n_layers
+            if data is None:
+                chosen, tried, reached = compute_all(profile["d_model"], d_ff), [], False
+            else:
+                chosen, tried, reached = choose_predictor(sizes, _search_start(state.meta["layers"], sizes), fit,
+                                                          settings)
+            state.set_unit(unit, chosen.fc1, chosen.fc2)
+            state.meta["layers"].append(_layer_entry(unit, chosen, tried, reached, profile))
+            state.meta["complete"] = index + 1 == len(units)
             state.save(out)
-            done, left = layer + 1 - first, n_layers - layer - 1
+            done, left = index + 1 - first, len(units) - index - 1
             bar.total = bar.n + left * math.ceil(bar.n / done)
             eta = (time.monotonic() - began) / done * left
-            log(_result_line(state.meta["layers"][-1], n_layers, time.monotonic() - started, eta))
+            log(_result_line(state.meta["layers"][-1], unit, index, len(units), time.monotonic() - started, eta))
     return state.meta
 
 
 def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict:
     """What predictors.json records of the profile and settings (a resumed run must match it)."""
     n_layers, d_model, d_ff = profile["n_layers"], profile["d_model"], profile["d_ff"]
-    total_ffn = n_layers * ffn_params(profile["ffn"], d_model, d_ff)
+    total_ffn = len(profile_units(profile)) * ffn_params(profile["ffn"], d_model, d_ff)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -258,6 +302,7 @@ def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict
         "profile_corpus_sha256": profile["corpus_sha256"],
         "model": profile.get("model"),
         "n_layers": n_layers,
+        "experts": profile_experts(profile),
         "d_model": d_model,
         "d_ff": d_ff,
         "ffn_params": total_ffn,
@@ -273,27 +318,31 @@ def _search_start(finished: list[dict], sizes: list[int]) -> int:
     return finished[-1]["hidden"] if finished else sizes[0]
 
 
-def _allowed_sizes(meta: dict, layer: int, settings: TrainSettings) -> list[int]:
-    """The ladder sizes within the layer's share of what the earlier layers left of the budget."""
-    d_model, d_ff, n_layers = meta["d_model"], meta["d_ff"], meta["n_layers"]
+def _allowed_sizes(meta: dict, index: int, n_units: int, settings: TrainSettings) -> list[int]:
+    """The ladder sizes within unit ``index``'s share of what the earlier units left of the budget."""
+    d_model, d_ff = meta["d_model"], meta["d_ff"]
     used = sum(predictor_params(e["hidden"], d_model, d_ff) for e in meta["layers"])
-    allowed = (meta["budget_params"] - used) / (n_layers - layer)
+    allowed = (meta["budget_params"] - used) / (n_units - index)
     ladder = hidden_ladder(d_ff)
     sizes = [h for h in ladder if predictor_params(h, d_model, d_ff) <= allowed]
     if not sizes:
         raise PitoolsError(
-            f"the budget {settings.budget:.1%} of the FFN weights leaves layer {layer} "
+            f"the budget {settings.budget:.1%} of the FFN weights leaves FFN {index} "
             f"{max(allowed, 0):.0f} parameters, less than the smallest predictor "
             f"({predictor_params(ladder[0], d_model, d_ff)}); raise --budget"
         )
     return sizes
 
 
-def _result_line(entry: dict, n_layers: int, seconds: float, eta: float) -> str:
-    line = (f"layer {entry['layer']}/{n_layers}: hidden {entry['hidden']}, recall {entry['recall']:.1%}, "
+def _result_line(entry: dict, unit: FFNUnit, index: int, n_units: int, seconds: float, eta: float) -> str:
+    """``layer 3/22: ...``; a mixture's ``layer 3 expert 5 (30/64): ...``."""
+    where = f"layer {unit.layer}/{n_units}" if unit.expert is None else f"{unit} ({index + 1}/{n_units})"
+    line = (f"{where}: hidden {entry['hidden']}, recall {entry['recall']:.1%}, "
             f"precision {entry['precision']:.1%}, computes {entry['predicted_density']:.1%} of neurons "
             f"({entry['true_density']:.1%} fire); {_count(len(entry['tried']), 'candidate')} in {_duration(seconds)}, "
             f"about {_duration(eta)} left")
+    if not entry["tried"]:
+        return f"{where}: too few tokens routed to it in the profile to train on: it computes every neuron"
     return line if entry["target_reached"] else line + "; best trade-off: target not reached"
 
 
@@ -305,10 +354,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-def _layer_entry(layer: int, fit: Fit, tried: list[Fit], reached: bool, profile: dict) -> dict:
+def _layer_entry(unit: FFNUnit, fit: Fit, tried: list[Fit], reached: bool, profile: dict) -> dict:
     q = fit.quality
     return {
-        "layer": layer,
+        "layer": unit.layer,
+        **({} if unit.expert is None else {"expert": unit.expert}),
         "hidden": fit.hidden,
         "recall": q.recall,
         "precision": q.precision,

@@ -30,6 +30,7 @@ from powerinfer_tools.formats.profile_folder import (
     VERSION,
     FiringStats,
     PairStore,
+    fired_bits,
     pair_capacity,
     predictor_input,
     read_profile_json,
@@ -73,20 +74,46 @@ class PairSampler:
 
 @dataclass
 class _WindowRecorder:
-    """FFN hook for one window: per-layer firing counts, absolute sums and the sampled pairs."""
+    """FFN hook for one window: per-layer firing counts, absolute sums and the sampled pairs (``rows``
+    of the window's tokens). A mixture's experts each see their own tokens; the recorder lays them out
+    as one FFN of ``experts * d_ff`` neurons per layer (``formats.profile_folder``), with routing counts
+    and, in each pair, routing bits."""
 
     rows: np.ndarray
+    d_ff: int
+    experts: int = 0
     fire_count: dict[int, np.ndarray] = field(default_factory=dict)
     abs_sum: dict[int, np.ndarray] = field(default_factory=dict)
+    routed: dict[int, np.ndarray] = field(default_factory=dict)
     pairs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def __call__(self, trace: FFNTrace) -> None:
+        if trace.expert is not None:
+            return self._expert(trace)
         fired = trace.fired
         self.fire_count[trace.layer] = fired.sum(axis=0)
         self.abs_sum[trace.layer] = np.abs(trace.activated).sum(axis=0, dtype=np.float64)
         if len(self.rows):
             x = predictor_input(trace.residual[self.rows])
             self.pairs[trace.layer] = (x, fired[self.rows])
+
+    def _expert(self, trace: FFNTrace) -> None:
+        layer, e, width = trace.layer, trace.expert, self.d_ff * self.experts
+        if layer not in self.fire_count:
+            self.fire_count[layer], self.abs_sum[layer] = np.zeros(width, np.int64), np.zeros(width, np.float64)
+            self.routed[layer] = np.zeros(self.experts, np.int64)
+            self.pairs[layer] = (np.zeros((len(self.rows), trace.residual.shape[1]), trace.residual.dtype),
+                                 np.zeros((len(self.rows), fired_bits(self.d_ff, self.experts)), bool))
+        neurons = slice(e * self.d_ff, (e + 1) * self.d_ff)
+        self.fire_count[layer][neurons] += trace.fired.sum(axis=0)
+        self.abs_sum[layer][neurons] += np.abs(trace.activated).sum(axis=0, dtype=np.float64)
+        self.routed[layer][e] += len(trace.tokens)
+        sampled = np.isin(self.rows, trace.tokens)  # the sampled tokens routed to this expert ...
+        at = np.searchsorted(trace.tokens, self.rows[sampled])  # ... and their rows in the trace
+        x, fired = self.pairs[layer]
+        x[sampled] = predictor_input(trace.residual[at])
+        fired[sampled, neurons] = trace.fired[at]
+        fired[sampled, width + e] = True
 
 
 def windows_of(tokens: np.ndarray, seq_len: int) -> list[np.ndarray]:
@@ -106,7 +133,8 @@ class Profiler:
             )
         self.model, self.model_name, self.folder, self.settings = model, model_name, Path(folder), settings
         self.windows = windows_of(tokens, settings.seq_len)
-        capacity = pair_capacity(len(tokens), spec.n_layers, spec.d_model, spec.d_ff, settings.pairs_mib)
+        capacity = pair_capacity(len(tokens), spec.n_layers, spec.d_model, spec.d_ff, settings.pairs_mib,
+                                 spec.n_experts)
         self.sampler = PairSampler(capacity, len(tokens), settings.seed)
         self.identity = {
             "format": FORMAT,
@@ -116,6 +144,7 @@ class Profiler:
             "n_layers": spec.n_layers,
             "d_model": spec.d_model,
             "d_ff": spec.d_ff,
+            "experts": spec.n_experts,
             "corpus": corpus,
             "corpus_sha256": hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest(),
             "tokens": len(tokens),
@@ -126,8 +155,9 @@ class Profiler:
 
     def run(self, force: bool = False, progress: bool = True) -> FiringStats:
         stats, done = self._start_or_resume(force)
-        n_layers = self.model.spec.n_layers
-        shape = (self.sampler.capacity, self.model.spec.d_model, self.model.spec.d_ff)
+        spec = self.model.spec
+        n_layers = spec.n_layers
+        shape = (self.sampler.capacity, spec.d_model, fired_bits(spec.d_ff, spec.n_experts))
         pairs = PairStore.open(self.folder / PAIRS_DIR, n_layers, shape) if self.sampler.capacity else None
         starts = np.cumsum([0] + [len(w) for w in self.windows])
         last_checkpoint = time.monotonic()
@@ -144,7 +174,8 @@ class Profiler:
 
     def _profile_window(self, w: int, start: int, stats: FiringStats, pairs: PairStore | None) -> None:
         window = self.windows[w]
-        recorder = _WindowRecorder(self.sampler.rows(w, start, len(window)))
+        spec = self.model.spec
+        recorder = _WindowRecorder(self.sampler.rows(w, start, len(window)), spec.d_ff, spec.n_experts)
         self.model.ffn_hook = recorder
         try:
             self.model.forward(window, self.model.new_cache())
@@ -155,7 +186,9 @@ class Profiler:
         for layer in range(stats.n_layers):
             stats.fire_count[layer] += recorder.fire_count[layer]
             stats.abs_sum[layer] += recorder.abs_sum[layer]
-            if layer in recorder.pairs:
+            if stats.routed is not None:
+                stats.routed[layer] += recorder.routed[layer]
+            if len(recorder.rows):
                 pairs.write(layer, row, *recorder.pairs[layer])
         stats.tokens += len(window)
 
@@ -172,7 +205,7 @@ class Profiler:
                     "use another output folder, or --force to start over"
                 )
             if (self.folder / STATS_FILE).is_file():
-                stats, metadata = FiringStats.load(self.folder / STATS_FILE, spec.n_layers, spec.d_ff)
+                stats, metadata = FiringStats.load(self.folder / STATS_FILE, spec.n_layers, spec.d_ff, spec.n_experts)
                 return stats, self._windows_done(metadata)
         # Fresh start: the identity is written first, so a run interrupted before
         # its first checkpoint is still recognised (and restarted) next time.
@@ -181,9 +214,9 @@ class Profiler:
         shutil.rmtree(self.folder / PAIRS_DIR, ignore_errors=True)
         self._write_profile_json(windows_done=0, tokens_done=0)
         if self.sampler.capacity:
-            PairStore.create(self.folder / PAIRS_DIR, spec.n_layers, spec.d_model, spec.d_ff,
-                             self.sampler.capacity).flush()
-        return FiringStats.zeros(spec.n_layers, spec.d_ff), 0
+            PairStore.create(self.folder / PAIRS_DIR, spec.n_layers, spec.d_model,
+                             fired_bits(spec.d_ff, spec.n_experts), self.sampler.capacity).flush()
+        return FiringStats.zeros(spec.n_layers, spec.d_ff, spec.n_experts), 0
 
     def _windows_done(self, metadata: dict[str, str]) -> int:
         """How many windows a checkpoint's stats count (written by ``_checkpoint``)."""

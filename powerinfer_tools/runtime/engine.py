@@ -154,7 +154,9 @@ class RuntimeModel(Engine):
 
     @property
     def has_predictors(self) -> bool:
-        return all(layer.dense.predictor is not None for layer in self.layers)
+        """Every FFN has its predictor: each layer's, or each expert's of a mixture."""
+        return all(all(e.predictor is not None for e in layer.experts) if layer.experts
+                   else layer.dense.predictor is not None for layer in self.layers)
 
     def _dense_matrices(self) -> list[QuantMatrix]:
         per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
@@ -274,6 +276,8 @@ class RuntimeModel(Engine):
             if len(tokens):
                 y = self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
                 out[tokens] += y * weights[tokens, slot][:, None]
+                if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
+                    step.bytes_read += expert.predictor.nbytes
         return out
 
     def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,

@@ -76,13 +76,13 @@ class _Tensors:
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
 
-    def ffn_rows(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, np.ndarray]:
-        """The type and stored rows ``[d_ff, ...]`` of one of a layer's FFN matrices, in either layout (a
-        bundled file's are copied out of its bundle rows: the kernels read contiguous rows)."""
-        qtype, _ = self.ffn_format(tensor, layer)
+    def ffn_rows(self, tensor: TensorKind, layer: int, expert: int | None = None) -> tuple[GGMLQuantizationType, np.ndarray]:
+        """The type and stored rows ``[d_ff, ...]`` of one of a layer's (or an expert's) FFN matrices, in
+        either layout (a bundled file's are copied out of its bundle rows: the kernels read contiguous rows)."""
+        qtype, _ = self.ffn_format(tensor, layer, expert)
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is None:
-            return qtype, self.model[tensor_name(tensor, layer)].data
+            return qtype, self.stored(tensor_name(tensor, layer, expert=expert))
         bundle = self.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)].data
         return qtype, np.ascontiguousarray(self.bundle.view(bundle, part, self.d_model))
 
@@ -90,18 +90,19 @@ class _Tensors:
     def d_model(self) -> int:
         return self.model.get("{arch}.embedding_length")
 
-    def ffn_format(self, tensor: TensorKind, layer: int) -> tuple[GGMLQuantizationType, int]:
+    def ffn_format(self, tensor: TensorKind, layer: int, expert: int | None = None) -> tuple[GGMLQuantizationType, int]:
         """The type (one the kernels compute, checked) and bytes per row of one of a layer's FFN matrices."""
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is not None:
             self.check_type(tensor_name(PowerInferTensor.FFN_BUNDLE, layer), part.qtype)
             return part.qtype, part.nbytes
-        t = self.model[tensor_name(tensor, layer)]
+        t = self.model[tensor_name(tensor, layer, expert=expert)]
         self.check_type(t.name, t.qtype)
         return t.qtype, t.nbytes // t.shape[0]
 
-    def has_ffn(self, tensor: TensorKind, layer: int) -> bool:
-        return tensor_name(tensor, layer) in self.model or (self.bundle is not None and self.bundle.part(tensor) is not None)
+    def has_ffn(self, tensor: TensorKind, layer: int, expert: int | None = None) -> bool:
+        return (tensor_name(tensor, layer, expert=expert) in self.model
+                or (self.bundle is not None and self.bundle.part(tensor) is not None))
 
     def predictor_matrix(self, name: str, backend=None) -> QuantMatrix:
         """A predictor tensor in its stored type; one the kernels do not compute (the q5_0 of PowerInfer's own
@@ -132,14 +133,16 @@ def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, d_ff: int, sp
             raise PitoolsError(f"{split_path}: layer {i} splits {len(mask)} neurons, the model's FFN has {d_ff}")
 
 
-def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend) -> FFNPartition:
-    """The rows of ``neurons`` of one layer's FFN on ``backend``: copied to a device, in place on the host."""
-    sparse_layout = tensors.has_ffn(DOWN_T, layer)
+def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend,
+               expert: int | None = None) -> FFNPartition:
+    """The rows of ``neurons`` of one layer's FFN (or one expert's) on ``backend``: copied to a device, in
+    place on the host."""
+    sparse_layout = tensors.has_ffn(DOWN_T, layer, expert)
     if not backend.is_device:
         rows = np.arange(d_ff)
 
         def pick(tensor):
-            return QuantMatrix(*tensors.ffn_rows(tensor, layer))
+            return QuantMatrix(*tensors.ffn_rows(tensor, layer, expert))
 
         pick_bias = tensors.array
     else:
@@ -149,7 +152,7 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
         rows[neurons] = np.arange(len(neurons))
 
         def pick(tensor):
-            qtype, data = tensors.ffn_rows(tensor, layer)
+            qtype, data = tensors.ffn_rows(tensor, layer, expert)
             return QuantMatrix(qtype, backend.upload(np.ascontiguousarray(data[neurons])))
 
         def pick_bias(name):
@@ -163,9 +166,9 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
         up=pick(T.FFN_UP),
         down_t=pick(DOWN_T) if sparse_layout else None,
         down=None if sparse_layout else tensors.matrix(tensor_name(T.FFN_DOWN, layer)),
-        gate=pick(T.FFN_GATE) if tensors.has_ffn(T.FFN_GATE, layer) else None,
-        gate_bias=pick_bias(tensor_name(T.FFN_GATE, layer, "bias")),
-        up_bias=pick_bias(tensor_name(T.FFN_UP, layer, "bias")),
+        gate=pick(T.FFN_GATE) if tensors.has_ffn(T.FFN_GATE, layer, expert) else None,
+        gate_bias=pick_bias(tensor_name(T.FFN_GATE, layer, "bias", expert)),
+        up_bias=pick_bias(tensor_name(T.FFN_UP, layer, "bias", expert)),
     )
 
 
@@ -234,6 +237,17 @@ def _cached_partition(tensors: _Tensors, layer: int, neurons: np.ndarray, cache:
     )
 
 
+def _predictor(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float,
+               expert: int | None = None) -> Predictor | None:
+    """A layer's (or an expert's) predictor on ``backend``, None when the file has none."""
+    fc1_name, fc2_name = predictor_names(layer, expert)
+    if fc1_name not in tensors.model:
+        return None
+    matrix_backend = backend if on_device else None
+    return Predictor(backend, tensors.predictor_matrix(fc1_name, matrix_backend),
+                     tensors.predictor_matrix(fc2_name, matrix_backend), threshold)
+
+
 def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float) -> DenseBlock:
     """A layer's attention, norms, biases and predictor on ``backend`` (matrices uploaded only to a device)."""
     biases = {
@@ -244,12 +258,7 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     if down_bias is None:
         down_bias = tensors.array(tensor_name(T.FFN_DOWN, layer, "bias"), backend)
     biases["down"] = down_bias
-    predictor = None
-    fc1_name, fc2_name = predictor_names(layer)
     matrix_backend = backend if on_device else None
-    if fc1_name in tensors.model:
-        predictor = Predictor(backend, tensors.predictor_matrix(fc1_name, matrix_backend),
-                              tensors.predictor_matrix(fc2_name, matrix_backend), threshold)
     return DenseBlock(
         backend=backend,
         attn_norm=tensors.norm(T.ATTN_NORM, layer, backend),
@@ -259,19 +268,25 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
         wo=tensors.matrix(tensor_name(T.ATTN_OUT, layer), matrix_backend),
         ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
         biases={k: v for k, v in biases.items() if v is not None},
-        predictor=predictor,
+        predictor=_predictor(tensors, layer, backend, on_device, threshold),
     )
 
 
-def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int) -> RuntimeLayer:
-    """A layer whose FFN is a mixture of experts (a dense file's stacked ``*_exps`` tensors): each expert's
-    matrices are its slice of them, in place in the memory map, computed on the host."""
+def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, threshold: float) -> RuntimeLayer:
+    """A layer whose FFN is a mixture of experts, on the host. In a dense file each expert's matrices
+    are its slice of the stacked ``*_exps`` tensors; in the sparse layout they are its own tensors, with
+    its own predictor. Either way they stay in place in the memory map."""
+    router = tensors.array(tensor_name(T.FFN_GATE_INP, layer))
+    if tensors.has_ffn(DOWN_T, layer, 0):
+        experts = [Expert([_partition(tensors, layer, np.arange(d_ff), d_ff, dense.backend, e)],
+                          _predictor(tensors, layer, dense.backend, False, threshold, e)) for e in range(len(router))]
+        return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
+
     def expert_matrix(tensor: TensorKind, e: int) -> QuantMatrix:
         stored = tensors.model[tensor_name(tensor, layer)]
         tensors.check_type(stored.name, stored.qtype)
         return QuantMatrix(stored.qtype, stored.data[e])
 
-    router = tensors.array(tensor_name(T.FFN_GATE_INP, layer))
     all_neurons = np.arange(d_ff)
     experts = [Expert([FFNPartition(dense.backend, all_neurons, all_neurons, up=expert_matrix(T.FFN_UP_EXP, e),
                                     down_t=None, down=expert_matrix(T.FFN_DOWN_EXP, e),
@@ -306,9 +321,10 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
         gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
     )
     backend = device_backend if on_device else host
-    dense = _dense_block(tensors, i, backend, on_device, float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0)))
+    threshold = float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0))
+    dense = _dense_block(tensors, i, backend, on_device, threshold)
     if spec.moe:
-        return _mixture_layer(tensors, i, dense, spec.d_ff)
+        return _mixture_layer(tensors, i, dense, spec.d_ff, threshold)
     return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host, cache), spec.d_ff)
 
 
