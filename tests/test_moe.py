@@ -183,3 +183,20 @@ def test_an_expert_the_profile_never_reaches_computes_every_neuron(tmp_path):
     assert np.all(np.array(open_model_file(path).get("pitools.blk.0.neuron_frequency.2")) == 0)
     model.mode = FFNMode.SPARSE
     assert np.all(np.isfinite(model.forward(np.arange(10), model.new_cache())))
+
+
+@pytest.mark.parametrize("mode", [FFNMode.DENSE, FFNMode.SPARSE])
+def test_compiled_decoding_of_experts_equals_the_general_path(sparse_mixtral, mode):
+    path, _ = sparse_mixtral
+    logits, stats = {}, {}
+    for compiled in (True, False):
+        model = load_runtime_model(path)
+        model.mode, model.compiled_decoding = mode, compiled
+        assert (model.compiled_decoder() is not None) == compiled
+        step = model.step_fn()
+        step(np.arange(6) * 13 % 500)  # the prompt: the general path in both
+        logits[compiled] = np.stack([step(np.array([t])) for t in (3, 141, 59, 265, 35)])
+        stats[compiled] = model.stats
+    assert relative_error(logits[True], logits[False]) < 1e-4
+    for field in ("neurons_total", "neurons_active", "bytes_read"):
+        assert getattr(stats[True], field) == getattr(stats[False], field), field

@@ -32,7 +32,7 @@ from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.models.layers import KVCache
+from powerinfer_tools.models.layers import KVCache, route
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, compute_cached
 
 # FFN kinds as integers for the compiled code.
@@ -271,6 +271,21 @@ def down(x, w, s, rows, fns, n_threads):
 
 
 @njit(nogil=True, cache=True)
+def expert_ffn(x, residual, w, s, weight, kind, sparse, fns, n_threads):
+    """One routed expert of a mixture for one token (``w``: its FFN and predictor): its predicted neurons
+    (all, dense) from the normed input ``s.h``, their activations scaled by the router's ``weight``, the
+    down projection added to ``x``. The predictor reads ``residual``, the stream entering the FFN block
+    (``x`` has already taken other experts' outputs). Returns the number of neurons computed."""
+    n = _predict(residual, w, s, fns) if sparse else w.up.shape[0]
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, x.shape[0])
+    rows = s.active[:n] if sparse else s.all_rows[:n]
+    gate_up(w, s, rows, s.all_rows[:n], kind, fns)
+    s.act[:n] *= weight
+    down(x, w, s, rows, fns, n_threads)
+    return n
+
+
+@njit(nogil=True, cache=True)
 def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
     """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
     rows of the neurons it chose); returns the number of neurons computed."""
@@ -320,6 +335,8 @@ class CompiledDecoder:
     has_predictors: bool  # every layer has one: sparse mode can run here
     neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
     active: np.ndarray  # the scratch's ``active``: the neurons a layer's predictor chose
+    mixtures: list[Mixture | None]  # per layer: its router and experts, when its FFN is a mixture
+    ffn_input: np.ndarray  # the scratch's ``h``: the normed input of a layer's FFN (the router's too)
 
     @classmethod
     def build(cls, model) -> CompiledDecoder | None:
@@ -330,29 +347,33 @@ class CompiledDecoder:
                 or not all(_supported(layer) for layer in model.layers)):
             return None
         ggml = kernels.ggml_routines()
-        matrices = [m for layer in model.layers for m in _layer_matrices(layer) + _predictor_matrices(layer)]
+        matrices = [m for layer in model.layers for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
         max_context = model.context_size
-        hidden = max((layer.dense.predictor.fc1.rows for layer in model.layers if layer.dense.predictor),
+        hidden = max((predictor.fc1.rows for layer in model.layers for _, predictor in _units(layer) if predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
         active = np.zeros(s.d_ff, np.intp)
+        h = f32(s.d_model)
         scratch = Scratch(
-            f32(s.d_model), f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
+            h, f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
             f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
-        layers = [_layer_weights(layer) for layer in model.layers]
-        return cls(s, layers, [layer.partitions[0].bytes_per_neuron for layer in model.layers], scratch, fns,
-                   inv_freq / s.rope_scaling_factor, max_context, model.has_predictors,
-                   [layer.partitions[0].cache for layer in model.layers], active)
+        units = [[_unit_weights(layer.dense, *unit) for unit in _units(layer)] for layer in model.layers]
+        mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
+                    if layer.experts else None for layer, weights in zip(model.layers, units)]
+        return cls(s, [weights[0] for weights in units], [_units(layer)[0][0].bytes_per_neuron for layer in model.layers],
+                   scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.has_predictors,
+                   [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
+                   h)
 
     def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
         """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
@@ -371,10 +392,16 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for w, bytes_per_neuron, cache, neurons in zip(self.layers, self.bytes_per_neuron, caches, self.neuron_caches):
+        for w, bytes_per_neuron, cache, neurons, mixture in zip(self.layers, self.bytes_per_neuron, caches,
+                                                                 self.neuron_caches, self.mixtures):
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
-            if neurons is None:
+            if mixture is not None:
+                decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                                 s.norm_eps, False, self.fns)
+                n = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse, self.fns,
+                                   threads, step)
+            elif neurons is None:
                 n = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
                                  s.norm_eps, kind, sparse, self.fns, threads)
             else:
@@ -383,40 +410,67 @@ class CompiledDecoder:
                 before = neurons.counters.snapshot()
                 cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
                 step.add_cache_use(neurons.counters.since(before))
-            step.neurons_total += s.d_ff
+            step.neurons_total += s.d_ff * max(s.n_experts_used, 1)
             step.neurons_active += n
             step.bytes_read += n * bytes_per_neuron
         return residual[None]
 
 
+@dataclass
+class Mixture:
+    """A layer's mixture of experts on the compiled path: its router and each expert's weights (whose
+    attention fields are the layer's; ``decode_attention`` runs once, with the first's)."""
+
+    router: np.ndarray  # [n_experts, d_model] float32
+    experts: list[LayerWeights]
+    predictor_bytes: list[int]  # per expert: read when it is routed to, in sparse mode
+
+    def decode(self, x: np.ndarray, h: np.ndarray, s: Scratch, k: int, kind: int, sparse: bool, fns, n_threads: int,
+               step) -> int:
+        """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), added to
+        ``x``; returns the neurons computed. Routing is ``models.layers.route`` on the float32 router."""
+        residual = x.copy()  # what the predictors read: the stream entering the FFN block
+        experts, weights = route((self.router @ h)[None], k)
+        n = 0
+        for e, weight in zip(experts[0], weights[0]):
+            n += expert_ffn(x, residual, self.experts[e], s, np.float32(weight), kind, sparse, fns, n_threads)
+            step.bytes_read += self.predictor_bytes[e] if sparse else 0
+        return n
+
+
+def _units(layer) -> list[tuple]:
+    """A layer's FFNs as (partition, predictor): its own, or each expert's."""
+    if layer.experts:
+        return [(expert.partitions[0], expert.predictor) for expert in layer.experts]
+    return [(layer.partitions[0], layer.dense.predictor)]
+
+
 def _supported(layer) -> bool:
-    """Whether the compiled path computes this layer: all on the CPU, no biases, a gated FFN, and one
-    weight type for q/k/v/o and one for gate/up."""
+    """Whether the compiled path computes this layer: all on the CPU, no biases, gated FFNs (one CPU
+    partition each), and one weight type for q/k/v/o and one for every gate/up."""
     d = layer.dense
-    if d.biases or d.backend.is_device or len(layer.partitions) != 1:
+    if d.biases or d.backend.is_device or any(len(p) != 1 for p in ([e.partitions for e in layer.experts]
+                                                                     or [layer.partitions])):
         return False
-    p = layer.partitions[0]
-    return (not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
-            and len({d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype}) == 1 and p.gate.qtype == p.up.qtype
-            and (p.down_t is not None or p.down.cols == p.up.rows))
+    partitions = [p for p, _ in _units(layer)]
+    return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
+                and (p.down_t is not None or p.down.cols == p.up.rows) for p in partitions)
+            and len({d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype}) == 1
+            and len({m.qtype for p in partitions for m in (p.gate, p.up)}) == 1)
 
 
-def _layer_matrices(layer) -> list[QuantMatrix]:
-    d, p = layer.dense, layer.partitions[0]
-    return [d.wq, d.wk, d.wv, d.wo, p.gate, p.up, p.down_t if p.down_t is not None else p.down]
+def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
+    d, p = layer.dense, partition
+    weights = [d.wq, d.wk, d.wv, d.wo, p.gate, p.up, p.down_t if p.down_t is not None else p.down]
+    return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _predictor_matrices(layer) -> list[QuantMatrix]:
-    predictor = layer.dense.predictor
-    return [] if predictor is None else [predictor.fc1, predictor.fc2]
-
-
-def _layer_weights(layer) -> LayerWeights:
-    d, p = layer.dense, layer.partitions[0]
+def _unit_weights(d, p, predictor) -> LayerWeights:
+    """The compiled weights of one FFN (a layer's, or an expert's) with its layer's attention ``d``."""
     down = p.down_t if p.down_t is not None else p.down
-    predictor = d.predictor
     # Without a predictor (dense mode only) the fields hold a placeholder of the same numba type.
-    fc1, fc2 = _predictor_matrices(layer) or [QuantMatrix(GGMLQuantizationType.F32, np.zeros((1, 1), np.float32))] * 2
+    fc1, fc2 = ([predictor.fc1, predictor.fc2] if predictor is not None
+                else [QuantMatrix(GGMLQuantizationType.F32, np.zeros((1, 1), np.float32))] * 2)
     return LayerWeights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
         int(d.wq.qtype), d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
