@@ -37,6 +37,9 @@ def read_model_stats(path: str | Path) -> dict:
     if not sparse_layout(model):
         raise PitoolsError(f"{path}: a dense model file; neuron placement needs a PowerInfer file (pitools convert)")
     check_model_tensors(model, spec)
+    if spec.moe:
+        raise PitoolsError(f"{path}: a mixture of experts; placing its neurons (GPU, RAM, disk) is not supported yet: "
+                           "it runs on the CPU, all in memory")
     freqs = [neuron_frequencies(model, spec, layer) for layer in range(spec.n_layers)]
     if any(freq is None for freq in freqs):
         raise PitoolsError(

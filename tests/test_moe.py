@@ -200,3 +200,9 @@ def test_compiled_decoding_of_experts_equals_the_general_path(sparse_mixtral, mo
     assert relative_error(logits[True], logits[False]) < 1e-4
     for field in ("neurons_total", "neurons_active", "bytes_read"):
         assert getattr(stats[True], field) == getattr(stats[False], field), field
+
+
+def test_inspect_names_the_experts(sparse_mixtral):
+    path, _ = sparse_mixtral
+    text = invoke("inspect", path).stdout
+    assert "predictors in 10 of 10 experts" in text and "a mixture of 5 experts per layer (2 per token)" in text

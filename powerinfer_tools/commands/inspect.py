@@ -29,6 +29,12 @@ def _summary(value: Any) -> Any:
     return value
 
 
+def _predicted_ffn(name: str) -> tuple[str, str | None]:
+    """(layer, expert or None) of a predictor tensor's name, ``blk.N.fc1.weight`` or ``blk.N.fc1.X.weight``."""
+    parts = name.split(".")
+    return parts[1], parts[3] if len(parts) == 5 else None
+
+
 def describe(model: ModelFile) -> dict:
     """Everything ``inspect`` reports, as plain JSON-able data."""
     bundle = BundleLayout.of_file(model)
@@ -55,14 +61,17 @@ def describe(model: ModelFile) -> dict:
         total["tensors"] += 1
         total["parameters"] += t["parameters"]
         total["bytes"] += t["bytes"]
-    predictor_layers = {t["name"].split(".")[1] for t in tensors if t["kind"] == "predictor"}
+    # Predictors are per layer, or per expert of a mixture (blk.N.fc1.X): count the FFNs that have one.
+    predicted = {_predicted_ffn(t["name"]) for t in tensors if t["kind"] == "predictor"}
     return {
         "path": str(model.path),
         "layout": "powerinfer" if model.powerinfer else "dense",
         "gguf_version": model.version,
         "architecture": model.architecture,
         "block_count": model.get(Keys.LLM.BLOCK_COUNT),
-        "predictor_layers": len(predictor_layers),
+        "experts": model.get(Keys.LLM.EXPERT_COUNT, 0),
+        "experts_used": model.get(Keys.LLM.EXPERT_USED_COUNT, 0),
+        "predictor_layers": len(predicted),
         "predictor_quality": predictor_quality(model),
         "sparse_ffn": sparse_layout(model),
         "bundled_ffn": bundle is not None,
@@ -80,7 +89,10 @@ def _layout_line(report: dict) -> str:
     parts = [f"PowerInfer (PWRI magic, GGUF v{report['gguf_version']})"]
     if report["sparse_ffn"]:
         parts.append(f"{block_part(PowerInferTensor.FFN_DOWN_T)} for sparse axpy")
-    parts.append(f"predictors in {report['predictor_layers']} of {report['block_count']} layers")
+    if report["experts"]:
+        parts.append(f"predictors in {report['predictor_layers']} of {report['block_count'] * report['experts']} experts")
+    else:
+        parts.append(f"predictors in {report['predictor_layers']} of {report['block_count']} layers")
     quality = report["predictor_quality"]
     if quality:
         parts.append(f"trained to recall >= {quality['worst_recall']:.1%} at precision {quality['mean_precision']:.1%}, "
@@ -101,7 +113,8 @@ def render(report: dict) -> str:
     lines = [
         f"file          {report['path']}",
         f"layout        {_layout_line(report)}",
-        f"architecture  {report['architecture']}",
+        f"architecture  {report['architecture']}" + (f", a mixture of {report['experts']} experts per layer "
+                                                     f"({report['experts_used']} per token)" if report["experts"] else ""),
         f"size          {size}",
         "",
         f"metadata ({len(report['metadata'])} keys)",
