@@ -17,12 +17,14 @@ from tokenizers import Tokenizer
 
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.predictor_folder import read_predictors
 from powerinfer_tools.formats.profile_folder import load_profile
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models.layers import route
 from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.solver.model_stats import read_model_stats
 
 MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=2, sliding_window=None)
@@ -183,6 +185,39 @@ def test_an_expert_the_profile_never_reaches_computes_every_neuron(tmp_path):
     assert np.all(np.array(open_model_file(path).get("pitools.blk.0.neuron_frequency.2")) == 0)
     model.mode = FFNMode.SPARSE
     assert np.all(np.isfinite(model.forward(np.arange(10), model.new_cache())))
+
+    # Placement: a neuron's hotness is its expert's routing frequency times its firing frequency, so the
+    # unreached expert's neurons are the coldest: the GPU takes them only after every neuron that fires.
+    stats, d_ff = read_model_stats(path), config["intermediate_size"]
+    file = open_model_file(path)
+    for layer, freqs in enumerate(stats["freqs"]):
+        routing = np.array(file.get(f"pitools.blk.{layer}.expert_frequency"))
+        for e in range(3):
+            want = routing[e] * np.array(file.get(f"pitools.blk.{layer}.neuron_frequency.{e}"))
+            np.testing.assert_allclose(freqs[e * d_ff : (e + 1) * d_ff], want, rtol=1e-6)
+    for budget in ("512.5MiB", "512.6MiB"):  # nothing fits beside the CUDA reserve; then layer 0 fits
+        assert invoke("solve", path, "--vram", budget, "--force").exit_code == 0
+        for mask, freqs in zip(read_gpu_split(default_split_path(path)).masks, stats["freqs"]):
+            unreached = mask.reshape(3, d_ff)[2]
+            assert not unreached.any() or mask[freqs > 0].all()
+
+
+def test_a_split_of_experts_computes_what_the_cpu_does(sparse_mixtral, tmp_path):
+    path, _ = sparse_mixtral
+    rng = np.random.default_rng(0)
+    n = MIXTRAL["num_local_experts"] * MIXTRAL["intermediate_size"]
+    split = tmp_path / "half.gpuidx"
+    write_gpu_split(split, GpuSplit((rng.random(n) < 0.5, rng.random(n) < 0.5), vram_capacity=10**9,
+                                    dense_on_gpu=(True, False)))
+    tokens = np.arange(30) * 7 % 500
+    for mode in (FFNMode.DENSE, FFNMode.ORACLE):
+        logits = []
+        for use_split in (False, True):
+            model = load_runtime_model(path, split=split, use_split=use_split, device="emulated")
+            model.mode = mode
+            logits.append(model.forward(tokens, model.new_cache()))
+        assert relative_error(logits[1], logits[0]) < 1e-5
+        assert 0.3 < model.stats.device_share < 0.7
 
 
 @pytest.mark.parametrize("mode", [FFNMode.DENSE, FFNMode.SPARSE])

@@ -125,12 +125,14 @@ class _Tensors:
         return Norm(weight, bias)
 
 
-def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, d_ff: int, split_path: Path) -> None:
+def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons: int, split_path: Path) -> None:
+    """The split fits the model: a mask per layer over its FFN's neurons (a mixture's: all its experts')."""
     if len(split.masks) != n_layers:
         raise PitoolsError(f"{split_path}: split has {len(split.masks)} layers, {model.path} has {n_layers}")
     for i, mask in enumerate(split.masks):
-        if len(mask) != d_ff:
-            raise PitoolsError(f"{split_path}: layer {i} splits {len(mask)} neurons, the model's FFN has {d_ff}")
+        if len(mask) != layer_neurons:
+            raise PitoolsError(f"{split_path}: layer {i} splits {len(mask)} neurons, the model's FFN has "
+                               f"{layer_neurons}")
 
 
 def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend,
@@ -272,14 +274,19 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     )
 
 
-def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, threshold: float) -> RuntimeLayer:
-    """A layer whose FFN is a mixture of experts, on the host. In a dense file each expert's matrices
-    are its slice of the stacked ``*_exps`` tensors; in the sparse layout they are its own tensors, with
-    its own predictor. Either way they stay in place in the memory map."""
-    router = tensors.array(tensor_name(T.FFN_GATE_INP, layer))
+def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, threshold: float,
+                   gpu_mask: np.ndarray | None, device, host) -> RuntimeLayer:
+    """A layer whose FFN is a mixture of experts; its router lives with its dense block. In the sparse
+    layout each expert is a layer's FFN of its own (tensors, predictor, and the split's slice of the
+    layer's mask: expert-major); in a dense file each expert's matrices are its slice of the stacked
+    ``*_exps`` tensors, computed on the host. Either way the host's rows stay in the memory map."""
+    router = tensors.array(tensor_name(T.FFN_GATE_INP, layer), dense.backend)
+    n_experts = len(router)
     if tensors.has_ffn(DOWN_T, layer, 0):
-        experts = [Expert([_partition(tensors, layer, np.arange(d_ff), d_ff, dense.backend, e)],
-                          _predictor(tensors, layer, dense.backend, False, threshold, e)) for e in range(len(router))]
+        masks = [None] * n_experts if gpu_mask is None else gpu_mask.reshape(n_experts, d_ff)
+        experts = [Expert(_partitions(tensors, layer, d_ff, masks[e], device, host, None, e),
+                          _predictor(tensors, layer, dense.backend, dense.backend.is_device, threshold, e))
+                   for e in range(n_experts)]
         return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
 
     def expert_matrix(tensor: TensorKind, e: int) -> QuantMatrix:
@@ -288,27 +295,26 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
         return QuantMatrix(stored.qtype, stored.data[e])
 
     all_neurons = np.arange(d_ff)
-    experts = [Expert([FFNPartition(dense.backend, all_neurons, all_neurons, up=expert_matrix(T.FFN_UP_EXP, e),
+    experts = [Expert([FFNPartition(host, all_neurons, all_neurons, up=expert_matrix(T.FFN_UP_EXP, e),
                                     down_t=None, down=expert_matrix(T.FFN_DOWN_EXP, e),
                                     gate=expert_matrix(T.FFN_GATE_EXP, e))])
-               for e in range(len(router))]
+               for e in range(n_experts)]
     return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
 
 
-def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_split: GpuSplit | None, device, host,
-                cache: CacheSetup | None) -> list:
-    """A layer's FFN: the split's hot neurons on the device, the rest (all without a split) on the host,
-    through a neuron cache under a RAM budget."""
+def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray | None, device, host,
+                cache: CacheSetup | None, expert: int | None = None) -> list:
+    """A layer's FFN (or an expert's): the neurons ``gpu_mask`` marks on the device, the rest (all
+    without a split) on the host, through a neuron cache under a RAM budget."""
     partitions = []
     all_neurons = np.arange(d_ff)
-    if gpu_split is not None and gpu_split.masks[layer].any():
-        hot = gpu_split.bucket(layer).astype(np.int64)
-        partitions.append(_partition(tensors, layer, hot, d_ff, device))
-        cold = all_neurons[~gpu_split.masks[layer]]
+    if gpu_mask is not None and gpu_mask.any():
+        partitions.append(_partition(tensors, layer, np.flatnonzero(gpu_mask), d_ff, device, expert))
+        cold = all_neurons[~gpu_mask]
     else:
         cold = all_neurons
     if len(cold):
-        partitions.append(_partition(tensors, layer, cold, d_ff, host) if cache is None
+        partitions.append(_partition(tensors, layer, cold, d_ff, host, expert) if cache is None
                           else _cached_partition(tensors, layer, cold, cache, host))
     return partitions
 
@@ -323,15 +329,17 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
     backend = device_backend if on_device else host
     threshold = float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0))
     dense = _dense_block(tensors, i, backend, on_device, threshold)
+    gpu_mask = gpu_split.masks[i] if gpu_split is not None else None
     if spec.moe:
-        return _mixture_layer(tensors, i, dense, spec.d_ff, threshold)
-    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_split, device_backend, host, cache), spec.d_ff)
+        return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host)
+    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache), spec.d_ff)
 
 
-def _open_split(split_path: Path, model: ModelFile, n_layers: int, d_ff: int, device: str) -> tuple[GpuSplit, object]:
+def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons: int,
+                device: str) -> tuple[GpuSplit, object]:
     """The split file, checked against the model, and the device its budget allows."""
     gpu_split = read_gpu_split(split_path)
-    _check_split(gpu_split, model, n_layers, d_ff, split_path)
+    _check_split(gpu_split, model, n_layers, layer_neurons, split_path)
     budget = gpu_split.vram_budget if gpu_split.vram_budget is not None else gpu_split.vram_capacity
     return gpu_split, CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
 
@@ -363,13 +371,14 @@ def load_runtime_model(
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
     host = CpuBackend()
-    if spec.moe and (ram is not None or (use_split and (split is not None or default_split_path(path).is_file()))):
-        raise PitoolsError(f"{path}: a mixture of experts runs on the CPU in memory for now: no split file, no --ram")
+    if spec.moe and ram is not None:
+        raise PitoolsError(f"{path}: --ram (a neuron cache) is not supported yet for a mixture of experts")
 
     split_path = Path(split) if split is not None else default_split_path(path)
     gpu_split, device_backend = None, None
     if use_split and (split is not None or split_path.is_file()):
-        gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff, device)
+        gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff * max(spec.n_experts, 1),
+                                                device)
         if cpu_only:
             if any(mask.any() for mask in gpu_split.masks) or gpu_split.ram_masks is None:
                 raise PitoolsError(f"{split_path}: places neurons on a GPU, and this run is on the CPU: give --device "
