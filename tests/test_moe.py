@@ -241,3 +241,21 @@ def test_inspect_names_the_experts(sparse_mixtral):
     path, _ = sparse_mixtral
     text = invoke("inspect", path).stdout
     assert "predictors in 10 of 10 experts" in text and "a mixture of 5 experts per layer (2 per token)" in text
+
+
+def test_experts_under_a_ram_budget_compute_what_they_do_in_memory(sparse_mixtral):
+    """Each expert's cold neurons behind its own neuron cache: the same logits (up to summation order: a
+    cached mixture takes the general path), the budget kept."""
+    path, _ = sparse_mixtral
+    tokens = np.arange(24) * 5 % 500
+    budget = int(0.8 * path.stat().st_size)
+    logits = []
+    for ram in (None, budget):
+        model = load_runtime_model(path, ram=ram)
+        model.mode = FFNMode.SPARSE
+        step = model.step_fn()
+        logits.append(np.stack([step(tokens[:8])] + [step(tokens[i : i + 1]) for i in range(8, len(tokens))]))
+    assert relative_error(logits[1], logits[0]) < 1e-5
+    assert model.ram.resident_bytes <= budget
+    assert len(model.ram.caches) == MIXTRAL["num_hidden_layers"] * MIXTRAL["num_local_experts"]
+    assert model.stats.cache_misses > 0 and model.stats.disk_bytes > 0

@@ -447,12 +447,15 @@ def _units(layer) -> list[tuple]:
 
 def _supported(layer) -> bool:
     """Whether the compiled path computes this layer: all on the CPU, no biases, gated FFNs (one CPU
-    partition each), and one weight type for q/k/v/o and one for every gate/up."""
+    partition each; an expert's not through a neuron cache), and one weight type for q/k/v/o and one
+    for every gate/up."""
     d = layer.dense
     if d.biases or d.backend.is_device or any(len(p) != 1 for p in ([e.partitions for e in layer.experts]
                                                                      or [layer.partitions])):
         return False
     partitions = [p for p, _ in _units(layer)]
+    if layer.experts and any(p.cache is not None for p in partitions):
+        return False
     return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
                 and (p.down_t is not None or p.down.cols == p.up.rows) for p in partitions)
             and len({d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype}) == 1

@@ -176,66 +176,82 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
 
 @dataclass(frozen=True)
 class CacheSetup:
-    """What every layer's neuron cache shares."""
+    """What every FFN's neuron cache shares; the plan's entries are per FFN (``ModelSpec.ffn_units``:
+    the layers, or each layer's experts)."""
 
     file: NeuronFile
     plan: RamPlan
     policy: str
     d_ff: int
+    n_experts: int
+
+    def unit(self, layer: int, expert: int | None) -> int:
+        """The plan's index of a layer's FFN, or of one of its experts."""
+        return layer if expert is None else layer * self.n_experts + expert
+
+
+def _unit_masks(masks, spec) -> list[np.ndarray]:
+    """A split's per-layer masks cut into one per FFN, in ``spec.ffn_units`` order (a mixture's are
+    expert-major)."""
+    return [unit_mask for mask in masks for unit_mask in mask.reshape(-1, spec.d_ff)]
 
 
 def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: GpuSplit | None, ram: int,
                policy: str, cache_share: float) -> CacheSetup:
     """The plan for a RAM budget: the split's RAM tier when it has one, else the hottest neurons pinned."""
-    tensors = _Tensors(model)
-    if not tensors.has_ffn(DOWN_T, 0):
+    tensors, units, first = _Tensors(model), spec.ffn_units, spec.ffn_units[0]
+    if not tensors.has_ffn(DOWN_T, 0, first.expert):
         raise PitoolsError(f"{path}: --ram needs a PowerInfer file (neuron-major {block_part(DOWN_T)}); "
                            "this one is dense")
-    ffn = {tensor_name(t, i) for t in (T.FFN_GATE, T.FFN_UP, DOWN_T, PowerInferTensor.FFN_BUNDLE)
-           for i in range(spec.n_layers)}
+    ffn = {tensor_name(t, u.layer, expert=u.expert) for t in (T.FFN_GATE, T.FFN_UP, DOWN_T, PowerInferTensor.FFN_BUNDLE)
+           for u in units}
     dense_bytes = sum(t.nbytes for name, t in model.tensors.items() if name not in ffn)
-    neuron_bytes = sum(tensors.ffn_format(t, 0)[1] for t in (T.FFN_GATE, T.FFN_UP, DOWN_T) if tensors.has_ffn(t, 0))
+    neuron_bytes = sum(tensors.ffn_format(t, 0, first.expert)[1] for t in (T.FFN_GATE, T.FFN_UP, DOWN_T)
+                       if tensors.has_ffn(t, 0, first.expert))
     all_neurons = np.arange(spec.d_ff)
-    cpu = [all_neurons if gpu_split is None else all_neurons[~gpu_split.masks[i]] for i in range(spec.n_layers)]
+    cpu = [all_neurons] * len(units) if gpu_split is None else [all_neurons[~m] for m in _unit_masks(gpu_split.masks, spec)]
     if gpu_split is not None and gpu_split.ram_masks is not None:
-        plan = plan_from_split(ram, dense_bytes, neuron_bytes, gpu_split.ram_masks, gpu_split.cache_bytes or 0, cpu,
-                               str(default_split_path(path)))
+        plan = plan_from_split(ram, dense_bytes, neuron_bytes, _unit_masks(gpu_split.ram_masks, spec),
+                               gpu_split.cache_bytes or 0, cpu, str(default_split_path(path)))
     else:
-        freqs = [neuron_frequencies(model, spec, i) for i in range(spec.n_layers)]
+        # Each FFN (an expert too) gets an equal share of the rows, its hottest pinned.
+        freqs = [neuron_frequencies(model, spec, u.layer, u.expert) for u in units]
         plan = plan_ram(ram, dense_bytes, neuron_bytes, cpu, freqs, cache_share)
-    return CacheSetup(file, plan, policy, spec.d_ff)
+    return CacheSetup(file, plan, policy, spec.d_ff, spec.n_experts)
 
 
-def _row_sources(tensors: _Tensors, layer: int, present: list) -> list[RowSource]:
-    """Where the rows of a layer's ``present`` FFN matrices lie in the file (matrix i = ``present[i]``):
-    one source of bundle rows, or one per matrix."""
+def _row_sources(tensors: _Tensors, layer: int, present: list, expert: int | None = None) -> list[RowSource]:
+    """Where the rows of a layer's (or an expert's) ``present`` FFN matrices lie in the file (matrix i =
+    ``present[i]``): one source of bundle rows, or one per matrix."""
     if tensors.bundle is not None:
         bundle = tensors.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)]
         parts = tuple((i, tensors.bundle.part(t).offset, tensors.bundle.part(t).nbytes) for i, t in enumerate(present))
         return [RowSource(bundle.offset, tensors.bundle.stride, max(o + n for _, o, n in parts), parts)]
     sources = []
     for i, tensor in enumerate(present):
-        stored = tensors.model[tensor_name(tensor, layer)]
+        stored = tensors.model[tensor_name(tensor, layer, expert=expert)]
         row_bytes = stored.nbytes // stored.shape[0]
         sources.append(RowSource(stored.offset, row_bytes, row_bytes, ((i, 0, row_bytes),)))
     return sources
 
 
-def _cached_partition(tensors: _Tensors, layer: int, neurons: np.ndarray, cache: CacheSetup, host) -> FFNPartition:
-    """A layer's CPU neurons through a neuron cache: its pinned rows and slots in memory of our own."""
-    present = [t for t in (T.FFN_GATE, T.FFN_UP, DOWN_T) if tensors.has_ffn(t, layer)]
-    formats = [tensors.ffn_format(t, layer) for t in present]
-    nc = NeuronCache(cache.file, _row_sources(tensors, layer, present), [n for _, n in formats],
-                     cache.d_ff, cache.plan.pinned[layer], cache.plan.capacity[layer],
-                     cache.policy)
+def _cached_partition(tensors: _Tensors, layer: int, neurons: np.ndarray, cache: CacheSetup, host,
+                      expert: int | None = None) -> FFNPartition:
+    """A layer's (or an expert's) CPU neurons through a neuron cache: its pinned rows and slots in memory
+    of our own."""
+    present = [t for t in (T.FFN_GATE, T.FFN_UP, DOWN_T) if tensors.has_ffn(t, layer, expert)]
+    formats = [tensors.ffn_format(t, layer, expert) for t in present]
+    unit = cache.unit(layer, expert)
+    nc = NeuronCache(cache.file, _row_sources(tensors, layer, present, expert), [n for _, n in formats],
+                     cache.d_ff, cache.plan.pinned[unit], cache.plan.capacity[unit], cache.policy)
     matrices = {}
     for tensor, (qtype, _), rows in zip(present, formats, nc.rows):
         dtype = storage_shape((1, tensors.d_model), qtype)[1]
         matrices[tensor] = QuantMatrix(qtype, rows if dtype == np.uint8 else rows.view(dtype))
     return FFNPartition(
         backend=host, neurons=neurons, row_of=nc.row_of, up=matrices[T.FFN_UP], down_t=matrices[DOWN_T],
-        gate=matrices.get(T.FFN_GATE), gate_bias=tensors.array(tensor_name(T.FFN_GATE, layer, "bias")),
-        up_bias=tensors.array(tensor_name(T.FFN_UP, layer, "bias")), cache=nc,
+        gate=matrices.get(T.FFN_GATE), gate_bias=tensors.array(tensor_name(T.FFN_GATE, layer, "bias", expert)),
+        up_bias=tensors.array(tensor_name(T.FFN_UP, layer, "bias", expert)), cache=nc,
     )
 
 
@@ -275,7 +291,7 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
 
 
 def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, threshold: float,
-                   gpu_mask: np.ndarray | None, device, host) -> RuntimeLayer:
+                   gpu_mask: np.ndarray | None, device, host, cache: CacheSetup | None) -> RuntimeLayer:
     """A layer whose FFN is a mixture of experts; its router lives with its dense block. In the sparse
     layout each expert is a layer's FFN of its own (tensors, predictor, and the split's slice of the
     layer's mask: expert-major); in a dense file each expert's matrices are its slice of the stacked
@@ -284,7 +300,7 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
     n_experts = len(router)
     if tensors.has_ffn(DOWN_T, layer, 0):
         masks = [None] * n_experts if gpu_mask is None else gpu_mask.reshape(n_experts, d_ff)
-        experts = [Expert(_partitions(tensors, layer, d_ff, masks[e], device, host, None, e),
+        experts = [Expert(_partitions(tensors, layer, d_ff, masks[e], device, host, cache, e),
                           _predictor(tensors, layer, dense.backend, dense.backend.is_device, threshold, e))
                    for e in range(n_experts)]
         return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
@@ -315,7 +331,7 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray |
         cold = all_neurons
     if len(cold):
         partitions.append(_partition(tensors, layer, cold, d_ff, host, expert) if cache is None
-                          else _cached_partition(tensors, layer, cold, cache, host))
+                          else _cached_partition(tensors, layer, cold, cache, host, expert))
     return partitions
 
 
@@ -331,7 +347,7 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
     dense = _dense_block(tensors, i, backend, on_device, threshold)
     gpu_mask = gpu_split.masks[i] if gpu_split is not None else None
     if spec.moe:
-        return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host)
+        return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
     return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache), spec.d_ff)
 
 
@@ -371,8 +387,6 @@ def load_runtime_model(
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
     host = CpuBackend()
-    if spec.moe and ram is not None:
-        raise PitoolsError(f"{path}: --ram (a neuron cache) is not supported yet for a mixture of experts")
 
     split_path = Path(split) if split is not None else default_split_path(path)
     gpu_split, device_backend = None, None
@@ -393,7 +407,8 @@ def load_runtime_model(
     layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache) for i in range(spec.n_layers)]
     runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path, context_size)
     if cache is not None:
-        caches = [p.cache for layer in layers for p in layer.partitions if p.cache is not None]
+        caches = [p.cache for layer in layers for ffn in ([e.partitions for e in layer.experts] or [layer.partitions])
+                  for p in ffn if p.cache is not None]
         runtime.ram = RamState(cache.plan, tensors.resident_bytes, caches, cache.file)
     return runtime
 
