@@ -15,6 +15,7 @@ from numpy_models import edit_config
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
+from powerinfer_tools.benchmarking.bench import predictor_summary
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split, write_gpu_split
@@ -259,3 +260,14 @@ def test_experts_under_a_ram_budget_compute_what_they_do_in_memory(sparse_mixtra
     assert model.ram.resident_bytes <= budget
     assert len(model.ram.caches) == MIXTRAL["num_hidden_layers"] * MIXTRAL["num_local_experts"]
     assert model.stats.cache_misses > 0 and model.stats.disk_bytes > 0
+
+
+def test_bench_counts_only_the_routed_experts_predictor_bytes(sparse_mixtral):
+    path, _ = sparse_mixtral
+    file = open_model_file(path)
+    want = sum(file.get(f"pitools.blk.{layer}.expert_frequency")[e]
+               * (file[f"blk.{layer}.fc1.{e}.weight"].nbytes + file[f"blk.{layer}.fc2.{e}.weight"].nbytes)
+               for layer in range(2) for e in range(5))
+    stored = sum(t.nbytes for name, t in file.tensors.items() if ".fc1." in name or ".fc2." in name)
+    assert predictor_summary(path)["bytes_per_token"] == pytest.approx(want)
+    assert want == pytest.approx(stored * 2 / 5, rel=0.2)  # about 2 of 5 experts' worth

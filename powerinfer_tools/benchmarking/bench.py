@@ -57,9 +57,8 @@ from powerinfer_tools.benchmarking.powerinfer_engine import (
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.direct_io import forget_cached_pages
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.constants import tensor_name
-from powerinfer_tools.formats.gguf_names import tensor_kind
-from powerinfer_tools.formats.gguf_spec import predictor_quality
+from powerinfer_tools.formats.constants import expert_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.gguf_spec import predictor_quality, spec_from_model_file
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.units import format_size
@@ -273,9 +272,15 @@ def f16_kv_bytes(model, context: int) -> int:
 
 
 def _dense_bytes_per_token(model) -> int:
-    """Weight bytes a dense decoding step reads: every tensor but the embedding, of which one row."""
+    """Weight bytes a dense decoding step reads: every tensor but the embedding, of which one row; of a
+    mixture's stacked experts ([experts, rows, cols]) the routed ones', as llama.cpp reads them."""
     embedding = model[tensor_name(MODEL_TENSOR.TOKEN_EMBD)]
-    rest = sum(t.nbytes for t in model.tensors.values() if t.name != embedding.name)
+    experts, used = model.get(Keys.LLM.EXPERT_COUNT, 0), model.get(Keys.LLM.EXPERT_USED_COUNT, 0)
+
+    def read(t) -> int:
+        return t.nbytes * used // experts if experts and len(t.shape) == 3 and t.shape[0] == experts else t.nbytes
+
+    rest = sum(read(t) for t in model.tensors.values() if t.name != embedding.name)
     return rest + embedding.nbytes // embedding.shape[0]
 
 
@@ -551,10 +556,26 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
 
 def predictor_summary(path: Path) -> dict:
     """The predictability of the model the sparse engine ran on: its predictors' quality as trained
-    (when the file records it) and the bytes they take, all read every token."""
+    (when the file records it) and the bytes read per token: all of them, or of a mixture the routed
+    experts' (each expert's weighted by its profiled routing frequency)."""
     model = open_model_file(path)
-    stored = sum(t.nbytes for t in model.tensors.values() if tensor_kind(t.name) == "predictor")
-    return {"trained": predictor_quality(model), "bytes_per_token": stored}
+    spec = spec_from_model_file(model)
+    read = 0.0
+    for unit in spec.ffn_units:
+        read += _read_share(model, spec, unit) * sum(model[name].nbytes for name in predictor_names(unit.layer, unit.expert)
+                                                     if name in model)
+    return {"trained": predictor_quality(model), "bytes_per_token": read}
+
+
+def _read_share(model, spec, unit) -> float:
+    """How often an FFN runs per token: a layer's always; an expert when routed to (its profiled routing
+    frequency, or the experts used over the experts when the file records none)."""
+    if unit.expert is None:
+        return 1.0
+    routing = model.get(expert_frequency_key(unit.layer))
+    if isinstance(routing, list) and len(routing) == spec.n_experts:
+        return float(routing[unit.expert])
+    return spec.n_experts_used / spec.n_experts
 
 
 def format_report(rep: dict) -> str:
