@@ -18,13 +18,18 @@ from powerinfer_tools.benchmarking import synth as synth_module
 from powerinfer_tools.benchmarking.synth import (
     HARDNESS,
     P_MAX,
+    ROUTING_SKEW,
     SHAPES,
     Geometry,
     PlantedActivations,
     Planting,
+    Shape,
+    default_profile_tokens,
     dense_companion,
     firing_frequencies,
     ideal_selection,
+    planted_frequencies,
+    planted_routing,
     synthesize,
     write_checkpoint,
 )
@@ -32,6 +37,7 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
+from powerinfer_tools.models.layers import route
 from powerinfer_tools.profiling.profiler import ProfileSettings
 
 
@@ -84,36 +90,81 @@ def test_harder_levels_need_larger_predictors_and_compute_more():
     assert 0.095 < computed[0] < computed[1] < computed[2] < 0.2
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def test_router_rows_route_with_the_planted_shares_and_leave_experts_firing_as_planted():
+    """Routing reads the token's random part only: the tokens routed to an expert fire its gate rows
+    with their planted probabilities, and each expert gets the share ``planted_routing`` states."""
+    shape = Shape(512, 256, 1, 4, 2, n_experts=8, n_experts_used=2)
+    rng = np.random.default_rng(3)
+    geometry = Geometry.random(shape.d_model, 4, rng)
+    bias, share = planted_routing(shape, Planting(rank=4), 0)
+    x = geometry.embeddings(8000, rng)
+    experts, _ = route(x @ geometry.router(bias, rng).T, shape.n_experts_used)
+    realised = np.bincount(experts.ravel(), minlength=shape.n_experts) / len(x)
+    np.testing.assert_allclose(realised, share, atol=0.015)
+    p = firing_frequencies(256, 0.1, rng)
+    busiest = (experts == np.argmax(share)).any(axis=1)
+    fired = x[busiest] @ geometry.gate(p, 0.15, rng).T > 0
+    assert fired.mean() == pytest.approx(0.1, abs=0.01)
+    assert np.corrcoef(fired.mean(axis=0), p)[0, 1] > 0.98
+
+
+@pytest.mark.parametrize("skew", [0.0, ROUTING_SKEW, 1.0])
+def test_routing_shares_follow_a_zipf_law_over_experts(skew):
+    shape = SHAPES["mixtral-8x7b"]
+    _, share = planted_routing(shape, Planting(routing_skew=skew), 0)
+    assert share.sum() == pytest.approx(2)  # every token to 2 experts
+    zipf = np.arange(1, 9) ** -skew
+    np.testing.assert_allclose(np.sort(share)[::-1], 2 * zipf / zipf.sum(), atol=0.005)
+    if skew == ROUTING_SKEW:  # mildly skewed, as Mixtral's routing is: no expert starved
+        assert 1.7 < share.max() / share.min() < 2.1 and share.min() > 0.15
+    assert not np.array_equal(share, planted_routing(shape, Planting(routing_skew=skew), 1)[1])  # own order per layer
+
+
+@pytest.fixture(scope="module", params=["test-tiny", "test-tiny-moe"])
+def checkpoint(request, tmp_path_factory):
+    shape = SHAPES[request.param]
     folder = tmp_path_factory.mktemp("synth") / "checkpoint"
-    frequencies = write_checkpoint(folder, SHAPES["test-tiny"], Planting(density=0.1))
-    return Checkpoint(folder), frequencies
+    frequencies = write_checkpoint(folder, shape, Planting(density=0.1))
+    return Checkpoint(folder), shape, frequencies
+
+
+def recorded_firing(shape, n_tokens):
+    """An FFN hook and what it records per layer: which neurons of which FFN (a mixture's experts side by
+    side, as the profiler lays them out) fired on which token, and which FFNs ran on which token."""
+    ffns = max(shape.n_experts, 1)
+    fired = np.zeros((shape.n_layers, n_tokens, ffns, shape.d_ff), bool)
+    ran = np.zeros((shape.n_layers, n_tokens, ffns), bool)
+
+    def hook(trace):
+        tokens = np.arange(n_tokens) if trace.tokens is None else trace.tokens
+        assert np.all(np.diff(tokens) > 0) and (trace.expert is None) == (shape.n_experts == 0)
+        fired[trace.layer, tokens, trace.expert or 0] = trace.fired
+        ran[trace.layer, tokens, trace.expert or 0] = True
+
+    return hook, fired, ran
 
 
 def test_planted_activations_match_the_reference_engine(checkpoint):
     """The profile comes from the construction, not forward passes: its premise is that attention and FFN
-    outputs barely move the residual stream, so every FFN sees the token's normalised embedding."""
-    ckpt, frequencies = checkpoint
-    assert frequencies.shape == (2, 256) and frequencies.mean() == pytest.approx(0.1)
+    outputs barely move the residual stream, so every FFN sees the token's normalised embedding, and a
+    mixture's router sends it to the same experts."""
+    ckpt, shape, frequencies = checkpoint
+    units = shape.n_layers * max(shape.n_experts, 1)
+    assert frequencies.shape == (units, 256) and frequencies.mean() == pytest.approx(0.1)
+    assert np.array_equal(frequencies, planted_frequencies(shape, Planting(density=0.1)))  # what a resume reports
     tokens = np.random.default_rng(2).integers(0, 4096, 200)
-    fired = {}
-
-    def record(name):
-        def hook(trace):
-            fired[name, trace.layer] = trace.fired
-        return hook
-
-    engine = load_model(ckpt)
-    engine.ffn_hook = record("engine")
+    engine, planted = load_model(ckpt), PlantedActivations(ckpt)
+    engine.ffn_hook, engine_fired, engine_ran = recorded_firing(shape, len(tokens))
     engine.forward(tokens, engine.new_cache())
-    planted = PlantedActivations(ckpt)
-    planted.ffn_hook = record("planted")
+    planted.ffn_hook, planted_fired, planted_ran = recorded_firing(shape, len(tokens))
     planted.forward(tokens)
-    for layer in range(2):
-        agreement = (fired["engine", layer] == fired["planted", layer]).mean()
+    assert np.all(planted_ran.sum(axis=2) == max(shape.n_experts_used, 1))
+    for layer in range(shape.n_layers):
+        assert (engine_ran[layer] == planted_ran[layer]).mean() > 0.98  # routing decisions (all True: dense)
+        both = engine_ran[layer] & planted_ran[layer]
+        agreement = (engine_fired[layer][both] == planted_fired[layer][both]).mean()
         assert agreement > 0.99, (layer, agreement)
-        assert fired["planted", layer].mean() == pytest.approx(0.1, abs=0.02)
+        assert planted_fired[layer][planted_ran[layer]].mean() == pytest.approx(0.1, abs=0.02)
 
 
 def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(synthesized_tiny):
@@ -131,6 +182,35 @@ def test_synthesize_writes_a_powerinfer_file_with_predictors_and_a_dense_twin(sy
     summary = synthesized_tiny.summary()
     assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
     assert len(summary["predictor_hidden"]) == 2
+
+
+@pytest.fixture(scope="module")
+def synthesized_tiny_moe(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth-moe") / "moe.powerinfer.gguf"
+    return synthesize("test-tiny-moe", out, "q4_0", profile_tokens=800, train=FAST_TRAINING, progress=False)
+
+
+def test_a_mixture_gets_routing_and_a_predictor_per_expert(synthesized_tiny_moe):
+    result, shape = synthesized_tiny_moe, SHAPES["test-tiny-moe"]
+    sparse, dense = open_model_file(result.powerinfer), open_model_file(result.dense)
+    assert "blk.1.fc1.3.weight" in sparse and "blk.1.ffn_down_t.3.weight" in sparse
+    assert "blk.1.ffn_gate_exps.weight" in dense and "blk.1.ffn_gate_inp.weight" in dense
+    summary = result.summary()
+    assert (summary["experts"], summary["experts_used"]) == (4, 2)
+    assert len(summary["predictor_hidden"]) == shape.n_layers * shape.n_experts
+    for layer in range(shape.n_layers):
+        profiled = np.array(summary["profiled_routing"][layer])
+        np.testing.assert_allclose(profiled, sparse.get(f"pitools.blk.{layer}.expert_frequency"), rtol=1e-6)
+        np.testing.assert_allclose(profiled, summary["planted_routing"][layer], atol=0.06)  # 800 tokens
+        assert profiled.sum() == pytest.approx(2)
+    # Each expert fires its planted density on the tokens routed to it.
+    np.testing.assert_allclose(summary["profiled_expert_density"], 0.1, atol=0.02)
+    assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
+
+
+def test_llama_cpp_runs_the_dense_twin_of_a_mixture(synthesized_tiny_moe):
+    model = llama(synthesized_tiny_moe.dense, n_ctx=64, n_threads=1)
+    model.eval([5, 17, 3])
 
 
 def test_llama_cpp_runs_the_dense_twin(synthesized_tiny):
@@ -155,13 +235,20 @@ def test_refusals(tmp_path, synthesized_tiny):
         synthesize("test-tiny", synthesized_tiny.powerinfer)
 
 
-@pytest.mark.parametrize("shape", ["tinyllama-1.1b", "llama-7b"])
+@pytest.mark.parametrize("shape", ["tinyllama-1.1b", "llama-7b", "mixtral-8x7b"])
 def test_synth_keeps_every_profiled_tokens_training_pairs(shape):
     """Hard models need many pairs per input dimension: a 50,000-token profile keeps all 50,000
     (the profiler's default cap would keep ~10,000 at the TinyLlama shape)."""
     s = SHAPES[shape]
-    assert pair_capacity(50_000, s.n_layers, s.d_model, s.d_ff, synth_module._pairs_mib(s, 50_000)) == 50_000
-    assert pair_capacity(50_000, s.n_layers, s.d_model, s.d_ff, ProfileSettings(seq_len=1024).pairs_mib) < 20_000
+    widths = s.n_layers, s.d_model, s.d_ff
+    assert pair_capacity(50_000, *widths, synth_module._pairs_mib(s, 50_000), s.n_experts) == 50_000
+    assert pair_capacity(50_000, *widths, ProfileSettings(seq_len=1024).pairs_mib, s.n_experts) < 20_000
+
+
+def test_mixtral_shape_counts_its_experts():
+    assert SHAPES["mixtral-8x7b"].n_params == pytest.approx(46.7e9, rel=0.005)  # Mixtral-8x7B's published size
+    # Each of 8 experts sees a quarter of the tokens (2 per token): as many training pairs as a dense layer.
+    assert default_profile_tokens(SHAPES["mixtral-8x7b"]) == 4 * default_profile_tokens(SHAPES["llama-7b"]) == 16384
 
 
 def test_a_shape_with_fewer_layers(tmp_path):
@@ -181,6 +268,14 @@ def test_cli_prints_a_json_summary(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert {"powerinfer", "dense", "planted_density", "profiled_density", "predictor_hidden"} <= set(summary)
+
+
+def test_cli_prints_a_mixtures_routing(tmp_path, monkeypatch):
+    monkeypatch.setattr("powerinfer_tools.benchmarking.synth.SYNTH_TRAINING", FAST_TRAINING)
+    result = CliRunner().invoke(cli, ["synth", "--shape", "test-tiny-moe", "-o", str(tmp_path / "m.powerinfer.gguf"),
+                                      "--profile-tokens", "800", "--routing-skew", "0", "-q"])
+    assert result.exit_code == 0, result.output
+    assert "experts: 4 per layer, 2 per token; tokens routed to an expert: planted 50.0%-50.0%" in result.output
 
 
 def test_an_interrupted_synthesis_resumes_from_its_work_folder(tmp_path, monkeypatch):

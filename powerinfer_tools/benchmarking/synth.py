@@ -1,7 +1,7 @@
 """Synthetic ReLU-family models of real architectures' shapes, for benchmarking the runtime.
 
-``synthesize`` writes a LLaMA-layout ReGLU checkpoint with random weights whose FFN neurons fire
-with planted frequencies, then runs our own pipeline on it: profile, train predictors, convert to a
+``synthesize`` writes a LLaMA-layout ReGLU checkpoint (Mixtral-layout for a mixture-of-experts
+shape) with random weights whose FFN neurons fire with planted frequencies, then runs our own pipeline on it: profile, train predictors, convert to a
 PowerInfer GGUF, and convert the same weights to a dense GGUF that llama.cpp loads. Generation
 quality is irrelevant; what matters is that a token costs what it costs in a real model of that
 shape, with a realistic share and skew of active neurons.
@@ -28,6 +28,18 @@ shape of the profiles measured on real ReLU models (a minority of neurons carrie
 ``hot80`` in the report). ``ν`` (``noise``) is the share of a pre-activation that lies outside the
 latent space: a predictor with 2(r+1) hidden units represents the rest exactly (fc1 = ±[μ; Uᵀ]), so
 ``rank`` and ``noise`` decide how large the trained predictors get.
+
+In a mixture-of-experts shape (Mixtral), each expert's gate rows are planted as a dense layer's are,
+with firing probabilities of their own, and router row e is
+
+    r_e = (b_e / m)·μ + (ROUTER_SPREAD·sqrt(d') / k2)·z_e
+
+with orthonormal ``z_e`` in the complement, so expert e's logit is ``b_e + ROUTER_SPREAD·ζ_e``, ζ_e
+sqrt(d') times a coordinate of the token's random direction ``n``: the choice depends on the token,
+and the constants ``b_e`` (fitted by ``planted_routing``) set how often each expert wins. Routing
+reads only the part of the embedding that no gate row's constant or latent term sees (and the gates'
+own random directions only to order 1/sqrt(d')), so the tokens routed to an expert fire its neurons
+with their planted probabilities.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import dataclasses
 import json
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -51,17 +63,21 @@ from powerinfer_tools.conversion.convert import DENSE_SUFFIX, POWERINFER_SUFFIX,
 from powerinfer_tools.conversion.sparsify import SparsifySettings, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
-from powerinfer_tools.formats.profile_folder import pair_bytes
+from powerinfer_tools.formats.model_spec import FFNUnit, ffn_units
+from powerinfer_tools.formats.profile_folder import FiringStats, pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
-from powerinfer_tools.formats.tensor_table import LLAMA
+from powerinfer_tools.formats.tensor_table import (
+    LLAMA,
+    MIXTRAL,
+    TABLES,
+    ArchitectureTable,
+)
 from powerinfer_tools.interfaces import FFNTracer
 from powerinfer_tools.models import spec_from_config
-from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm
+from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.units import format_size
-
-_hf = LLAMA.hf_name  # the synthetic checkpoints are LLaMA's: the checkpoint name of a tensor
 
 # Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
 # the residual stream by ~1% of its norm, so every FFN sees (almost exactly) the token's embedding.
@@ -71,11 +87,27 @@ RESIDUAL_STEP = 0.01
 SKEW = 1.0
 P_MAX = 0.98  # the hottest neurons fire on (almost) every token, as in real profiles
 SIGMA = 1.0  # scale of the gate pre-activations
+# Zipf exponent of the share of tokens routed over expert rank. Real Mixtral routing is only mildly
+# skewed: its load-balancing loss evens it out in training, and the Mixtral paper's routing analysis
+# (arXiv:2401.04088, section 5) finds experts' shares near uniform across domains. 0.3 gives the
+# busiest of 8 experts 1.9x the tokens of the idlest (top-2: 36% against 20% of tokens), and every
+# expert tokens to train its predictor on.
+ROUTING_SKEW = 0.3
+# Scale of the token-dependent part of the router logits (standard normal times this): it decides, with
+# the constants b_e, how often each expert wins; the output's routing weights hardly matter here.
+ROUTER_SPREAD = 1.0
+ROUTING_SAMPLES = 20_000  # Monte Carlo tokens that fit the router constants: a share's error ~0.3 points
+ROUTER_FIT_STEPS = 60  # fixed-point steps b_e += log(target/share), which leave < 0.1 points of misfit
 # The mean direction lives on a few coordinates, as the "massive activations" of real models do. A
 # dense one made every hidden unit of the predictors die in their first Adam steps: the update moves
 # all weights along the shared direction at once.
 MEAN_SUPPORT = 32
 PROFILE_WINDOW = 1024  # tokens per profiling pass: bounds the activations held in memory
+# Tokens profiled per FFN on average, by default: training pairs enough for "easy" predictors. A mixture's
+# expert sees only n_experts_used / n_experts of the tokens; with 4096 tokens in all, a Mixtral expert's
+# ~1000 pairs (for 4096 inputs) left its predictor short of 95% recall at hidden 128 after 17 minutes,
+# with 4096 per expert it reaches it at hidden 12 in under a minute.
+PROFILE_TOKENS_PER_FFN = 4096
 # Predictor training for synthetic models: the pipeline's recall target and budget, but a precision
 # floor of 65% (the default 50% lets the smallest predictor compute ~1.8x the neurons that fire)
 # and ~half the default optimiser steps, which the planted structure does not need: ~1 minute per
@@ -87,7 +119,8 @@ SYNTH_JSON = "synth.json"  # in the work folder, written once the checkpoint is 
 
 @dataclass(frozen=True)
 class Shape:
-    """The dimensions of a LLaMA-family architecture."""
+    """The dimensions of a LLaMA-family architecture; with ``n_experts``, a Mixtral-style mixture of
+    ``n_experts`` FFNs of width ``d_ff`` per layer, ``n_experts_used`` of them per token."""
 
     d_model: int
     d_ff: int
@@ -97,20 +130,30 @@ class Shape:
     vocab_size: int = 32000
     context: int = 2048
     rms_norm_eps: float = 1e-5
+    n_experts: int = 0
+    n_experts_used: int = 0
+
+    @property
+    def table(self) -> ArchitectureTable:
+        return MIXTRAL if self.n_experts else LLAMA
 
     @property
     def n_params(self) -> int:
         head_dim = self.d_model // self.n_heads
         attention = 2 * self.d_model * self.d_model + 2 * self.d_model * self.n_kv_heads * head_dim
-        return self.n_layers * (attention + 3 * self.d_model * self.d_ff) + 2 * self.vocab_size * self.d_model
+        ffn = max(self.n_experts, 1) * 3 * self.d_model * self.d_ff + self.n_experts * self.d_model  # and routers
+        return self.n_layers * (attention + ffn) + 2 * self.vocab_size * self.d_model
 
 
 SHAPES = {
     "tinyllama-1.1b": Shape(2048, 5632, 22, 32, 4),
     "llama-7b": Shape(4096, 11008, 32, 32, 32, context=4096),
     "llama-13b": Shape(5120, 13824, 40, 40, 40, context=4096),
-    # For tests: the smallest shape the bundled tokenizer (4096 tokens) fits.
+    # 46.7B parameters, 93 GB as f16 with all 32 layers: --layers makes one of the same widths that fits.
+    "mixtral-8x7b": Shape(4096, 14336, 32, 32, 8, context=32768, n_experts=8, n_experts_used=2),
+    # For tests: the smallest shapes the bundled tokenizer (4096 tokens) fits.
     "test-tiny": Shape(64, 256, 2, 4, 2, vocab_size=4096, context=256),
+    "test-tiny-moe": Shape(64, 256, 2, 4, 2, vocab_size=4096, context=256, n_experts=4, n_experts_used=2),
 }
 
 
@@ -120,12 +163,15 @@ class Planting:
     rank: int = 4  # latent dimensions that decide which neurons fire
     noise: float = 0.15  # share (std) of a gate pre-activation outside the latent space
     seed: int = 0
+    routing_skew: float = ROUTING_SKEW  # a mixture's: Zipf exponent of the share of tokens over experts
 
     def __post_init__(self):
         if not 0 < self.density < P_MAX:
             raise PitoolsError(f"--density must be in (0, {P_MAX}), got {self.density}")
         if not 0 <= self.noise < 1:
             raise PitoolsError(f"noise must be in [0, 1), got {self.noise}")
+        if not self.routing_skew >= 0:
+            raise PitoolsError(f"--routing-skew must be at least 0, got {self.routing_skew}")
 
     def rng(self, *stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *stream])
@@ -168,11 +214,14 @@ def ideal_selection(planting: Planting, shape: Shape, recall: float = 0.95, toke
     Neuron i fires when ``c_i + sqrt(1-noise²)·u + noise·v > 0``, u the latent part (visible to a
     predictor of 2(rank+1) units) and v the rest, each sqrt(n) times one coordinate of a uniform unit
     vector in n dimensions (n = rank, and the complement's dimension), as ``Geometry`` builds them;
-    the ideal rule ranks (token, neuron) pairs by their probability of firing given u."""
+    the ideal rule ranks (token, neuron) pairs by their probability of firing given u.
+
+    A mixture's expert fires so on the tokens routed to it (its routing reads none of u and v): the
+    first expert of the first layer stands for them all."""
     rng = planting.rng(4)
-    c = ndtri(firing_frequencies(shape.d_ff, planting.density, planting.rng(2, 0)))
-    u = _sphere_coordinate(planting.rank, (tokens, shape.d_ff), rng)
-    v = _sphere_coordinate(shape.d_model - planting.rank - 1, (tokens, shape.d_ff), rng)
+    c = ndtri(firing_frequencies(shape.d_ff, planting.density, _ffn_rng(planting, ffn_units(1, shape.n_experts)[0])))
+    u = _sphere_coordinates(planting.rank, 1, (tokens, shape.d_ff), rng)[..., 0]
+    v = _sphere_coordinates(shape.d_model - planting.rank - 1, 1, (tokens, shape.d_ff), rng)[..., 0]
     visible = c + np.sqrt(1 - planting.noise**2) * u
     fires = (visible + planting.noise * v > 0).ravel()
     found = np.cumsum(fires[np.argsort(-visible.ravel(), kind="stable")])  # same noise for all: rank by u's part
@@ -180,22 +229,58 @@ def ideal_selection(planting: Planting, shape: Shape, recall: float = 0.95, toke
     return {"computed": selected / fires.size, "precision": float(found[selected - 1]) / selected}
 
 
-def _sphere_coordinate(n: int, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """sqrt(n) times one coordinate of uniform unit vectors in n dimensions (its square / n is
-    Beta(1/2, (n-1)/2)): unit variance, bounded by sqrt(n), normal as n grows."""
-    if n == 1:
-        return rng.choice([-1.0, 1.0], size)
-    return rng.choice([-1.0, 1.0], size) * np.sqrt(n * rng.beta(0.5, (n - 1) / 2, size))
+def _sphere_coordinates(n: int, k: int, size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """sqrt(n) times the first ``k`` coordinates of uniform unit vectors in n dimensions, ``size + (k,)``:
+    a standard normal vector's first k coordinates over its norm, whose square beyond them is
+    chi-squared with n-k degrees of freedom. Unit variance each, bounded by sqrt(n), normal as n grows."""
+    w = rng.standard_normal((*size, k))
+    rest = rng.chisquare(n - k, (*size, 1)) if n > k else 0.0
+    return np.sqrt(n) * w / np.sqrt((w * w).sum(axis=-1, keepdims=True) + rest)
+
+
+def _capped_power_law(n: int, mean: float, exponent: float, cap: float) -> np.ndarray:
+    """``min(cap, a·rank^-exponent)`` over ranks 1..n, descending, with ``a`` such that the mean is ``mean``."""
+    power = np.arange(1, n + 1, dtype=np.float64) ** -exponent
+    lo, hi = 0.0, cap / power[-1]  # mean(min(cap, a·power)) grows with a from 0 to cap
+    for _ in range(100):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if np.minimum(cap, a * power).mean() < mean else (lo, a)
+    return np.minimum(cap, lo * power)
 
 
 def firing_frequencies(d_ff: int, density: float, rng: np.random.Generator) -> np.ndarray:
     """Per-neuron firing probabilities, ``min(P_MAX, a·rank^-SKEW)`` with mean ``density``, shuffled."""
-    power = np.arange(1, d_ff + 1, dtype=np.float64) ** -SKEW
-    lo, hi = 0.0, P_MAX / power[-1]  # mean(min(P_MAX, a·power)) grows with a from 0 to P_MAX
-    for _ in range(100):
-        a = (lo + hi) / 2
-        lo, hi = (a, hi) if np.minimum(P_MAX, a * power).mean() < density else (lo, a)
-    return rng.permutation(np.minimum(P_MAX, lo * power))
+    return rng.permutation(_capped_power_law(d_ff, density, SKEW, P_MAX))
+
+
+def _ffn_rng(planting: Planting, unit: FFNUnit) -> np.random.Generator:
+    """The random stream of an FFN's weights, which draws its firing probabilities first: a layer's (its
+    attention weights follow in a dense layer) or an expert's own."""
+    return planting.rng(2, unit.layer, *(() if unit.expert is None else (unit.expert,)))
+
+
+def planted_routing(shape: Shape, planting: Planting, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """A mixture layer's router constants ``b_e`` and the share of tokens each expert then receives.
+
+    The target shares follow a Zipf law over experts (``planting.routing_skew``; summing to
+    ``n_experts_used``, in a random order per layer); ``b`` is fitted to them on Monte Carlo logits
+    ``b + ROUTER_SPREAD·ζ``, ζ distributed as ``Geometry.router`` makes it, and the shares returned
+    are those the fitted constants realise on these samples."""
+    n, k = shape.n_experts, shape.n_experts_used
+    rng = planting.rng(5, layer)
+    target = rng.permutation(_capped_power_law(n, k / n, planting.routing_skew, 1.0))
+    zeta = ROUTER_SPREAD * _sphere_coordinates(shape.d_model - planting.rank - 1, n, (ROUTING_SAMPLES,), rng)
+    bias = np.log(target)
+    for _ in range(ROUTER_FIT_STEPS):
+        share = _routed_share(bias + zeta, k)
+        bias += np.log(target / np.maximum(share, 1 / ROUTING_SAMPLES))
+    return bias, _routed_share(bias + zeta, k)
+
+
+def _routed_share(logits: np.ndarray, k: int) -> np.ndarray:
+    """The share of tokens (rows of ``logits``) that Mixtral's top-``k`` routing sends to each expert."""
+    experts, _ = route(logits, k)
+    return np.bincount(experts.ravel(), minlength=logits.shape[1]) / len(logits)
 
 
 @dataclass(frozen=True)
@@ -220,6 +305,11 @@ class Geometry:
     @property
     def rank(self) -> int:
         return self.latent.shape[1]
+
+    @property
+    def complement(self) -> int:
+        """Dimensions orthogonal to the mean and the latent space: where an embedding's random part lies."""
+        return self.d_model - self.rank - 1
 
     # Norms of the three parts of an embedding row: energies d/2, d/4, d/4, so its RMS is 1.
     @property
@@ -249,17 +339,28 @@ class Geometry:
         """Gate rows that fire with probabilities ``p`` on embeddings of this geometry."""
         a = rng.standard_normal((len(p), self.rank))
         a /= np.linalg.norm(a, axis=1, keepdims=True)
-        complement = self.d_model - self.rank - 1
         c = SIGMA * ndtri(p)
         return (np.outer(c / self.m, self.mean)
                 + (SIGMA * np.sqrt(1 - noise**2) / self.k1) * a @ self.latent.T
-                + (SIGMA * noise * np.sqrt(complement) / self.k2) * self.orthogonal_units(len(p), rng))
+                + (SIGMA * noise * np.sqrt(self.complement) / self.k2) * self.orthogonal_units(len(p), rng))
+
+    def router(self, bias: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Router rows whose logits on embeddings of this geometry are ``bias + ROUTER_SPREAD·ζ``: ζ holds
+        coordinates of the token's random part ``n`` (times sqrt(d')) along orthonormal directions of the
+        complement. Routing so reads nothing of the mean and latent parts and, in high dimension, next
+        to nothing of the gate rows' own random directions: it leaves the experts' firing as planted."""
+        basis, _ = np.linalg.qr(self.orthogonal_units(len(bias), rng).T)  # orthonormal: uncorrelated ζ_e
+        return (np.outer(bias / self.m, self.mean)
+                + (ROUTER_SPREAD * np.sqrt(self.complement) / self.k2) * basis.T)
 
 
 def _config(shape: Shape) -> dict:
+    mixture = {"num_local_experts": shape.n_experts, "num_experts_per_tok": shape.n_experts_used,
+               "sliding_window": None}  # Mixtral's own config has none either
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MixtralForCausalLM" if shape.n_experts else "LlamaForCausalLM"],
+        "model_type": "mixtral" if shape.n_experts else "llama",
+        **(mixture if shape.n_experts else {}),
         "hidden_act": "relu",
         "hidden_size": shape.d_model,
         "intermediate_size": shape.d_ff,
@@ -294,63 +395,90 @@ def _resume_work(work: Path, identity: dict, force: bool) -> bool:
 
 
 def planted_frequencies(shape: Shape, planting: Planting) -> np.ndarray:
-    """The firing probabilities ``write_checkpoint`` plants, ``[n_layers, d_ff]``, without the weights."""
-    return np.stack([firing_frequencies(shape.d_ff, planting.density, planting.rng(2, i))
-                     for i in range(shape.n_layers)])
+    """The firing probabilities ``write_checkpoint`` plants, ``[FFN units, d_ff]``, without the weights."""
+    return np.stack([firing_frequencies(shape.d_ff, planting.density, _ffn_rng(planting, unit))
+                     for unit in ffn_units(shape.n_layers, shape.n_experts)])
 
 
 def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarray:
-    """A Hugging Face checkpoint (f16 safetensors, one shard per layer) with the bundled tokenizer,
-    padded to the shape's vocabulary; returns the planted firing probabilities ``[n_layers, d_ff]``."""
+    """A Hugging Face checkpoint (f16 safetensors, a shard per layer and one per expert) with the bundled
+    tokenizer, padded to the shape's vocabulary; returns the planted firing probabilities ``[FFN units,
+    d_ff]``: per layer, or per layer and expert (``formats.model_spec.ffn_units`` order)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(_config(shape), indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED_MODEL / name, folder / name)
     geometry = Geometry.random(shape.d_model, planting.rank, planting.rng(0))
-    d, head_dim = shape.d_model, shape.d_model // shape.n_heads
+    rng, hf = planting.rng(1), shape.table.hf_name
+    save_file({hf(T.TOKEN_EMBD): geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
+               hf(T.OUTPUT_NORM): np.ones(shape.d_model, dtype=np.float16),
+               hf(T.OUTPUT): _normal(shape.vocab_size, shape.d_model, rng)},
+              str(folder / "model-embeddings.safetensors"))
+    return np.stack([p for i in range(shape.n_layers) for p in _write_layer(folder, shape, planting, geometry, i)])
 
-    def normal(rows: int, cols: int, rng, scale: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * (scale / np.sqrt(cols))).astype(np.float16)
 
-    ones = np.ones(d, dtype=np.float16)
-    rng = planting.rng(1)
-    save_file({_hf(T.TOKEN_EMBD): geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
-               _hf(T.OUTPUT_NORM): ones,
-               _hf(T.OUTPUT): normal(shape.vocab_size, d, rng)}, str(folder / "model-embeddings.safetensors"))
-    frequencies = []
-    for i in range(shape.n_layers):
-        rng = planting.rng(2, i)
-        p = firing_frequencies(shape.d_ff, planting.density, rng)
-        frequencies.append(p)
-        kv = shape.n_kv_heads * head_dim
-        tensors = {
-            T.ATTN_NORM: ones,
-            T.ATTN_Q: normal(d, d, rng),
-            T.ATTN_K: normal(kv, d, rng),
-            T.ATTN_V: normal(kv, d, rng),
-            T.ATTN_OUT: normal(d, d, rng, RESIDUAL_STEP),
-            T.FFN_NORM: ones,
-            T.FFN_GATE: geometry.gate(p, planting.noise, rng).astype(np.float16),
-            T.FFN_UP: normal(shape.d_ff, d, rng),
-            T.FFN_DOWN: normal(d, shape.d_ff, rng, RESIDUAL_STEP),
-        }
-        save_file({_hf(t, i): v for t, v in tensors.items()}, str(folder / f"model-layer{i:03d}.safetensors"))
-    return np.stack(frequencies)
+def _normal(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """An f16 ``[rows, cols]`` matrix of N(0, scale²/cols) entries: ``scale`` times the usual initialisation."""
+    return (rng.standard_normal((rows, cols), dtype=np.float32) * (scale / np.sqrt(cols))).astype(np.float16)
+
+
+def _write_layer(folder: Path, shape: Shape, planting: Planting, geometry: Geometry, layer: int) -> list[np.ndarray]:
+    """Write a layer's shard and, in a mixture, a shard per expert (which holds one expert's weights in
+    memory at a time); return the layer's FFNs' planted firing probabilities."""
+    rng = planting.rng(2, layer)
+    units = [FFNUnit(layer, e) for e in range(shape.n_experts)] or [FFNUnit(layer)]
+    streams = [_ffn_rng(planting, unit) for unit in units] if shape.n_experts else [rng]
+    frequencies = [firing_frequencies(shape.d_ff, planting.density, stream) for stream in streams]
+    d, head_dim, hf = shape.d_model, shape.d_model // shape.n_heads, shape.table.hf_name
+    ones, kv = np.ones(d, dtype=np.float16), shape.n_kv_heads * head_dim
+    tensors = {hf(T.ATTN_NORM, layer): ones, hf(T.ATTN_Q, layer): _normal(d, d, rng),
+               hf(T.ATTN_K, layer): _normal(kv, d, rng), hf(T.ATTN_V, layer): _normal(kv, d, rng),
+               hf(T.ATTN_OUT, layer): _normal(d, d, rng, RESIDUAL_STEP), hf(T.FFN_NORM, layer): ones}
+    if shape.n_experts:
+        bias, _ = planted_routing(shape, planting, layer)
+        tensors[hf(T.FFN_GATE_INP, layer)] = geometry.router(bias, rng).astype(np.float16)
+        for unit, p, stream in zip(units, frequencies, streams):
+            save_file(_ffn_tensors(geometry, unit, p, planting.noise, stream),
+                      str(folder / f"model-layer{layer:03d}-expert{unit.expert:03d}.safetensors"))
+    else:
+        tensors |= _ffn_tensors(geometry, units[0], frequencies[0], planting.noise, rng)
+    save_file(tensors, str(folder / f"model-layer{layer:03d}.safetensors"))
+    return frequencies
+
+
+def _ffn_names(unit: FFNUnit) -> tuple[str, str, str]:
+    """The checkpoint names of an FFN's gate, up and down weights: a layer's (LLaMA) or an expert's (Mixtral)."""
+    if unit.expert is None:
+        return tuple(LLAMA.hf_name(t, unit.layer) for t in (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN))
+    return tuple(MIXTRAL.hf_name(t, unit.layer, expert=unit.expert)
+                 for t in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
+
+
+def _ffn_tensors(geometry: Geometry, unit: FFNUnit, p: np.ndarray, noise: float,
+                 rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """An FFN whose neurons fire with probabilities ``p``: planted gate rows, random up and down weights,
+    the down projection ``RESIDUAL_STEP`` of the usual scale."""
+    gate, up, down = _ffn_names(unit)
+    d_ff, d = len(p), geometry.d_model
+    return {gate: geometry.gate(p, noise, rng).astype(np.float16), up: _normal(d_ff, d, rng),
+            down: _normal(d, d_ff, rng, RESIDUAL_STEP)}
 
 
 class PlantedActivations(FFNTracer):
     """The FFN inputs and activations of a synthetic checkpoint, from its construction.
 
     What ``Profiler`` needs of an engine (``FFNTracer``), without running one: ``forward`` calls
-    ``ffn_hook`` with every layer's trace and returns no logits. The FFN input of every layer
-    is ``rms_norm(embedding)``: the synthetic model's attention and FFN outputs are ~1% of the
-    residual stream (``RESIDUAL_STEP``), whose drift this ignores.
+    ``ffn_hook`` with every layer's trace (in a mixture, every expert's, as ``mixture_of_experts``
+    does) and returns no logits. The FFN input of every layer is ``rms_norm(embedding)``: the
+    synthetic model's attention and FFN outputs are ~1% of the residual stream (``RESIDUAL_STEP``),
+    whose drift this ignores.
     """
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
         self.spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-        self.ffn_norms = [checkpoint.tensor(_hf(T.FFN_NORM, i)) for i in range(self.spec.n_layers)]
+        self.table = TABLES[self.spec.architecture]
+        self.ffn_norms = [checkpoint.tensor(self.table.hf_name(T.FFN_NORM, i)) for i in range(self.spec.n_layers)]
         self.ffn_hook: FFNHook | None = None
 
     def new_cache(self) -> None:
@@ -358,12 +486,24 @@ class PlantedActivations(FFNTracer):
 
     def forward(self, tokens: np.ndarray, cache=None) -> None:
         s = self.spec
-        h = self.checkpoint.raw(_hf(T.TOKEN_EMBD))[np.asarray(tokens)].astype(np.float32)
+        h = self.checkpoint.raw(self.table.hf_name(T.TOKEN_EMBD))[np.asarray(tokens)].astype(np.float32)
         for i, ffn_norm in enumerate(self.ffn_norms):
             x = rms_norm(h, ffn_norm, s.norm_eps)
-            gate_pre = x @ self.checkpoint.tensor(_hf(T.FFN_GATE, i)).T
-            up_pre = x @ self.checkpoint.tensor(_hf(T.FFN_UP, i)).T
-            self.ffn_hook(FFNTrace(i, x, h, gate_pre, up_pre, activate(s.ffn, gate_pre, up_pre)))
+            if not s.moe:
+                self._trace(FFNUnit(i), x, h)
+                continue
+            routed, _ = route(x @ self.checkpoint.tensor(self.table.hf_name(T.FFN_GATE_INP, i)).T, s.n_experts_used)
+            for e in range(s.n_experts):
+                routed_tokens = np.flatnonzero((routed == e).any(axis=1))  # ascending
+                if len(routed_tokens):
+                    self._trace(FFNUnit(i, e), x[routed_tokens], h[routed_tokens], routed_tokens)
+
+    def _trace(self, unit: FFNUnit, x: np.ndarray, h: np.ndarray, tokens: np.ndarray | None = None) -> None:
+        """Hand the hook one FFN's trace: a layer's on every token, or an expert's on ``tokens``, those routed to it."""
+        gate, up, _ = _ffn_names(unit)
+        gate_pre, up_pre = x @ self.checkpoint.tensor(gate).T, x @ self.checkpoint.tensor(up).T
+        self.ffn_hook(FFNTrace(unit.layer, x, h, gate_pre, up_pre, activate(self.spec.ffn, gate_pre, up_pre),
+                               expert=unit.expert, tokens=tokens))
 
 
 def dense_companion(path: Path) -> Path:
@@ -381,13 +521,15 @@ class SynthResult:
     shape: str
     planting: Planting
     planted_density: float  # mean of the planted firing probabilities
-    planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (layer mean)
+    planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (mean over FFNs)
+    profiled_density: float  # share of the neurons computed that fired (a mixture: on its experts' tokens)
     profile_report: dict  # formats.profile_report.firing_report of the profiled tokens
     predictors: dict  # predictors.json
     ideal: dict  # ideal_selection of the planting: what a predictor that sees the latent part must compute
+    mixture: dict = field(default_factory=dict)  # a mixture's experts and routing (_mixture_report); {} if dense
 
     def summary(self) -> dict:
-        layers = self.predictors["layers"]
+        units = self.predictors["layers"]  # one entry per FFN: per layer, or per layer and expert
         return {
             "powerinfer": str(self.powerinfer),
             "dense": str(self.dense),
@@ -395,27 +537,68 @@ class SynthResult:
             **asdict(self.planting),
             "planted_density": self.planted_density,
             "planted_hot80": self.planted_hot80,
-            "profiled_density": self.profile_report["model"]["density"],
+            "profiled_density": self.profiled_density,
             "profiled_hot80": self.profile_report["model"]["hot80_fraction"],
-            "predictor_hidden": [e["hidden"] for e in layers],
-            "predictor_recall": min(e["recall"] for e in layers),
-            "predictor_precision": min(e["precision"] for e in layers),
-            "predicted_density": float(np.mean([e["predicted_density"] for e in layers])),
+            **self.mixture,
+            "predictor_hidden": [e["hidden"] for e in units],
+            "predictor_recall": min(e["recall"] for e in units),
+            "predictor_precision": min(e["precision"] for e in units),
+            "predicted_density": float(np.mean([e["predicted_density"] for e in units])),
             "ideal_computed": self.ideal["computed"],
             "ideal_precision": self.ideal["precision"],
         }
 
 
+def _profiled_density(stats: FiringStats, d_ff: int) -> float:
+    """The share of computed neurons that fired: of every layer's on every token, or in a mixture of
+    each expert's on the tokens routed to it (the density its planted frequencies have)."""
+    computed = stats.tokens * stats.n_layers if stats.routed is None else int(stats.routed.sum())
+    return float(stats.fire_count.sum() / max(computed * d_ff, 1))
+
+
+def _mixture_report(shape: Shape, planting: Planting, stats: FiringStats) -> dict:
+    """A mixture's experts, per layer and expert the share of tokens routed to it (planted: what the
+    router's construction gives, ``planted_routing``; profiled) and its firing density on those tokens;
+    {} for a dense shape."""
+    if not shape.n_experts:
+        return {}
+    experts = range(shape.n_experts)
+    return {
+        "experts": shape.n_experts,
+        "experts_used": shape.n_experts_used,
+        "planted_routing": [planted_routing(shape, planting, i)[1].tolist() for i in range(shape.n_layers)],
+        "profiled_routing": (stats.routed / max(stats.tokens, 1)).tolist(),
+        "profiled_expert_density": [[float(stats.unit_frequencies(FFNUnit(i, e), shape.d_ff).mean()) for e in experts]
+                                    for i in range(shape.n_layers)],
+    }
+
+
 def _pairs_mib(shape: Shape, profile_tokens: int) -> int:
     """A pairs cap that keeps every profiled token's training pairs: a synthetic model is profiled
     to train its predictors, and hard ones need many samples per input dimension."""
-    return -(-profile_tokens * pair_bytes(shape.n_layers, shape.d_model, shape.d_ff) // 2**20)
+    return -(-_pairs_bytes(shape, profile_tokens) // 2**20)
 
 
-def _disk_needed(shape: Shape, outtype: str, profile_tokens: int) -> int:
+def _pairs_bytes(shape: Shape, profile_tokens: int) -> int:
+    return profile_tokens * pair_bytes(shape.n_layers, shape.d_model, shape.d_ff, shape.n_experts)
+
+
+def _check_disk(shape_name: str, shape: Shape, outtype: str, profile_tokens: int, folder: Path) -> None:
+    """Refuse a synthesis whose f16 checkpoint, training pairs and two model files do not fit ``folder``'s disk."""
     bytes_per_param = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[outtype]
-    pairs = profile_tokens * pair_bytes(shape.n_layers, shape.d_model, shape.d_ff)
-    return int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + pairs  # f16 checkpoint, two outputs, pairs
+    needed = int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + _pairs_bytes(shape, profile_tokens)
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise PitoolsError(f"{shape_name} at {outtype} needs about {format_size(needed)} of disk "
+                           f"(f16 checkpoint and two model files), {folder} has {format_size(free)}")
+
+
+def default_profile_tokens(shape: Shape) -> int:
+    """Tokens to profile so that every FFN sees ``PROFILE_TOKENS_PER_FFN`` of them on average: a mixture,
+    whose experts each see n_experts_used / n_experts of the tokens, profiles that many times more."""
+    if not shape.n_experts:
+        return PROFILE_TOKENS_PER_FFN
+    return PROFILE_TOKENS_PER_FFN * shape.n_experts // shape.n_experts_used
 
 
 def _named_shape(shape: str | Shape, layers: int | None) -> tuple[str, Shape]:
@@ -432,27 +615,25 @@ def _named_shape(shape: str | Shape, layers: int | None) -> tuple[str, Shape]:
 
 
 def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
-               profile_tokens: int = 4096, train: TrainSettings | None = None, work: Path | None = None,
+               profile_tokens: int | None = None, train: TrainSettings | None = None, work: Path | None = None,
                keep_work: bool = False, force: bool = False, progress: bool = True,
                layers: int | None = None) -> SynthResult:
     """Write the PowerInfer GGUF ``output`` (with predictors) and its dense companion (``dense_companion``)
     for ``shape``, a name in ``SHAPES`` or a ``Shape``, with ``layers`` layers instead of its own
-    when given (a quicker model of the same widths).
+    when given (a quicker model of the same widths). ``profile_tokens`` defaults to ``default_profile_tokens``.
 
     ``train`` defaults to ``SYNTH_TRAINING``; the f16 checkpoint, profile and predictors go to ``work``
     (default: beside ``output``), deleted at the end unless ``keep_work``.
     """
     shape_name, shape = _named_shape(shape, layers)
+    profile_tokens = profile_tokens or default_profile_tokens(shape)
     output = Path(output)
     dense = dense_companion(output)
     for path in (output, dense):
         check_writable_output(path, force)
     work = Path(work) if work is not None else work_folder(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    needed, free = _disk_needed(shape, outtype, profile_tokens), shutil.disk_usage(output.parent).free
-    if needed > free:
-        raise PitoolsError(f"{shape_name} at {outtype} needs about {format_size(needed)} of disk "
-                           f"(f16 checkpoint and two model files), {output.parent} has {format_size(free)}")
+    _check_disk(shape_name, shape, outtype, profile_tokens, output.parent)
 
     checkpoint_dir, profile_dir, predictor_dir = work / "checkpoint", work / "profile", work / "predictors"
     # A work folder left by an interrupted run of the same synthesis is resumed: the checkpoint is
@@ -465,13 +646,8 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     else:
         frequencies = write_checkpoint(checkpoint_dir, shape, planting)
         (work / SYNTH_JSON).write_text(json.dumps(identity, indent=2))
-    activations = PlantedActivations(Checkpoint(checkpoint_dir))
-    tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
-    profiler = Profiler(activations, f"synthetic {shape_name}", tokens,
-                        [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
-                        ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,
-                                        pairs_mib=_pairs_mib(shape, profile_tokens)))
-    profiler.run(force=not resumed, progress=progress)
+    stats = _profile(Checkpoint(checkpoint_dir), profile_dir, shape_name, shape, planting, profile_tokens,
+                     resumed, progress)
     profile_report, _ = write_report(profile_dir)
     with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
         predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=not resumed,
@@ -484,5 +660,17 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     if not keep_work:
         shutil.rmtree(work)
     return SynthResult(output, dense, shape_name, planting, float(frequencies.mean()),
-                       float(np.mean([hot_fraction(p) for p in frequencies])), profile_report, predictors,
-                       ideal_selection(planting, shape))
+                       float(np.mean([hot_fraction(p) for p in frequencies])), _profiled_density(stats, shape.d_ff),
+                       profile_report, predictors, ideal_selection(planting, shape),
+                       _mixture_report(shape, planting, stats))
+
+
+def _profile(checkpoint: Checkpoint, profile_dir: Path, shape_name: str, shape: Shape, planting: Planting,
+             profile_tokens: int, resumed: bool, progress: bool) -> FiringStats:
+    """Profile the synthetic checkpoint from its construction on uniform token ids, keeping every token's pairs."""
+    tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
+    profiler = Profiler(PlantedActivations(checkpoint), f"synthetic {shape_name}", tokens,
+                        [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
+                        ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,
+                                        pairs_mib=_pairs_mib(shape, profile_tokens)))
+    return profiler.run(force=not resumed, progress=progress)

@@ -9,7 +9,13 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.benchmarking import synth as synth_module
-from powerinfer_tools.benchmarking.synth import HARDNESS, SHAPES, SYNTH_TRAINING, synthesize
+from powerinfer_tools.benchmarking.synth import (
+    HARDNESS,
+    ROUTING_SKEW,
+    SHAPES,
+    SYNTH_TRAINING,
+    synthesize,
+)
 from powerinfer_tools.formats.quantization import OUTTYPES
 
 
@@ -33,8 +39,12 @@ from powerinfer_tools.formats.quantization import OUTTYPES
 @click.option("--noise", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Share of a gate pre-activation outside the latent space (harder to predict) "
                    "[default: from --hardness].")
-@click.option("--profile-tokens", type=click.IntRange(min=64), default=4096, show_default=True,
-              help="Tokens profiled for predictor training.")
+@click.option("--routing-skew", type=click.FloatRange(min=0), default=ROUTING_SKEW, show_default=True,
+              help="Mixture shapes: Zipf exponent of the share of tokens routed to each expert (0: even; "
+                   "large values starve the idlest experts, whose predictors then compute every neuron).")
+@click.option("--profile-tokens", type=click.IntRange(min=64), default=None,
+              help="Tokens profiled for predictor training [default: 4096 per FFN on average; a mixture's experts "
+                   "each see their share of the tokens: 16384 for Mixtral's 2 of 8].")
 @click.option("--epochs", type=click.IntRange(min=1), default=SYNTH_TRAINING.epochs, show_default=True,
               help="Predictor training epochs per candidate size (fewer: faster, for large shapes).")
 @click.option("--min-precision", type=click.FloatRange(0, 1), default=None,
@@ -47,30 +57,33 @@ from powerinfer_tools.formats.quantization import OUTTYPES
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, layers, hardness, outtype, rank, noise, profile_tokens, epochs, min_precision, seed, work,
-          keep_work, force, as_json, quiet) -> None:
-    """Write a synthetic ReLU LLaMA of a real shape, for benchmarking.
+def synth(shape, output, density, layers, hardness, outtype, rank, noise, routing_skew, profile_tokens, epochs,
+          min_precision, seed, work, keep_work, force, as_json, quiet) -> None:
+    """Write a synthetic ReLU LLaMA (or Mixtral) of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
     frequencies (about --density of them per token, a minority of hot
     neurons carrying most firings, as in real profiles), so a token costs
-    what it costs in a real model of that shape. Our own pipeline then
-    profiles it, trains its predictors and converts it twice: OUTPUT, a
-    PowerInfer GGUF with the predictors, and beside it a dense GGUF of the
-    same weights that llama.cpp loads (the baseline of `pitools bench`).
+    what it costs in a real model of that shape. A mixture's router sends
+    tokens to its experts with a planted skew (--routing-skew), and each
+    expert's neurons fire so on the tokens routed to it. Our own pipeline
+    then profiles it, trains its predictors and converts it twice: OUTPUT,
+    a PowerInfer GGUF with the predictors, and beside it a dense GGUF of
+    the same weights that llama.cpp loads (the baseline of `pitools bench`).
     The vocabulary is the bundled 4096-token tokenizer padded with unused
-    tokens to the shape's size (32000 for the LLaMA shapes). See
+    tokens to the shape's size (32000 for the LLaMA and Mixtral shapes). See
     powerinfer_tools/benchmarking/synth.py for the construction.
 
     \b
     Examples:
       pitools synth --shape tinyllama-1.1b --density 0.1 -o /tmp/tl.powerinfer.gguf
       pitools bench /tmp/tl.powerinfer.gguf
+      pitools synth --shape mixtral-8x7b --layers 2 -o /tmp/mx.powerinfer.gguf
     """
     level = HARDNESS[hardness]
     planting = level.planting(SHAPES[shape], density, seed)
     planting = dataclasses.replace(planting, rank=rank or planting.rank,
-                                   noise=planting.noise if noise is None else noise)
+                                   noise=planting.noise if noise is None else noise, routing_skew=routing_skew)
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
     result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train, work=work,
@@ -82,12 +95,28 @@ def synth(shape, output, density, layers, hardness, outtype, rank, noise, profil
     hidden = summary["predictor_hidden"]
     click.echo(
         f"wrote {summary['powerinfer']} (PowerInfer, with predictors) and {summary['dense']} (dense)\n"
+        f"{_experts_line(summary)}"
         f"firing density: planted {summary['planted_density']:.3f}, profiled {summary['profiled_density']:.3f}; "
         f"hot neurons carrying 80% of firings: {summary['profiled_hot80']:.1%}\n"
-        f"predictors: hidden {min(hidden)}-{max(hidden)}, worst layer recall {summary['predictor_recall']:.1%} "
+        f"predictors: hidden {min(hidden)}-{max(hidden)}, worst FFN recall {summary['predictor_recall']:.1%} "
         f"and precision {summary['predictor_precision']:.1%}, computing {summary['predicted_density']:.1%} "
         "of the neurons on held-out tokens\n"
         f"predictability (rank {summary['rank']}, noise {summary['noise']}): an ideal predictor of "
         f"{2 * (summary['rank'] + 1)} hidden units computes {summary['ideal_computed']:.1%} of the neurons "
         f"at 95% recall (precision {summary['ideal_precision']:.1%})"
     )
+
+
+def _experts_line(summary: dict) -> str:
+    """A mixture's experts and their routing, as ranges over layers and experts (per expert in --json); "" if dense."""
+    if "experts" not in summary:
+        return ""
+
+    def span(values: list[list[float]]) -> str:
+        flat = [v for layer in values for v in layer]
+        return f"{min(flat):.1%}-{max(flat):.1%}"
+
+    return (f"experts: {summary['experts']} per layer, {summary['experts_used']} per token; tokens routed to an "
+            f"expert: planted {span(summary['planted_routing'])}, profiled {span(summary['profiled_routing'])} "
+            f"(even: {summary['experts_used'] / summary['experts']:.1%}); firing density of an expert on its "
+            f"tokens: {span(summary['profiled_expert_density'])}\n")
