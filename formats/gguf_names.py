@@ -3,7 +3,7 @@ the tensor names and the metadata keys that llama.cpp (and PowerInfer's fork
 of it) look for.
 
 Sources: llama.cpp's ``convert_hf_to_gguf.py`` / ``src/models/llama.cpp`` for
-dense LLaMA and Mistral, PowerInfer's ``convert.py``,
+dense LLaMA and Mistral (``src/models/qwen2.cpp`` for Qwen2), PowerInfer's ``convert.py``,
 ``convert-hf-to-powerinfer-gguf.py`` and ``llama.cpp`` for ``bamboo``, ``opt``
 and the sparse layout. ``formats/README.md`` is the written specification.
 """
@@ -23,12 +23,13 @@ from powerinfer_tools.formats.constants import (
     tensor_name,
 )
 from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import TABLES, TensorRow
+from powerinfer_tools.formats.tensor_table import TABLES, RopePairs, TensorRow
 
 from powerinfer_tools.errors import PitoolsError
 
 T = MODEL_TENSOR
 LLAMA, OPT = tensor_table.LLAMA.gguf_architecture, tensor_table.OPT.gguf_architecture
+QWEN2 = tensor_table.QWEN2.gguf_architecture
 BAMBOO = "bamboo"  # PowerInfer's name for a dReLU LLaMA in its sparse layout (same tensors)
 _NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM)
 _ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
@@ -40,12 +41,14 @@ _PREDICTOR_PARTS = (block_part(PowerInferTensor.PREDICTOR_FC1), block_part(Power
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
     """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout: its table's.
 
-    dReLU (symmetric-gate) models are PowerInfer's "bamboo", which only its fork knows:
-    in dense mode they are written as their table says ("llama").
+    dReLU (symmetric-gate) LLaMA-family models are PowerInfer's "bamboo", which only its fork knows:
+    in dense mode they are written as their table says ("llama"). Other architectures keep their name
+    (a "bamboo" file is read back as LLaMA's table, whose rope order Qwen2's is not).
     """
-    if powerinfer and spec.ffn is FFNKind.DRELU:
+    architecture = TABLES[spec.architecture].gguf_architecture
+    if powerinfer and spec.ffn is FFNKind.DRELU and architecture == LLAMA:
         return BAMBOO
-    return TABLES[spec.architecture].gguf_architecture
+    return architecture
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,13 @@ def _has_bias(spec: ModelSpec, tensor: MODEL_TENSOR) -> bool:
     if tensor in _NORMS:
         return spec.norm is NormKind.LAYER  # LayerNorm has a bias, RMSNorm none
     if tensor in _ATTENTION:
-        return spec.attention_bias
+        return spec.attention_bias and tensor in TABLES[spec.architecture].attention_biases
     return tensor in _FFN and spec.ffn_bias
 
 
 def _rope_heads(spec: ModelSpec, tensor: MODEL_TENSOR) -> int:
-    if spec.rope_theta is None:
+    """Heads to regroup q/k rows by for llama.cpp's adjacent-pair rope; 0: stored as in the checkpoint."""
+    if spec.rope_theta is None or TABLES[spec.architecture].rope_pairs is not RopePairs.ADJACENT:
         return 0
     return {T.ATTN_Q: spec.n_heads, T.ATTN_K: spec.n_kv_heads}.get(tensor, 0)
 
@@ -165,7 +169,7 @@ def tensor_names(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
 
 
 def rope_row_order(n_rows: int, n_heads: int) -> np.ndarray:
-    """Row order that turns Hugging Face's rotary layout into llama.cpp's.
+    """Row order that turns Hugging Face's rotary layout into llama.cpp's "normal" (adjacent-pair) one.
 
     Hugging Face rotates dimensions ``(i, i + head_dim/2)`` of each head together,
     llama.cpp's "normal" rope rotates ``(2i, 2i + 1)``: stored row ``2i + j`` of a

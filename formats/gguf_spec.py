@@ -17,13 +17,13 @@ from typing import Any
 from gguf import MODEL_TENSOR, Keys
 from powerinfer_tools.formats.constants import (FFN_ACTIVATION_KEY, PREDICTOR_COMPUTED_KEY, PREDICTOR_PRECISION_KEY,
                                                 PREDICTOR_RECALL_KEY, tensor_name)
-from powerinfer_tools.formats.gguf_names import BAMBOO, LLAMA, OPT
+from powerinfer_tools.formats.gguf_names import BAMBOO, LLAMA, OPT, QWEN2
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
 
 from powerinfer_tools.errors import PitoolsError
 
-SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, OPT)
+SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, QWEN2, OPT)
 
 # ModelSpec fields -> the metadata keys they are read from ({arch}: the architecture).
 METADATA_KEYS = {
@@ -94,9 +94,8 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
     n_heads = need("n_heads")
     vocab_size = value("vocab_size")
     linear_rope = model.get(Keys.Rope.SCALING_TYPE, "none") == "linear"
-    moe = value("n_experts", 0) != 0  # llama.cpp's "llama" with experts is Mixtral
     return ModelSpec(
-        architecture="opt" if is_opt else ("mixtral" if moe else ("mistral" if arch == BAMBOO else "llama")),
+        architecture=_architecture(arch, value("n_experts", 0) != 0),
         n_layers=need("n_layers"),
         d_model=need("d_model"),
         n_heads=n_heads,
@@ -120,6 +119,14 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
         n_experts=value("n_experts", 0),
         n_experts_used=value("n_experts_used", 0),
     )
+
+
+def _architecture(arch: str, moe: bool) -> str:
+    """Our architecture (``ModelSpec.architecture``) of a file's: a "llama" (or, sparse dReLU, PowerInfer's
+    "bamboo") with experts is Mixtral."""
+    if arch in (LLAMA, BAMBOO) and moe:
+        return "mixtral"
+    return {BAMBOO: "mistral", QWEN2: "qwen2", OPT: "opt"}.get(arch, "llama")
 
 
 def _token_count(model: ModelFile, vocab_key: str) -> int:

@@ -15,6 +15,8 @@ stores stacked as ``blk.N.ffn_gate_exps``.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
 
 from gguf import MODEL_TENSOR
@@ -40,6 +42,18 @@ class TensorRow:
         return "{xid}" in self.hf
 
 
+class RopePairs(str, enum.Enum):
+    """Which dimensions of a head llama.cpp rotates together, and so how a GGUF file stores q and k.
+
+    Hugging Face rotates ``(i, i + head_dim/2)`` (rotate-half). llama.cpp picks a rope type per
+    architecture: "normal" rotates ``(2i, 2i + 1)``, so its converter regroups q/k rows for it
+    (``gguf_names.rope_row_order``); "neox" rotates Hugging Face's halves, rows left as they are.
+    """
+
+    ADJACENT = "adjacent"  # llama.cpp's LLAMA_ROPE_TYPE_NORM: LLaMA, Mistral, Mixtral
+    HALVES = "halves"  # LLAMA_ROPE_TYPE_NEOX: Qwen2
+
+
 @dataclass(frozen=True)
 class ArchitectureTable:
     """The rows of one architecture in GGUF file order: before the blocks, per block, after them."""
@@ -48,6 +62,10 @@ class ArchitectureTable:
     before: tuple[TensorRow, ...]
     block: tuple[TensorRow, ...]
     after: tuple[TensorRow, ...]
+    # The rotary pairs llama.cpp's architecture rotates (the rows of q and k follow); unused without RoPE.
+    rope_pairs: RopePairs = RopePairs.ADJACENT
+    # The attention projections that carry a bias in a model with ModelSpec.attention_bias.
+    attention_biases: tuple[MODEL_TENSOR, ...] = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
 
     def row(self, tensor: MODEL_TENSOR | None, hf: str | None = None) -> TensorRow:
         """The row of ``tensor`` (for a tensor with no GGUF layout, the one whose name ends in ``hf``)."""
@@ -106,6 +124,11 @@ MIXTRAL = ArchitectureTable(
     after=LLAMA.after,
 )
 
+# Qwen2: LLaMA's tensors and names, biases on q, k and v (none on the output projection), and
+# llama.cpp's "neox" rope: its converter stores q and k in the checkpoint's row order.
+QWEN2 = dataclasses.replace(LLAMA, gguf_architecture="qwen2", rope_pairs=RopePairs.HALVES,
+                            attention_biases=(T.ATTN_Q, T.ATTN_K, T.ATTN_V))
+
 _OPT_DECODER = "model.decoder."
 OPT = ArchitectureTable(
     gguf_architecture="opt",
@@ -134,7 +157,8 @@ OPT = ArchitectureTable(
 )
 
 # ModelSpec.architecture -> its table. Mistral is LLaMA to llama.cpp: the same tensors, the same name.
-TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "mixtral": MIXTRAL, "opt": OPT}
+TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "mixtral": MIXTRAL, "qwen2": QWEN2,
+                                         "opt": OPT}
 
 # The neuron axis of a block's GGUF tensor as stored. GGUF keeps the checkpoint's [out, in] NumPy
 # shape, so the tables' axes hold (ffn_down [d, d_ff]: 1), one further for experts stacked in front;

@@ -3,17 +3,25 @@
 Two kinds of BPE tokenizer can be embedded so that llama.cpp tokenizes exactly
 (or, for the second, as closely as its algorithm allows) like ``tokenizers``:
 
-* GPT-2 byte-level BPE (``ByteLevel`` pre-tokenizer with GPT-2's regex, no
-  normalizer): ``tokenizer.ggml.model = "gpt2"``, ``tokenizer.ggml.pre =
-  "gpt-2"`` (llama.cpp's name for the same regex), the vocabulary in its
-  byte-to-unicode spelling and the merges in rank order.
+* Byte-level BPE: ``tokenizer.ggml.model = "gpt2"``, the vocabulary in its
+  byte-to-unicode spelling and the merges in rank order. ``tokenizer.ggml.pre``
+  names the regex that splits text before BPE, which llama.cpp looks up by that
+  name: ``"gpt-2"`` for GPT-2's (``ByteLevel`` with its built-in regex, no
+  normalizer), ``"qwen2"`` for Qwen2's and ``"llama-bpe"`` for Llama-3's
+  (a ``Split`` with that regex, then ``ByteLevel`` without one; ``"smaug-bpe"``
+  for Llama-3's regex without its ``ignore_merges``). llama.cpp's own converter
+  recognises the pre-tokenizer by hashing how it tokenizes a fixed text; we
+  compare the ``Split`` regex with the known ones instead, and require the
+  normalizer the name stands for (NFC for Qwen2, none for Llama-3): GGUF has no
+  key for it, so our runtime applies the one the name implies.
 * SentencePiece-style BPE (spaces spelled U+2581, ``<0xXX>`` byte fallback), as
   LLaMA and Mistral ship it: ``tokenizer.ggml.model = "llama"``. llama.cpp
   merges such a vocabulary greedily by token score rather than by merge rank,
   so each token's score is minus the rank of the merge that creates it.
 
-Added tokens keep their literal text; special ones are CONTROL tokens, the
-others USER_DEFINED. Vocabulary ids the tokenizer does not use, up to the
+Added tokens keep their literal text; special ones, and others spelled like a
+control token (``<|...|>``, as llama.cpp's converter judges), are CONTROL tokens,
+the rest USER_DEFINED. Vocabulary ids the tokenizer does not use, up to the
 model's embedding size, become ``[PAD<id>]`` UNUSED tokens. Special token ids,
 ``add_bos``/``add_eos`` and the chat template come from gguf-py's
 ``SpecialVocab``, which reads them as llama.cpp's own converter does.
@@ -32,6 +40,29 @@ from powerinfer_tools.fileio import read_json
 
 SPM_SPACE = "\u2581"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+# The Split regexes llama.cpp has a pre-tokenizer for, spelled as in tokenizer.json: Qwen2's
+# (Qwen2, Qwen2.5, Qwen3) splits digits one by one, Llama-3's in runs of up to three.
+QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+@dataclass(frozen=True)
+class SplitPreTokenizer:
+    """A tokenizer.json Split regex llama.cpp knows, and what else its ``tokenizer.ggml.pre`` implies."""
+
+    label: str  # for messages
+    regex: str
+    normalizer: str | None  # the one the tokenizer must have: the name fixes it for our runtime too
+    ignore_merges: bool  # a piece that is a whole token is kept whole (llama.cpp ties this to the name)
+
+
+# tokenizer.ggml.pre -> pre-tokenizer. llama.cpp's "smaug-bpe" is Llama-3's regex without ignore_merges.
+SPLIT_PRE_TOKENIZERS = {
+    "qwen2": SplitPreTokenizer("Qwen2", QWEN2_SPLIT, "NFC", ignore_merges=False),
+    "llama-bpe": SplitPreTokenizer("Llama-3", LLAMA3_SPLIT, None, ignore_merges=True),
+    "smaug-bpe": SplitPreTokenizer("Llama-3", LLAMA3_SPLIT, None, ignore_merges=False),
+}
 
 
 @dataclass
@@ -102,6 +133,57 @@ def _is_gpt2_byte_level(tokenizer: dict) -> bool:
     )
 
 
+def _split_then_byte_level(tokenizer: dict) -> dict | None:
+    """The Split step of a Sequence[Split(Isolated), ByteLevel(use_regex=false)] pre-tokenizer, else None."""
+    pre = tokenizer.get("pre_tokenizer") or {}
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+    if [step.get("type") for step in steps] != ["Split", "ByteLevel"]:
+        return None
+    split, byte_level = steps
+    if byte_level.get("use_regex", True) or byte_level.get("add_prefix_space", False):
+        return None
+    if split.get("behavior") != "Isolated" or split.get("invert", False):
+        return None
+    return split
+
+
+def _split_pre_tokenizer(tokenizer: dict, path: Path) -> str | None:
+    """``tokenizer.ggml.pre`` of a byte-level BPE that splits text with a known regex first; None if the
+    tokenizer is not built that way, an error if it is but with a regex or options that name cannot stand for."""
+    split = _split_then_byte_level(tokenizer)
+    if split is None:
+        return None
+    regex = (split.get("pattern") or {}).get("Regex")
+    candidates = {name: pre for name, pre in SPLIT_PRE_TOKENIZERS.items() if pre.regex == regex}
+    if not candidates:
+        known = " and ".join(f"{label}'s" for label in sorted({pre.label for pre in SPLIT_PRE_TOKENIZERS.values()}))
+        raise PitoolsError(
+            f"{path}: the pre-tokenizer's Split regex {regex!r} is not one llama.cpp has a pre-tokenizer for "
+            f"(supported: {known}); the tokenizer cannot be embedded"
+        )
+    model = tokenizer["model"]
+    ignore_merges = bool(model.get("ignore_merges", False))
+    name = next((n for n, pre in candidates.items() if pre.ignore_merges == ignore_merges), None)
+    label = next(iter(candidates.values())).label
+    problem = _unlike(tokenizer, candidates[name]) if name else f"ignore_merges {str(ignore_merges).lower()}"
+    if problem:
+        raise PitoolsError(
+            f"{path}: {label}'s Split regex with {problem}: no llama.cpp pre-tokenizer name stands for that; "
+            "the tokenizer cannot be embedded"
+        )
+    return name
+
+
+def _unlike(tokenizer: dict, pre: SplitPreTokenizer) -> str | None:
+    """What in the tokenizer differs from what ``pre``'s name implies, or None."""
+    normalizer = tokenizer.get("normalizer")
+    if (normalizer or {}).get("type") != pre.normalizer:
+        return f"normalizer {_describe(normalizer)} ({pre.label}'s has {pre.normalizer or 'none'})"
+    extras = [key for key in ("byte_fallback", "dropout", "continuing_subword_prefix", "end_of_word_suffix")
+              if tokenizer["model"].get(key)]
+    return f"BPE option {', '.join(extras)}" if extras else None
+
+
 def _spm_space_prefix(tokenizer: dict) -> bool | None:
     """For a SentencePiece-style BPE, whether U+2581 is prepended to the text; None if it is not one.
 
@@ -137,12 +219,23 @@ def _merges(tokenizer: dict, path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
+def _looks_special(text: str) -> bool:
+    """An added token not marked special that llama.cpp's converter still makes a CONTROL token (its
+    ``does_token_look_special``: some models leave chat markers such as ``<|im_start|>`` unmarked)."""
+    return (
+        text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (text.startswith("<|") and text.endswith("|>"))
+        or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))  # fullwidth bars: DeepSeek-Coder
+        or (text.startswith("<unused") and text.endswith(">"))
+    )
+
+
 def _token_table(tokenizer: dict, n_vocab: int, path: Path, base_type) -> tuple[list[str], list[int]]:
     """Token texts and types for ids ``0 .. n_vocab-1``."""
     entries: dict[int, tuple[str, int]] = {i: (text, base_type(text)) for text, i in tokenizer["model"]["vocab"].items()}
     unk = tokenizer["model"].get("unk_token")
     for added in tokenizer.get("added_tokens", []):
-        kind = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+        kind = TokenType.CONTROL if added.get("special") or _looks_special(added["content"]) else TokenType.USER_DEFINED
         if added["content"] == unk:
             kind = TokenType.UNKNOWN
         entries[added["id"]] = (added["content"], kind)
@@ -171,9 +264,12 @@ def read_vocab(folder: str | Path, n_vocab: int) -> GGUFVocab:
     special = SpecialVocab(folder, load_merges=False, n_vocab=n_vocab)
     merges = _merges(tokenizer, path) if model_type == "BPE" else []
 
-    if model_type == "BPE" and _is_gpt2_byte_level(tokenizer):
+    pre = None
+    if model_type == "BPE":
+        pre = "gpt-2" if _is_gpt2_byte_level(tokenizer) else _split_pre_tokenizer(tokenizer, path)
+    if pre is not None:
         tokens, types = _token_table(tokenizer, n_vocab, path, lambda text: TokenType.NORMAL)
-        return GGUFVocab("gpt2", "gpt-2", tokens, types, [f"{a} {b}" for a, b in merges], None, None, special)
+        return GGUFVocab("gpt2", pre, tokens, types, [f"{a} {b}" for a, b in merges], None, None, special)
 
     prefix = _spm_space_prefix(tokenizer) if model_type == "BPE" else None
     if prefix is not None:
@@ -190,5 +286,6 @@ def read_vocab(folder: str | Path, n_vocab: int) -> GGUFVocab:
     raise PitoolsError(
         f"{path}: cannot embed this tokenizer in GGUF (model {model_type}, "
         f"pre-tokenizer {_describe(tokenizer.get('pre_tokenizer'))}, normalizer {_describe(tokenizer.get('normalizer'))}); "
-        "supported: GPT-2 byte-level BPE and SentencePiece-style byte-fallback BPE (LLaMA, Mistral)"
+        "supported: byte-level BPE (GPT-2's, or Qwen2's or Llama-3's Split regex first) and "
+        "SentencePiece-style byte-fallback BPE (LLaMA, Mistral)"
     )

@@ -4,7 +4,9 @@ Sizes are those of the tensors as stored (their quantization included); firing
 frequencies are the ones ``pitools convert`` recorded from its profile, in the
 file's neuron order (``pitools.blk.N.neuron_frequency``). A mixture of experts places each
 layer's experts' neurons as one layer's, side by side (expert-major, as its split masks hold
-them), a neuron's hotness its expert's routing frequency times its own firing frequency.
+them), a neuron's hotness its expert's routing frequency times its own firing frequency. A SiLU model
+thresholded by CATS reads every neuron's gate row every token (the choice is made from them), so its
+neurons' frequencies become their expected share of bytes read: (gate + frequency x (up + down)) / all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import MODEL_TENSOR as T
+from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.constants import (PowerInferTensor, TensorKind, expert_frequency_key,
                                                 neuron_frequency_key, tensor_name)
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
@@ -58,6 +61,11 @@ def _recorded(path, freq: np.ndarray | None) -> np.ndarray:
     return freq
 
 
+def _with_every_gate_read(model: ModelFile, layer: int, freq: np.ndarray) -> np.ndarray:
+    gate, all_parts = _bytes(model, layer, (T.FFN_GATE,)), _bytes(model, layer, _NEURON_PARTS)
+    return (gate + freq * (all_parts - gate)) / all_parts
+
+
 def read_model_stats(path: str | Path) -> dict:
     """The arrays ``problem_from_stats`` takes (its ``STATS_KEYS``), for a PowerInfer model file."""
     model = open_model_file(path)
@@ -66,6 +74,9 @@ def read_model_stats(path: str | Path) -> dict:
         raise PitoolsError(f"{path}: a dense model file; neuron placement needs a PowerInfer file (pitools convert)")
     check_model_tensors(model, spec)
     freqs = [_unit_frequencies(path, model, spec, layer) for layer in range(spec.n_layers)]
+    thresholds = read_thresholds(model.get, spec.n_layers, str(path))
+    if thresholds is not None and "cats" in thresholds.rule.thresholds:
+        freqs = [_with_every_gate_read(model, layer, f) for layer, f in enumerate(freqs)]
     # Tied: the logits read the token embedding matrix.
     logits = T.OUTPUT if tensor_name(T.OUTPUT) in model else T.TOKEN_EMBD
     layers, experts = range(spec.n_layers), range(spec.n_experts) if spec.moe else [None]

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 
 def _drelu_forward(mlp):
-    """transformers has no dReLU MLP; patch LlamaMLP/MistralMLP.forward to compute it."""
+    """transformers has no dReLU MLP; patch LlamaMLP/MistralMLP/Qwen2MLP.forward to compute it."""
 
     def forward(x):
         return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
@@ -72,6 +72,7 @@ def build(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: randomised too
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
     }[family]
     config = config_cls(**(config_overrides or {}))

@@ -24,7 +24,11 @@ MODELS = {
     "llama-bias": ("llama", dict(BASE, attention_bias=True, mlp_bias=True)),
     "relu-llama": ("llama", dict(BASE, hidden_act="relu")),
     "mixtral": ("mixtral", dict(BASE, num_local_experts=3, num_experts_per_tok=2, sliding_window=None)),
+    # llama.cpp's "qwen2": q/k/v biases, and neox rope on q/k rows in the checkpoint's order
+    "qwen2": ("qwen2", dict(BASE, rope_theta=500.0)),
+    "qwen2-tied": ("qwen2", dict(BASE, tie_word_embeddings=True)),
 }
+GGUF_ARCHITECTURE = {"qwen2": "qwen2", "qwen2-tied": "qwen2"}  # the others are "llama"
 PROMPT = SAMPLE_TEXTS[1]
 GENERATED = 12
 
@@ -54,7 +58,8 @@ def relative_error(got, want) -> float:
 
 
 def dequantized_reference(folder, path):
-    """Our engine with the weights as stored in the GGUF file (dequantized, q/k rows put back)."""
+    """Our engine with the weights as stored in the GGUF file (dequantized; q/k rows put back where
+    llama.cpp's "normal" rope of "llama" wants them regrouped)."""
     model = load_model(Checkpoint(folder))
     f = open_model_file(path)
     s = model.spec
@@ -64,7 +69,7 @@ def dequantized_reference(folder, path):
 
     def unrope(name, heads):
         rows = w(name)
-        return rows[np.argsort(rope_rows(len(rows), heads))]
+        return rows[np.argsort(rope_rows(len(rows), heads))] if f.architecture == "llama" else rows
 
     model.embed, model.lm_head = w("token_embd.weight"), w("output.weight")
     for i, b in enumerate(model.blocks):
@@ -80,12 +85,12 @@ def dequantized_reference(folder, path):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "llama-bias", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama-bias", "mixtral", "qwen2", "qwen2-tied"])
 @pytest.mark.parametrize("outtype, tolerance", [("f32", 1e-4), ("f16", 1e-2)])
 def test_silu_logits_and_greedy_tokens_match(tmp_path, models, name, outtype, tolerance):
     folder = models / name
     path, plan = convert(str(folder), tmp_path / "m.gguf", outtype=outtype, progress=False)
-    assert plan.architecture == "llama" and not plan.powerinfer
+    assert plan.architecture == GGUF_ARCHITECTURE.get(name, "llama") and not plan.powerinfer
     ids = tokens(folder)
     original = load_model(Checkpoint(folder))
     got, llm = cpp_logits(path, ids)
@@ -126,7 +131,7 @@ def test_relu_model_in_dense_mode_runs_silu_in_llamacpp(tmp_path, models):
     assert relative_error(got, model.forward(ids, model.new_cache())) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2"])
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])
 def test_quantized_files_compute_what_they_store(tmp_path, models, name, outtype):
     """llama.cpp on a quantized file agrees with our engine on the dequantized weights; what is left

@@ -163,7 +163,7 @@ def test_sparse_experts_in_oracle_mode_compute_what_dense_mode_does(sparse_mixtr
     assert s.neurons_total == len(tokens) * MIXTRAL["num_experts_per_tok"] * MIXTRAL["intermediate_size"] * 2
     assert 0.2 < s.density < 0.8  # random ReLU experts fire about half their neurons
     model.mode = FFNMode.SPARSE
-    assert model.has_predictors
+    assert model.can_run_sparse
     model.forward(tokens, model.new_cache())
 
 

@@ -39,13 +39,19 @@ CASES = {
                           dict(drelu=True)),
     "turbosparse-mixtral-drelu-4x2": ("mixtral", dict(MIXTRAL_GQA, hidden_act="relu", num_local_experts=4),
                                       dict(drelu=True, saved_model_type="turbosparse_mixtral")),
+    # Qwen2: biases on q/k/v (none on o_proj); tied and untied heads
+    "qwen2-swiglu-gqa-tied": ("qwen2", dict(LLAMA_GQA, hidden_act="silu", tie_word_embeddings=True, rope_theta=500.0),
+                              {}),
+    "qwen2-swiglu-mha-odd-untied": ("qwen2", dict(LLAMA_MHA_ODD, hidden_act="silu"), {}),
+    "qwen2-reglu-gqa": ("qwen2", dict(LLAMA_GQA, hidden_act="relu"), {}),
     "opt-pre-ln": ("opt", OPT_PRE, {}),
     "opt-post-ln-projections": ("opt", OPT_POST_PROJ, {}),
     "opt-untied": ("opt", dict(OPT_PRE, tie_word_embeddings=False), {}),
 }
 EXPECTED_FFN = {"mixtral-drelu-4x4": FFNKind.DRELU, "turbosparse-mixtral-drelu-4x2": FFNKind.DRELU,
                 "mixtral-reglu-odd-5x1": FFNKind.REGLU, "llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
-                "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU}
+                "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU,
+                "qwen2-swiglu-gqa-tied": FFNKind.SWIGLU, "qwen2-reglu-gqa": FFNKind.REGLU}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -120,3 +126,22 @@ def test_unsupported_architecture_and_activation_are_named():
         spec_from_config(dict(LLAMA_GQA, model_type="llama", hidden_act="gelu"))
     with pytest.raises(PitoolsError, match="lacks the field 'intermediate_size'"):
         spec_from_config({"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1})
+
+
+QWEN2_CONFIG = dict(LLAMA_GQA, model_type="qwen2", hidden_act="silu", max_position_embeddings=4096)
+
+
+def test_qwen2_spec_has_attention_biases_and_no_sliding_window():
+    spec = spec_from_config(dict(QWEN2_CONFIG, use_sliding_window=False, sliding_window=1024))
+    assert spec.architecture == "qwen2" and spec.attention_bias and spec.sliding_window is None
+    # A window spanning the whole context changes nothing: accepted, not applied.
+    assert spec_from_config(dict(QWEN2_CONFIG, use_sliding_window=True, sliding_window=4096)).sliding_window is None
+    # Qwen2 defaults use_sliding_window to false (LLaMA's reading would apply the window).
+    assert spec_from_config(dict(QWEN2_CONFIG, sliding_window=1024)).sliding_window is None
+
+
+def test_qwen2_sliding_window_attention_is_refused():
+    from powerinfer_tools.errors import PitoolsError
+
+    with pytest.raises(PitoolsError, match="sliding-window attention.*sliding_window=1024 < max_position_embeddings=4096"):
+        spec_from_config(dict(QWEN2_CONFIG, use_sliding_window=True, sliding_window=1024))

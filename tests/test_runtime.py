@@ -12,6 +12,7 @@ from gguf_fixtures import (
     save_predictors,
     stepwise_logits,
 )
+from hf_models import reference_logits
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.formats.predictor_folder import predict
 
@@ -29,6 +30,8 @@ MODELS = {
     "llama-reglu": ("llama", LLAMA, {}),
     "llama-drelu": ("llama", LLAMA, dict(drelu=True)),
     "opt": ("opt", OPT, {}),
+    # q/k/v biases and halves rope in our sparse layout too; dReLU, which stays "qwen2" (not "bamboo")
+    "qwen2-drelu": ("qwen2", LLAMA, dict(drelu=True)),
 }
 
 
@@ -129,3 +132,24 @@ def test_q8_0_file_stays_close_to_f32(converted):
     _, _, files = converted
     ref = stepwise_logits(load_runtime_model(files["f32"]))
     assert relative_error(stepwise_logits(load_runtime_model(files["q8_0"])), ref) < 0.1
+
+
+QWEN2 = dict(LLAMA, hidden_act="silu")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen2_dense_file_gives_transformers_logits(tmp_path, tied):
+    """A Qwen2 file keeps q and k in the checkpoint's row order (llama.cpp's neox rope) and has q/k/v
+    biases: the runtime's general path (the prompt) and its compiled one-token path (each later token)
+    give transformers' logits, and so does the general path alone."""
+    folder = tmp_path / "model"
+    torch_model = make_model(folder, "qwen2", tie_word_embeddings=tied, **QWEN2)
+    path, _ = convert(str(folder), tmp_path / "m.gguf", outtype="f32", dense=True, progress=False)
+    want = reference_logits(torch_model, TOKENS)
+    model = load_runtime_model(path)
+    assert model.spec.architecture == "qwen2" and model.spec.attention_bias
+    assert set(model.layers[0].dense.biases) == {"q", "k", "v"}
+    assert model.compiled_decoder() is not None
+    assert relative_error(stepwise_logits(model), want) < 1e-4
+    model.compiled_decoding = False
+    assert relative_error(stepwise_logits(model), want) < 1e-4

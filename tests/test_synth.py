@@ -7,8 +7,10 @@ import json
 
 import numpy as np
 import pytest
+from cli_checks import fails
 from click.testing import CliRunner
 from gguf_fixtures import FAST_TRAINING, llama
+from powerinfer_tools.formats.activation_thresholds import SparsityRule, read_thresholds
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.profile_folder import pair_capacity
 from powerinfer_tools.formats.profile_report import hot_fraction
@@ -24,14 +26,19 @@ from powerinfer_tools.benchmarking.synth import (
     PlantedActivations,
     Planting,
     Shape,
+    SiluSettings,
+    activation_statistics,
     default_profile_tokens,
     dense_companion,
     firing_frequencies,
     ideal_selection,
+    moments,
     planted_frequencies,
     planted_routing,
     synthesize,
+    synthesize_silu,
     write_checkpoint,
+    write_silu_checkpoint,
 )
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.commands.cli import cli
@@ -304,3 +311,101 @@ def test_a_work_folder_of_other_settings_is_refused(tmp_path):
     with pytest.raises(PitoolsError, match="other settings .differs: planting"):
         synthesize("test-tiny", out, "q8_0", Planting(density=0.2), profile_tokens=800, train=FAST_TRAINING,
                    progress=False)
+
+
+def test_moments_tell_a_gaussian_from_a_laplacian():
+    rng = np.random.default_rng(0)
+    gaussian, laplacian = moments(rng.standard_normal(400_000)), moments(rng.laplace(1.0, 2.0, 400_000))
+    assert gaussian["excess_kurtosis"] == pytest.approx(0, abs=0.05)
+    assert gaussian["within_1std"] == pytest.approx(0.683, abs=0.005)
+    assert laplacian["mean"] == pytest.approx(1, abs=0.02) and laplacian["std"] == pytest.approx(2 * np.sqrt(2), rel=0.01)
+    assert laplacian["excess_kurtosis"] == pytest.approx(3, abs=0.3)
+    assert laplacian["within_1std"] == pytest.approx(1 - np.exp(-np.sqrt(2)), abs=0.005)
+
+
+def test_a_silu_checkpoint_has_swiglu_statistics_and_a_residual_stream_that_grows_slowly(tmp_path):
+    """Sane scales without a calibration: over 8 layers the residual stream's RMS grows as the square root
+    of the depth (not exponentially), every FFN input is zero-mean and Gaussian-like, the down
+    projection's input heavy-tailed. (A mean within 0.2: at d_model 64 the token-independent part of the
+    residual stream, attention's average of the context, does not average out over the channels.)"""
+    shape = dataclasses.replace(SHAPES["test-tiny"], n_layers=8)
+    write_silu_checkpoint(tmp_path, shape, SiluSettings())
+    checkpoint = Checkpoint(tmp_path)
+    assert checkpoint.config["hidden_act"] == "silu"
+    statistics = activation_statistics(load_model(checkpoint), np.random.default_rng(1).integers(0, 4096, 128))
+    assert statistics["tokens"] == 128 and len(statistics["layers"]) == 8
+    rms = [layer["residual_rms"] for layer in statistics["layers"]]
+    assert 0.9 < rms[0] < 1.3 and rms[-1] < 3 * rms[0]
+    for layer in statistics["layers"]:
+        x, gate, down = layer["ffn_input"], layer["abs_silu_gate"], layer["down_input"]
+        assert abs(x["mean"]) < 0.2 and x["std"] == pytest.approx(1, abs=0.05)
+        assert abs(x["excess_kurtosis"]) < 1.5 and 0.6 < x["within_1std"] < 0.8
+        assert gate["mean"] > 0 and down["excess_kurtosis"] > 3 > x["excess_kurtosis"]
+
+
+@pytest.fixture(scope="module")
+def synthesized_silu(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synth-silu") / "silu.powerinfer.gguf"
+    return synthesize_silu("test-tiny", out, "q8_0", SiluSettings(target_sparsity=0.5), calibration_tokens=512,
+                           progress=False)
+
+
+def test_a_silu_model_carries_calibrated_thresholds_and_a_dense_twin(synthesized_silu):
+    result, shape = synthesized_silu, SHAPES["test-tiny"]
+    assert result.dense == result.powerinfer.with_name("silu.gguf")
+    sparse, dense = open_model_file(result.powerinfer), open_model_file(result.dense)
+    assert sparse.powerinfer and not dense.powerinfer
+    assert "blk.1.ffn_down_t.weight" in sparse and "blk.1.fc1.weight" not in sparse  # thresholds, no predictors
+    assert np.array_equal(sparse["blk.0.ffn_gate.weight"].data, dense["blk.0.ffn_gate.weight"].data)
+    thresholds = read_thresholds(sparse.get, shape.n_layers, str(result.powerinfer))
+    assert thresholds.rule is SparsityRule.CATS and thresholds.target == pytest.approx(0.5)
+    assert all(layer.cats > 0 for layer in thresholds.layers)
+    assert not result.powerinfer.with_name(result.powerinfer.name + ".work").exists()
+
+
+def test_a_silu_models_summary_states_its_activation_statistics(synthesized_silu):
+    summary = json.loads(json.dumps(synthesized_silu.summary()))
+    assert (summary["activation"], summary["rule"], summary["target_sparsity"]) == ("silu", "cats", 0.5)
+    assert summary["calibration_tokens"] == 512 and summary["outlier_channels"] == 1
+    assert summary["calibrated_density"] == pytest.approx(0.5, abs=0.02)  # CATS: half the neurons read per token
+    statistics = summary["statistics"]
+    assert len(statistics["layers"]) == SHAPES["test-tiny"].n_layers
+    for values in [statistics["mean_over_layers"], *statistics["layers"]]:
+        x, gate, down = values["ffn_input"], values["abs_silu_gate"], values["down_input"]
+        assert abs(x["mean"]) < 0.2 and 0.6 < x["within_1std"] < 0.8  # Gaussian-like
+        assert gate["mean"] > 0 and gate["std"] > 0
+        assert abs(down["mean"]) < 0.1 and down["excess_kurtosis"] > 0  # heavy-tailed
+        assert down["within_1std"] > x["within_1std"]
+
+
+def test_cli_writes_a_silu_model_with_the_rule_asked_for(tmp_path):
+    out = tmp_path / "t.powerinfer.gguf"
+    result = CliRunner().invoke(cli, ["synth", "--shape", "test-tiny", "--activation", "silu", "--target-sparsity",
+                                      "0.4", "--sparsity-rule", "teal", "--profile-tokens", "256", "-o", str(out),
+                                      "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert (summary["rule"], summary["target_sparsity"], summary["calibration_tokens"]) == ("teal", 0.4, 256)
+    thresholds = read_thresholds(open_model_file(out).get, 2, str(out))
+    assert thresholds.rule is SparsityRule.TEAL and all(layer.ffn_in > 0 for layer in thresholds.layers)
+    assert dense_companion(out).is_file()
+
+
+@pytest.mark.parametrize("options, match", [
+    (["--activation", "silu", "--density", "0.2"], "--density: only for --activation relu"),
+    (["--activation", "silu", "--hardness", "easy", "--rank", "8"], "--hardness, --rank: only for --activation relu"),
+    (["--target-sparsity", "0.5"], "--target-sparsity: only for --activation silu"),
+    (["--activation", "relu", "--sparsity-rule", "cats"], "--sparsity-rule: only for --activation silu"),
+])
+def test_cli_refuses_options_of_the_other_activation(tmp_path, options, match):
+    out = tmp_path / "x.powerinfer.gguf"
+    fails("synth", "--shape", "test-tiny", *options, "-o", out, match=match)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_silu_mixture_is_refused(tmp_path):
+    out = tmp_path / "x.powerinfer.gguf"
+    fails("synth", "--shape", "test-tiny-moe", "--activation", "silu", "-o", out, match="mixture of experts")
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(PitoolsError, match="target-sparsity"):
+        SiluSettings(target_sparsity=1.0)

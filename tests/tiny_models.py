@@ -32,8 +32,9 @@ def sample_text(n_words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(WORDS, size=n_words))
 
 
-def build_tiny_model(folder, seed: int = 0, sparse: bool = False):
-    """Save a random tiny ReGLU LLaMA with a byte tokenizer and a heldout.txt; return the folder.
+def build_tiny_model(folder, seed: int = 0, sparse: bool = False, hidden_act: str = "relu"):
+    """Save a random tiny ReGLU LLaMA (or, with ``hidden_act="silu"``, SwiGLU) with a byte tokenizer and a
+    heldout.txt; return the folder.
 
     A random ReGLU layer fires about half its neurons. ``sparse`` makes it fire
     a few percent, skewed, as a trained ReLU model does, and without biases
@@ -41,7 +42,7 @@ def build_tiny_model(folder, seed: int = 0, sparse: bool = False):
     component ``c``, and each gate row is pushed against the direction ``c``
     takes after the FFN norm, by a per-neuron amount.
     """
-    build(folder, "llama", seed=seed, config_overrides=TINY_RELU_LLAMA)
+    build(folder, "llama", seed=seed, config_overrides={**TINY_RELU_LLAMA, "hidden_act": hidden_act})
     if sparse:
         path = folder / "model.safetensors"
         tensors = load_file(path)

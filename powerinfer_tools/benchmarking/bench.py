@@ -57,7 +57,8 @@ from powerinfer_tools.benchmarking.powerinfer_engine import (
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.direct_io import forget_cached_pages
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.constants import expert_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.activation_thresholds import read_thresholds
+from powerinfer_tools.formats.constants import expert_frequency_key, neuron_frequency_key, predictor_names, tensor_name
 from powerinfer_tools.formats.gguf_spec import predictor_quality, spec_from_model_file
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
@@ -199,8 +200,8 @@ class _Runtime:
         kernels.set_threads(spec.threads)
         self.model = load_runtime_model(spec.path, use_split=False, ram=spec.ram)
         mode = FFNMode(spec.name)
-        if mode is FFNMode.SPARSE and not self.model.has_predictors:
-            raise PitoolsError(f"{spec.path}: no predictors in the file, so no sparse run")
+        if mode is FFNMode.SPARSE and not self.model.can_run_sparse:
+            raise PitoolsError(f"{spec.path}: no predictors (or thresholds) in the file, so no sparse run")
         self.model.mode = mode
         self.caches = self.model.new_cache()
 
@@ -557,14 +558,21 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
 def predictor_summary(path: Path) -> dict:
     """The predictability of the model the sparse engine ran on: its predictors' quality as trained
     (when the file records it) and the bytes read per token: all of them, or of a mixture the routed
-    experts' (each expert's weighted by its profiled routing frequency)."""
+    experts' (each expert's weighted by its profiled routing frequency). A thresholded SiLU model has
+    no predictors: its rule, target and the share of neurons its calibration computed instead."""
     model = open_model_file(path)
     spec = spec_from_model_file(model)
     read = 0.0
     for unit in spec.ffn_units:
         read += _read_share(model, spec, unit) * sum(model[name].nbytes for name in predictor_names(unit.layer, unit.expert)
                                                      if name in model)
-    return {"trained": predictor_quality(model), "bytes_per_token": read}
+    summary = {"trained": predictor_quality(model), "bytes_per_token": read}
+    thresholds = read_thresholds(model.get, spec.n_layers, str(path))
+    if thresholds is not None:
+        frequencies = [model.get(neuron_frequency_key(layer)) for layer in range(spec.n_layers)]
+        summary["thresholds"] = {"rule": thresholds.rule.value, "target": thresholds.target,
+                                 "calibrated_density": float(np.mean(frequencies)) if all(frequencies) else None}
+    return summary
 
 
 def _read_share(model, spec, unit) -> float:
@@ -611,7 +619,11 @@ def format_report(rep: dict) -> str:
         if set(e["settings"]) - {"threads"}:
             lines.append(f"{name}: " + ", ".join(f"{k} {_setting(v)}" for k, v in e["settings"].items()))
     predictors = rep.get("predictors")
-    if predictors:
+    if predictors and predictors.get("thresholds"):
+        t = predictors["thresholds"]
+        calibrated = "" if t["calibrated_density"] is None else f", {t['calibrated_density']:.1%} of neurons read"
+        lines.append(f"thresholds: {t['rule']} at {t['target']:.0%} sparsity (calibrated{calibrated})")
+    elif predictors:
         trained = predictors["trained"]
         quality = (f"trained to recall >= {trained['worst_recall']:.1%} at precision {trained['mean_precision']:.1%}, "
                    f"computing {trained['mean_computed']:.1%} of the neurons; " if trained else "")

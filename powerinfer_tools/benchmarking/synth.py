@@ -40,6 +40,20 @@ and the constants ``b_e`` (fitted by ``planted_routing``) set how often each exp
 reads only the part of the embedding that no gate row's constant or latent term sees (and the gates'
 own random directions only to order 1/sqrt(d')), so the tokens routed to an expert fire its neurons
 with their planted probabilities.
+
+A SiLU (SwiGLU) model (``synthesize_silu``, ``pitools synth --activation silu``) is dense: nothing
+fires exactly, and training-free activation sparsity (CATS: skip the neurons whose |SiLU(gate x)| is
+below a per-layer threshold; TEAL: skip the weight columns whose input is small) is calibrated on it
+instead of planted. So it has no construction to profile from: its weights are only made sane, as a
+trained model's are, and the reference engine runs it. Every matrix is N(0, 1/fan_in) (the attention
+of the ReLU models at full scale, ``_attention_tensors``), the norms' weights 1, the embeddings N(0, 1)
+with a few outlier channels (``outlier_channels``: a constant offset on one channel per 1024, as the
+systematic outlier features of real LLMs), so that the residual stream grows only as the square
+root of the depth, every FFN input is zero-mean and Gaussian-like, the gate and up pre-activations
+standard normal, and the down projection's input, their SiLU-product, heavy-tailed: what the TEAL
+paper (Liu et al., ICLR 2025) measures on LLaMA-2/3 and Mistral. ``activation_statistics`` measures
+it (the summary's ``statistics``); then ``profiling.calibration.calibrate`` sets the thresholds on
+uniform random token ids, and the PowerInfer file carries them, without predictors.
 """
 
 from __future__ import annotations
@@ -47,10 +61,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from gguf import MODEL_TENSOR as T
@@ -63,6 +79,9 @@ from powerinfer_tools.conversion.convert import DENSE_SUFFIX, POWERINFER_SUFFIX,
 from powerinfer_tools.conversion.sparsify import SparsifySettings, work_folder
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
+from powerinfer_tools.formats.activation_thresholds import SparsityRule
+from powerinfer_tools.formats.constants import neuron_frequency_key
+from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.model_spec import FFNUnit, ffn_units
 from powerinfer_tools.formats.profile_folder import FiringStats, pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
@@ -73,10 +92,12 @@ from powerinfer_tools.formats.tensor_table import (
     ArchitectureTable,
 )
 from powerinfer_tools.interfaces import FFNTracer
-from powerinfer_tools.models import spec_from_config
-from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route
+from powerinfer_tools.models import load_model, spec_from_config
+from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
+from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.units import format_size
 
 # Attention and FFN outputs are this fraction of an N(0, 1/fan_in) initialisation: each layer moves
@@ -115,6 +136,19 @@ PROFILE_TOKENS_PER_FFN = 4096
 SYNTH_TRAINING = TrainSettings(min_precision=0.65, epochs=4, min_epoch_steps=150)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SYNTH_JSON = "synth.json"  # in the work folder, written once the checkpoint is complete
+# SiLU models. The residual stream's outlier channels: one per this many of d_model (at least one), each
+# a constant offset of OUTLIER_MAGNITUDE (at most sqrt(d_model)/4: a test shape's single channel stays
+# modest) in every embedding, whose other entries are standard normal. Real LLMs have a handful of such
+# systematic outlier features (LLM.int8(), Dettmers et al. 2022: ~6 in OPT-6.7B's 4096 dimensions).
+OUTLIER_CHANNELS_PER = 1024
+OUTLIER_MAGNITUDE = 6.0
+DEFAULT_TARGET_SPARSITY = 0.5  # CATS's and TEAL's headline level
+# Calibration tokens by default: plenty for a threshold's quantile (CATS's: of 2048 x d_ff values per layer)
+# and a neuron's frequency (+-1.1 points at 50%). calibrate runs them twice; at the TinyLlama shape (~2.1
+# GFLOP a token, logits included) that is ~8.5 TFLOP: the 2-layer model's 2 x 27 s on 2 busy cores (~23
+# GFLOP/s) put the full one near 3 minutes on 2 idle ones.
+CALIBRATION_TOKENS = 2048
+STATISTICS_TOKENS = 256  # one sequence's activations, whose statistics the summary gives
 
 
 @dataclass(frozen=True)
@@ -157,8 +191,23 @@ SHAPES = {
 }
 
 
+class Seeded:
+    """Settings with a ``seed``, from which every random stream of a synthesis is drawn."""
+
+    seed: int
+
+    def rng(self, *stream: int) -> np.random.Generator:
+        """The generator of one stream: 0 the geometry, 1 the embeddings and output, (2, layer) a layer's
+        weights (2, layer, expert) an expert's, 3 the profiled or calibration tokens, 4-5 Monte Carlo."""
+        return np.random.default_rng([self.seed, *stream])
+
+    def uniform_tokens(self, vocab_size: int, n: int) -> np.ndarray:
+        """``n`` uniform random token ids: what a synthetic model is profiled or calibrated on."""
+        return self.rng(3).integers(0, vocab_size, n)
+
+
 @dataclass(frozen=True)
-class Planting:
+class Planting(Seeded):
     density: float = 0.1  # mean fraction of FFN neurons that fire per token
     rank: int = 4  # latent dimensions that decide which neurons fire
     noise: float = 0.15  # share (std) of a gate pre-activation outside the latent space
@@ -173,8 +222,19 @@ class Planting:
         if not self.routing_skew >= 0:
             raise PitoolsError(f"--routing-skew must be at least 0, got {self.routing_skew}")
 
-    def rng(self, *stream: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, *stream])
+
+@dataclass(frozen=True)
+class SiluSettings(Seeded):
+    """A SiLU model's: the sparsity its calibration targets, the rule that skips (CATS, TEAL or both), the seed."""
+
+    target_sparsity: float = DEFAULT_TARGET_SPARSITY
+    rule: SparsityRule = SparsityRule.CATS
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.target_sparsity < 1:
+            raise PitoolsError(f"--target-sparsity must be in (0, 1), got {self.target_sparsity}")
+        object.__setattr__(self, "rule", SparsityRule(self.rule))
 
 
 @dataclass(frozen=True)
@@ -354,14 +414,14 @@ class Geometry:
                 + (ROUTER_SPREAD * np.sqrt(self.complement) / self.k2) * basis.T)
 
 
-def _config(shape: Shape) -> dict:
+def _config(shape: Shape, activation: str = "relu") -> dict:
     mixture = {"num_local_experts": shape.n_experts, "num_experts_per_tok": shape.n_experts_used,
                "sliding_window": None}  # Mixtral's own config has none either
     return {
         "architectures": ["MixtralForCausalLM" if shape.n_experts else "LlamaForCausalLM"],
         "model_type": "mixtral" if shape.n_experts else "llama",
         **(mixture if shape.n_experts else {}),
-        "hidden_act": "relu",
+        "hidden_act": activation,
         "hidden_size": shape.d_model,
         "intermediate_size": shape.d_ff,
         "num_hidden_layers": shape.n_layers,
@@ -404,17 +464,59 @@ def write_checkpoint(folder: Path, shape: Shape, planting: Planting) -> np.ndarr
     """A Hugging Face checkpoint (f16 safetensors, a shard per layer and one per expert) with the bundled
     tokenizer, padded to the shape's vocabulary; returns the planted firing probabilities ``[FFN units,
     d_ff]``: per layer, or per layer and expert (``formats.model_spec.ffn_units`` order)."""
+    _start_checkpoint(folder, shape, "relu")
+    geometry = Geometry.random(shape.d_model, planting.rank, planting.rng(0))
+    rng = planting.rng(1)
+    _write_embeddings(folder, shape, geometry.embeddings(shape.vocab_size, rng), rng)
+    return np.stack([p for i in range(shape.n_layers) for p in _write_layer(folder, shape, planting, geometry, i)])
+
+
+def write_silu_checkpoint(folder: Path, shape: Shape, settings: SiluSettings) -> None:
+    """A SiLU LLaMA checkpoint of a dense ``shape``, laid out as ``write_checkpoint``'s, with sane random
+    weights: every matrix N(0, 1/fan_in), the norms' weights 1, the embeddings N(0, 1) plus the constant
+    offsets of ``outlier_channels``."""
+    _start_checkpoint(folder, shape, "silu")
+    rng = settings.rng(1)
+    embeddings = rng.standard_normal((shape.vocab_size, shape.d_model), dtype=np.float32)
+    channels, offsets = outlier_channels(shape.d_model, rng)
+    embeddings[:, channels] += offsets
+    _write_embeddings(folder, shape, embeddings, rng)
+    for layer in range(shape.n_layers):
+        rng = settings.rng(2, layer)
+        gate, up, down = _ffn_names(FFNUnit(layer))
+        tensors = _attention_tensors(shape, layer, rng) | {
+            gate: _normal(shape.d_ff, shape.d_model, rng), up: _normal(shape.d_ff, shape.d_model, rng),
+            down: _normal(shape.d_model, shape.d_ff, rng)}
+        save_file(tensors, str(folder / f"model-layer{layer:03d}.safetensors"))
+
+
+def outlier_channels(d_model: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A SiLU model's outlier channels of the residual stream and their constant offsets (random signs):
+    one per ``OUTLIER_CHANNELS_PER`` dimensions, at least one, of ``OUTLIER_MAGNITUDE`` (at most sqrt(d_model)/4)."""
+    n = outlier_count(d_model)
+    magnitude = min(OUTLIER_MAGNITUDE, np.sqrt(d_model) / 4)
+    return rng.choice(d_model, n, replace=False), magnitude * rng.choice([-1.0, 1.0], n)
+
+
+def outlier_count(d_model: int) -> int:
+    return max(1, d_model // OUTLIER_CHANNELS_PER)
+
+
+def _start_checkpoint(folder: Path, shape: Shape, activation: str) -> None:
+    """A checkpoint folder's config.json and the bundled tokenizer's files."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(_config(shape), indent=2))
+    (folder / "config.json").write_text(json.dumps(_config(shape, activation), indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED_MODEL / name, folder / name)
-    geometry = Geometry.random(shape.d_model, planting.rank, planting.rng(0))
-    rng, hf = planting.rng(1), shape.table.hf_name
-    save_file({hf(T.TOKEN_EMBD): geometry.embeddings(shape.vocab_size, rng).astype(np.float16),
+
+
+def _write_embeddings(folder: Path, shape: Shape, embeddings: np.ndarray, rng: np.random.Generator) -> None:
+    """The shard of the token embeddings (as given), the output norm (ones) and a random output matrix."""
+    hf = shape.table.hf_name
+    save_file({hf(T.TOKEN_EMBD): embeddings.astype(np.float16),
                hf(T.OUTPUT_NORM): np.ones(shape.d_model, dtype=np.float16),
                hf(T.OUTPUT): _normal(shape.vocab_size, shape.d_model, rng)},
               str(folder / "model-embeddings.safetensors"))
-    return np.stack([p for i in range(shape.n_layers) for p in _write_layer(folder, shape, planting, geometry, i)])
 
 
 def _normal(rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
@@ -429,11 +531,7 @@ def _write_layer(folder: Path, shape: Shape, planting: Planting, geometry: Geome
     units = [FFNUnit(layer, e) for e in range(shape.n_experts)] or [FFNUnit(layer)]
     streams = [_ffn_rng(planting, unit) for unit in units] if shape.n_experts else [rng]
     frequencies = [firing_frequencies(shape.d_ff, planting.density, stream) for stream in streams]
-    d, head_dim, hf = shape.d_model, shape.d_model // shape.n_heads, shape.table.hf_name
-    ones, kv = np.ones(d, dtype=np.float16), shape.n_kv_heads * head_dim
-    tensors = {hf(T.ATTN_NORM, layer): ones, hf(T.ATTN_Q, layer): _normal(d, d, rng),
-               hf(T.ATTN_K, layer): _normal(kv, d, rng), hf(T.ATTN_V, layer): _normal(kv, d, rng),
-               hf(T.ATTN_OUT, layer): _normal(d, d, rng, RESIDUAL_STEP), hf(T.FFN_NORM, layer): ones}
+    tensors, hf = _attention_tensors(shape, layer, rng, RESIDUAL_STEP), shape.table.hf_name
     if shape.n_experts:
         bias, _ = planted_routing(shape, planting, layer)
         tensors[hf(T.FFN_GATE_INP, layer)] = geometry.router(bias, rng).astype(np.float16)
@@ -444,6 +542,15 @@ def _write_layer(folder: Path, shape: Shape, planting: Planting, geometry: Geome
         tensors |= _ffn_tensors(geometry, units[0], frequencies[0], planting.noise, rng)
     save_file(tensors, str(folder / f"model-layer{layer:03d}.safetensors"))
     return frequencies
+
+
+def _attention_tensors(shape: Shape, layer: int, rng: np.random.Generator, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """A layer's norms (weights 1) and random attention, its output projection ``scale`` of the usual scale."""
+    d, head_dim, hf = shape.d_model, shape.d_model // shape.n_heads, shape.table.hf_name
+    ones, kv = np.ones(d, dtype=np.float16), shape.n_kv_heads * head_dim
+    return {hf(T.ATTN_NORM, layer): ones, hf(T.ATTN_Q, layer): _normal(d, d, rng),
+            hf(T.ATTN_K, layer): _normal(kv, d, rng), hf(T.ATTN_V, layer): _normal(kv, d, rng),
+            hf(T.ATTN_OUT, layer): _normal(d, d, rng, scale), hf(T.FFN_NORM, layer): ones}
 
 
 def _ffn_names(unit: FFNUnit) -> tuple[str, str, str]:
@@ -515,10 +622,22 @@ def dense_companion(path: Path) -> Path:
 
 
 @dataclass
-class SynthResult:
+class SynthFiles:
+    """What a synthesis wrote: the PowerInfer file, its dense companion, and the shape's name."""
+
     powerinfer: Path
     dense: Path
     shape: str
+
+    def files_summary(self, activation: str) -> dict:
+        return {"powerinfer": str(self.powerinfer), "dense": str(self.dense), "shape": self.shape,
+                "activation": activation}
+
+
+@dataclass
+class SynthResult(SynthFiles):
+    """A ReLU synthesis: its planting, profile and predictors."""
+
     planting: Planting
     planted_density: float  # mean of the planted firing probabilities
     planted_hot80: float  # fraction of neurons carrying 80% of the planted firings (mean over FFNs)
@@ -531,9 +650,7 @@ class SynthResult:
     def summary(self) -> dict:
         units = self.predictors["layers"]  # one entry per FFN: per layer, or per layer and expert
         return {
-            "powerinfer": str(self.powerinfer),
-            "dense": str(self.dense),
-            "shape": self.shape,
+            **self.files_summary("relu"),
             **asdict(self.planting),
             "planted_density": self.planted_density,
             "planted_hot80": self.planted_hot80,
@@ -547,6 +664,71 @@ class SynthResult:
             "ideal_computed": self.ideal["computed"],
             "ideal_precision": self.ideal["precision"],
         }
+
+
+@dataclass
+class SiluSynthResult(SynthFiles):
+    """A SiLU synthesis: its settings, calibration tokens, the activations' statistics and the neuron frequencies."""
+
+    settings: SiluSettings
+    calibration_tokens: int
+    outliers: int  # outlier channels of the residual stream
+    statistics: dict  # activation_statistics
+    frequencies: dict  # calibrated_frequencies of the PowerInfer file
+
+    def summary(self) -> dict:
+        return {**self.files_summary("silu"), **asdict(self.settings), "rule": self.settings.rule.value,
+                "calibration_tokens": self.calibration_tokens,
+                "outlier_channels": self.outliers, **self.frequencies, "statistics": self.statistics}
+
+
+# The distributions activation_statistics describes, in the FFN of every layer: its input (after the norm),
+# |SiLU(gate x)| (what CATS thresholds) and the down projection's input SiLU(gate x) * (up x).
+STATISTICS = ("ffn_input", "abs_silu_gate", "down_input")
+
+
+def moments(values: np.ndarray) -> dict:
+    """Mean, standard deviation, excess kurtosis (0 for a Gaussian, 3 for a Laplacian) and the share of
+    the values within one standard deviation of the mean (68.3% for a Gaussian, 75.7% for a Laplacian)."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    mean, std = v.mean(), v.std()
+    centred = v - mean
+    kurtosis = (centred**4).mean() / std**4 - 3 if std > 0 else 0.0
+    return {"mean": float(mean), "std": float(std), "excess_kurtosis": float(kurtosis),
+            "within_1std": float((np.abs(centred) <= std).mean())}
+
+
+def activation_statistics(model, tokens: np.ndarray, progress: bool = False) -> dict:
+    """The ``moments`` of each ``STATISTICS`` distribution and the residual stream's RMS entering the FFN,
+    per layer of a SiLU reference ``model`` (a ``models.DecoderModel``) run on one sequence of ``tokens``,
+    and their means over the layers."""
+    layers: dict[int, dict] = {}
+    with progress_bar(total=model.spec.n_layers, desc="activation statistics", unit="layer",
+                      enabled=progress) as bar:
+        def record(trace: FFNTrace) -> None:
+            values = (trace.ffn_input, np.abs(silu(trace.gate_pre)), trace.activated)
+            layers[trace.layer] = {name: moments(v) for name, v in zip(STATISTICS, values)}
+            layers[trace.layer]["residual_rms"] = float(np.sqrt(np.mean(np.square(trace.residual, dtype=np.float64))))
+            bar.update(1)
+
+        model.ffn_hook = record
+        try:
+            model.forward(np.asarray(tokens), model.new_cache())
+        finally:
+            model.ffn_hook = None
+    per_layer = [layers[i] for i in sorted(layers)]
+    means = {name: {key: float(np.mean([layer[name][key] for layer in per_layer])) for key in per_layer[0][name]}
+             for name in STATISTICS}
+    return {"tokens": len(tokens), "mean_over_layers": means, "layers": per_layer}
+
+
+def calibrated_frequencies(path: Path, n_layers: int) -> dict:
+    """The mean of the neuron frequencies a calibrated PowerInfer file carries (the share of tokens on which a
+    neuron is computed) and the share of neurons that carry 80% of them (mean over layers)."""
+    model = open_model_file(path)
+    frequencies = [np.asarray(model.get(neuron_frequency_key(i)), dtype=np.float64) for i in range(n_layers)]
+    return {"calibrated_density": float(np.mean([f.mean() for f in frequencies])),
+            "calibrated_hot80": float(np.mean([hot_fraction(f) for f in frequencies]))}
 
 
 def _profiled_density(stats: FiringStats, d_ff: int) -> float:
@@ -584,13 +766,24 @@ def _pairs_bytes(shape: Shape, profile_tokens: int) -> int:
 
 
 def _check_disk(shape_name: str, shape: Shape, outtype: str, profile_tokens: int, folder: Path) -> None:
-    """Refuse a synthesis whose f16 checkpoint, training pairs and two model files do not fit ``folder``'s disk."""
+    """Refuse a synthesis whose f16 checkpoint, training pairs (of ``profile_tokens``, 0 for none) and two
+    model files do not fit ``folder``'s disk."""
     bytes_per_param = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[outtype]
     needed = int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + _pairs_bytes(shape, profile_tokens)
     free = shutil.disk_usage(folder).free
     if needed > free:
         raise PitoolsError(f"{shape_name} at {outtype} needs about {format_size(needed)} of disk "
                            f"(f16 checkpoint and two model files), {folder} has {format_size(free)}")
+
+
+def _check_memory(shape_name: str, shape: Shape) -> None:
+    """Refuse a SiLU synthesis whose model the reference engine, in float32, would not fit in memory."""
+    needed = int(shape.n_params * 4 * 1.2)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > total:
+        raise PitoolsError(f"calibrating {shape_name} runs it in float32 on the reference engine: about "
+                           f"{format_size(needed)} of memory, this machine has {format_size(total)}; "
+                           "use --layers for fewer layers")
 
 
 def default_profile_tokens(shape: Shape) -> int:
@@ -627,25 +820,14 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     """
     shape_name, shape = _named_shape(shape, layers)
     profile_tokens = profile_tokens or default_profile_tokens(shape)
-    output = Path(output)
-    dense = dense_companion(output)
-    for path in (output, dense):
-        check_writable_output(path, force)
-    work = Path(work) if work is not None else work_folder(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _check_disk(shape_name, shape, outtype, profile_tokens, output.parent)
-
+    output, dense, work = _outputs(shape_name, shape, output, outtype, profile_tokens, work, force)
     checkpoint_dir, profile_dir, predictor_dir = work / "checkpoint", work / "profile", work / "predictors"
     # A work folder left by an interrupted run of the same synthesis is resumed: the checkpoint is
     # reused, and profiling and predictor training continue where they stopped (they check their
     # own settings). ``force`` starts over.
     identity = {"shape": asdict(shape), "planting": asdict(planting), "profile_tokens": profile_tokens}
-    resumed = _resume_work(work, identity, force)
-    if resumed:
-        frequencies = planted_frequencies(shape, planting)
-    else:
-        frequencies = write_checkpoint(checkpoint_dir, shape, planting)
-        (work / SYNTH_JSON).write_text(json.dumps(identity, indent=2))
+    resumed = _checkpoint_once(work, identity, force, lambda folder: write_checkpoint(folder, shape, planting))
+    frequencies = planted_frequencies(shape, planting)
     stats = _profile(Checkpoint(checkpoint_dir), profile_dir, shape_name, shape, planting, profile_tokens,
                      resumed, progress)
     profile_report, _ = write_report(profile_dir)
@@ -656,19 +838,81 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     # order, so that the dense twin holds the same matrices row for row.
     convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, profile=profile_dir,
             sparsify=SparsifySettings(reorder=False), force=force, progress=progress)
-    convert(str(checkpoint_dir), dense, outtype, dense=True, force=force, progress=progress)
-    if not keep_work:
-        shutil.rmtree(work)
+    _finish(checkpoint_dir, dense, outtype, work, keep_work, force, progress)
     return SynthResult(output, dense, shape_name, planting, float(frequencies.mean()),
                        float(np.mean([hot_fraction(p) for p in frequencies])), _profiled_density(stats, shape.d_ff),
                        profile_report, predictors, ideal_selection(planting, shape),
                        _mixture_report(shape, planting, stats))
 
 
+def synthesize_silu(shape: str | Shape, output: Path, outtype: str = "q4_0", settings: SiluSettings = SiluSettings(),
+                    calibration_tokens: int | None = None, work: Path | None = None, keep_work: bool = False,
+                    force: bool = False, progress: bool = True, layers: int | None = None) -> SiluSynthResult:
+    """Write the calibrated PowerInfer GGUF ``output`` (activation thresholds, no predictors) of a SiLU model
+    of the dense ``shape`` and its dense companion, as ``synthesize`` does a ReLU model's. The reference
+    engine runs the checkpoint on ``calibration_tokens`` uniform random token ids (default
+    ``CALIBRATION_TOKENS``), the first ``STATISTICS_TOKENS`` of them for ``activation_statistics``; the
+    work folder holds the f16 checkpoint (reused when a run was interrupted after writing it)."""
+    shape_name, shape = _named_shape(shape, layers)
+    if shape.n_experts:
+        raise PitoolsError(f"{shape_name} is a mixture of experts: SiLU synthesis (--activation silu) is for "
+                           "dense shapes only")
+    calibration_tokens = calibration_tokens or CALIBRATION_TOKENS
+    output, dense, work = _outputs(shape_name, shape, output, outtype, 0, work, force)
+    _check_memory(shape_name, shape)
+    checkpoint_dir = work / "checkpoint"
+    identity = {"shape": asdict(shape), "activation": "silu", "seed": settings.seed}
+    _checkpoint_once(work, identity, force, lambda folder: write_silu_checkpoint(folder, shape, settings))
+    model = load_model(Checkpoint(checkpoint_dir))
+    tokens = settings.uniform_tokens(shape.vocab_size, calibration_tokens)
+    statistics = activation_statistics(model, tokens[:STATISTICS_TOKENS], progress)
+    calibration = calibrate(model, tokens, CalibrationSettings(settings.target_sparsity, settings.rule,
+                                                               seed=settings.seed), progress=progress)
+    del model  # its float32 weights, before the conversions
+    # The neurons keep their checkpoint order, as a ReLU model's do: the dense twin's rows are the same.
+    convert(str(checkpoint_dir), output, outtype, sparsify=SparsifySettings(reorder=False), calibration=calibration,
+            force=force, progress=progress)
+    _finish(checkpoint_dir, dense, outtype, work, keep_work, force, progress)
+    return SiluSynthResult(output, dense, shape_name, settings, calibration_tokens, outlier_count(shape.d_model),
+                           statistics, calibrated_frequencies(output, shape.n_layers))
+
+
+def _outputs(shape_name: str, shape: Shape, output: Path, outtype: str, profile_tokens: int, work: Path | None,
+             force: bool) -> tuple[Path, Path, Path]:
+    """Check that the PowerInfer file ``output`` and its dense companion may be written and fit on the disk
+    (``_check_disk``); return them and the work folder (``work``, default: beside ``output``)."""
+    output = Path(output)
+    dense = dense_companion(output)
+    for path in (output, dense):
+        check_writable_output(path, force)
+    work = Path(work) if work is not None else work_folder(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _check_disk(shape_name, shape, outtype, profile_tokens, output.parent)
+    return output, dense, work
+
+
+def _checkpoint_once(work: Path, identity: dict, force: bool, write: Callable[[Path], object]) -> bool:
+    """Write the checkpoint of the synthesis ``identity`` into ``work``/checkpoint with ``write``, unless an
+    interrupted run of it left it there complete (``_resume_work``): then return True (resumed)."""
+    if _resume_work(work, identity, force):
+        return True
+    write(work / "checkpoint")
+    (work / SYNTH_JSON).write_text(json.dumps(identity, indent=2))
+    return False
+
+
+def _finish(checkpoint_dir: Path, dense: Path, outtype: str, work: Path, keep_work: bool, force: bool,
+            progress: bool) -> None:
+    """Convert the checkpoint to the dense companion, then delete the work folder unless ``keep_work``."""
+    convert(str(checkpoint_dir), dense, outtype, dense=True, force=force, progress=progress)
+    if not keep_work:
+        shutil.rmtree(work)
+
+
 def _profile(checkpoint: Checkpoint, profile_dir: Path, shape_name: str, shape: Shape, planting: Planting,
              profile_tokens: int, resumed: bool, progress: bool) -> FiringStats:
     """Profile the synthetic checkpoint from its construction on uniform token ids, keeping every token's pairs."""
-    tokens = planting.rng(3).integers(0, shape.vocab_size, profile_tokens)
+    tokens = planting.uniform_tokens(shape.vocab_size, profile_tokens)
     profiler = Profiler(PlantedActivations(checkpoint), f"synthetic {shape_name}", tokens,
                         [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
                         ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,

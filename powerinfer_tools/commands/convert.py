@@ -9,6 +9,8 @@ import click
 from powerinfer_tools.conversion.convert import ConversionPlan
 from powerinfer_tools.conversion.convert import convert as convert_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part, predictor_names
 from powerinfer_tools.formats.quantization import F16, OUTTYPES, Q4_0
 from powerinfer_tools.predictors.trainer import TrainSettings
@@ -67,6 +69,13 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
               help="All predictors' size as a fraction of the FFN weights.")
 @click.option("--reorder/--no-reorder", default=True, show_default=True,
               help="Store each FFN's neurons hot-first, so the GPU's share is a contiguous prefix.")
+@click.option("--target-sparsity", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="A SiLU (SwiGLU) model: calibrate thresholds that skip this share of activations "
+                   "(by --sparsity-rule) instead of training predictors; written in the PowerInfer layout.")
+@click.option("--sparsity-rule", type=click.Choice([r.value for r in SparsityRule]), default=SparsityRule.CATS.value,
+              show_default=True,
+              help="With --target-sparsity: cats skips neurons whose |SiLU(gate)| is small; teal skips the small "
+                   "entries of the FFN's inputs; cats+teal is cats, then teal on the down projection's input.")
 @click.option("--no-sparsity", is_flag=True,
               help="PowerInfer layout without profiling, predictors or reordering (our runtime runs it dense).")
 @click.option("--allow-nonfinite", is_flag=True,
@@ -74,8 +83,9 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
 @click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
 def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,
-            corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool, no_sparsity: bool,
-            allow_nonfinite: bool, force: bool, quiet: bool):
+            corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool,
+            target_sparsity: float | None, sparsity_rule: str, no_sparsity: bool, allow_nonfinite: bool, force: bool,
+            quiet: bool):
     """Convert SRC, a checkpoint folder or a Hugging Face hub id, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
@@ -83,7 +93,9 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     as ffn_down_t, and per-layer neuron predictors. Unless given with --profile
     and --predictors, the model is first profiled on calibration text and its
     predictors trained (cached and resumable in OUTPUT.work/); neurons are stored
-    hot-first and their firing frequencies recorded for `pitools solve`. Other models,
+    hot-first and their firing frequencies recorded for `pitools solve`. A SiLU model
+    with --target-sparsity is written in the same layout with, instead of predictors,
+    thresholds calibrated on the same text (CATS, TEAL: docs/sparsity.md). Other models,
     and any model with --dense, are written as plain GGUF with llama.cpp's names,
     which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
@@ -98,9 +110,13 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
       pitools convert ./ReluLLaMA-7B --corpus calibration.txt
       pitools convert SparseLLM/ReluLLaMA-7B --outtype q4_0 --predictors ./predictors
       pitools convert ./TinyLlama --dense -o tinyllama.gguf
+      pitools convert ./TinyLlama --target-sparsity 0.5 --outtype q4_0
     """
+    if target_sparsity is not None and no_sparsity:
+        raise PitoolsError("--target-sparsity and --no-sparsity contradict each other")
     sparsify = None if no_sparsity else SparsifySettings(
-        corpus=corpus, tokens=tokens, train=TrainSettings(recall=recall, budget=budget), reorder=reorder
+        corpus=corpus, tokens=tokens, train=TrainSettings(recall=recall, budget=budget), reorder=reorder,
+        target_sparsity=target_sparsity, rule=SparsityRule(sparsity_rule),
     )
     path, plan = convert_checkpoint(
         source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,

@@ -32,7 +32,7 @@ from powerinfer_tools.units import parse_size
 # "predicted" is the spelling of sparse that this command documented before the modes were one vocabulary.
 @click.option("--sparse", "mode", type=click.Choice([m.value for m in FFNMode] + ["predicted"]), default="dense",
               show_default=True, help="dense: every neuron; oracle: only the neurons that truly fire; "
-                   "sparse (or predicted): only those the predictors select.")
+                   "sparse (or predicted): only those the predictors (or a SiLU model's thresholds) select.")
 @click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
 @ram_options
@@ -50,7 +50,7 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     `pitools run --mode`, and oracle; predicted is another spelling of sparse.
     With oracle or sparse, the fraction of FFN neurons computed is reported
     too, and on the reference engine the recall (share of truly firing neurons
-    computed). A GGUF file's --sparse predicted uses its own predictors.
+    computed). A GGUF file's --sparse predicted uses its own predictors (or thresholds).
 
     \b
     Examples:
@@ -88,7 +88,7 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
 def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
                      quiet, ram: int | None, cache_policy: str) -> PerplexityResult:
     model = load_runtime_model(path, use_split=False, ram=ram, cache_policy=cache_policy)
-    if FFNMode(mode) is FFNMode.SPARSE and not model.has_predictors:
+    if FFNMode(mode) is FFNMode.SPARSE and not model.can_run_sparse:
         raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
     if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():
         raise PitoolsError(f"{path}: no {HELDOUT_FILE} beside the model to default to; pass --corpus FILE or --dataset NAME")

@@ -35,7 +35,8 @@ from powerinfer_tools.units import format_size, parse_size
 @click.option("--seed", type=int, default=None, help="Random seed (0 to 2^64 - 1) for reproducible sampling.")
 @click.option("--mode", type=click.Choice([FFNMode.SPARSE.value, FFNMode.DENSE.value]), default=FFNMode.SPARSE.value,
               show_default=True,
-              help="sparse: compute only the FFN neurons the predictors select; dense: all of them.")
+              help="sparse: compute only the FFN neurons the predictors (or a SiLU model's thresholds) select; "
+                   "dense: all of them.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
               help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
                    "for a GPU that checks the budget and counts PCIe bytes (for testing).")

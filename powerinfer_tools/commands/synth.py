@@ -1,4 +1,4 @@
-"""``pitools synth``: a synthetic ReLU model of a real architecture's shape, for benchmarks."""
+"""``pitools synth``: a synthetic ReLU or SiLU model of a real architecture's shape, for benchmarks."""
 
 from __future__ import annotations
 
@@ -7,22 +7,41 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from powerinfer_tools.benchmarking import synth as synth_module
 from powerinfer_tools.benchmarking.synth import (
+    CALIBRATION_TOKENS,
+    DEFAULT_TARGET_SPARSITY,
     HARDNESS,
     ROUTING_SKEW,
     SHAPES,
     SYNTH_TRAINING,
+    SiluSettings,
     synthesize,
+    synthesize_silu,
 )
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.quantization import OUTTYPES
+
+# The options of one activation only, by their parameter names.
+RELU_ONLY = ("density", "hardness", "rank", "noise", "routing_skew", "epochs", "min_precision")
+SILU_ONLY = ("target_sparsity", "sparsity_rule")
 
 
 @click.command("synth", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--shape", type=click.Choice(list(SHAPES)), required=True, help="Architecture shape to copy.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="PowerInfer GGUF to write (name it *.powerinfer.gguf: the dense file is then *.gguf).")
+@click.option("--activation", type=click.Choice(["relu", "silu"]), default="relu", show_default=True,
+              help="relu: ReGLU with planted firing and trained predictors; silu: SwiGLU (dense shapes) with "
+                   "calibrated activation thresholds (CATS/TEAL) instead of predictors.")
+@click.option("--target-sparsity", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              help=f"silu: share of the FFN's work the thresholds skip [default: {DEFAULT_TARGET_SPARSITY}].")
+@click.option("--sparsity-rule", type=click.Choice([r.value for r in SparsityRule]), default=None,
+              help="silu: cats skips neurons whose |SiLU(gate x)| is small; teal skips weight columns whose input "
+                   "is small; cats+teal both [default: cats].")
 @click.option("--density", type=float, default=0.1, show_default=True,
               help="Mean fraction of FFN neurons that fire per token.")
 @click.option("--layers", type=click.IntRange(min=1), default=None,
@@ -44,7 +63,8 @@ from powerinfer_tools.formats.quantization import OUTTYPES
                    "large values starve the idlest experts, whose predictors then compute every neuron).")
 @click.option("--profile-tokens", type=click.IntRange(min=64), default=None,
               help="Tokens profiled for predictor training [default: 4096 per FFN on average; a mixture's experts "
-                   "each see their share of the tokens: 16384 for Mixtral's 2 of 8].")
+                   "each see their share of the tokens: 16384 for Mixtral's 2 of 8]; silu: calibration tokens "
+                   f"[default: {CALIBRATION_TOKENS}].")
 @click.option("--epochs", type=click.IntRange(min=1), default=SYNTH_TRAINING.epochs, show_default=True,
               help="Predictor training epochs per candidate size (fewer: faster, for large shapes).")
 @click.option("--min-precision", type=click.FloatRange(0, 1), default=None,
@@ -57,9 +77,9 @@ from powerinfer_tools.formats.quantization import OUTTYPES
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def synth(shape, output, density, layers, hardness, outtype, rank, noise, routing_skew, profile_tokens, epochs,
-          min_precision, seed, work, keep_work, force, as_json, quiet) -> None:
-    """Write a synthetic ReLU LLaMA (or Mixtral) of a real shape, for benchmarking.
+def synth(shape, output, activation, target_sparsity, sparsity_rule, density, layers, hardness, outtype, rank, noise,
+          routing_skew, profile_tokens, epochs, min_precision, seed, work, keep_work, force, as_json, quiet) -> None:
+    """Write a synthetic ReLU (or SiLU) LLaMA (or Mixtral) of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
     frequencies (about --density of them per token, a minority of hot
@@ -74,26 +94,53 @@ def synth(shape, output, density, layers, hardness, outtype, rank, noise, routin
     tokens to the shape's size (32000 for the LLaMA and Mixtral shapes). See
     powerinfer_tools/benchmarking/synth.py for the construction.
 
+    With --activation silu, a SwiGLU LLaMA of a dense shape with sane random
+    weights (SwiGLU's activation statistics, which the summary reports), its
+    thresholds calibrated to --target-sparsity on random token ids (the
+    reference engine runs it: float32 weights in memory) instead of
+    predictors.
+
     \b
     Examples:
       pitools synth --shape tinyllama-1.1b --density 0.1 -o /tmp/tl.powerinfer.gguf
       pitools bench /tmp/tl.powerinfer.gguf
       pitools synth --shape mixtral-8x7b --layers 2 -o /tmp/mx.powerinfer.gguf
+      pitools synth --shape tinyllama-1.1b --activation silu --target-sparsity 0.5 -o /tmp/tls.powerinfer.gguf
     """
+    _check_options(activation)
+    common = dict(work=work, keep_work=keep_work, force=force, progress=not quiet, layers=layers)
+    if activation == "silu":
+        settings = SiluSettings(DEFAULT_TARGET_SPARSITY if target_sparsity is None else target_sparsity,
+                                sparsity_rule or SparsityRule.CATS, seed)
+        summary = synthesize_silu(shape, output, outtype, settings, calibration_tokens=profile_tokens,
+                                  **common).summary()
+        click.echo(json.dumps(summary, indent=2) if as_json else _silu_report(summary))
+        return
     level = HARDNESS[hardness]
     planting = level.planting(SHAPES[shape], density, seed)
     planting = dataclasses.replace(planting, rank=rank or planting.rank,
                                    noise=planting.noise if noise is None else noise, routing_skew=routing_skew)
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
-    result = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train, work=work,
-                        keep_work=keep_work, force=force, progress=not quiet, layers=layers)
-    summary = result.summary()
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-        return
+    summary = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train,
+                         **common).summary()
+    click.echo(json.dumps(summary, indent=2) if as_json else _relu_report(summary))
+
+
+def _check_options(activation: str) -> None:
+    """Refuse the options of the other activation (given on the command line, even at their defaults)."""
+    context = click.get_current_context()
+    others = RELU_ONLY if activation == "silu" else SILU_ONLY
+    given = [f"--{name.replace('_', '-')}" for name in others
+             if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)]
+    if given:
+        other = "relu" if activation == "silu" else "silu"
+        raise PitoolsError(f"{', '.join(given)}: only for --activation {other}, not {activation}")
+
+
+def _relu_report(summary: dict) -> str:
     hidden = summary["predictor_hidden"]
-    click.echo(
+    return (
         f"wrote {summary['powerinfer']} (PowerInfer, with predictors) and {summary['dense']} (dense)\n"
         f"{_experts_line(summary)}"
         f"firing density: planted {summary['planted_density']:.3f}, profiled {summary['profiled_density']:.3f}; "
@@ -105,6 +152,24 @@ def synth(shape, output, density, layers, hardness, outtype, rank, noise, routin
         f"{2 * (summary['rank'] + 1)} hidden units computes {summary['ideal_computed']:.1%} of the neurons "
         f"at 95% recall (precision {summary['ideal_precision']:.1%})"
     )
+
+
+def _silu_report(summary: dict) -> str:
+    """The files, the calibration and the activations' statistics (mean over layers; per layer in --json)."""
+    means = summary["statistics"]["mean_over_layers"]
+    lines = [f"wrote {summary['powerinfer']} (PowerInfer, {summary['rule']} thresholds) and {summary['dense']} "
+             "(dense)",
+             f"thresholds for {summary['target_sparsity']:.0%} sparsity from {summary['calibration_tokens']} random "
+             f"tokens: neurons read on {summary['calibrated_density']:.1%} of tokens on average, 80% of the reads "
+             f"by {summary['calibrated_hot80']:.1%} of the neurons",
+             f"activations on {summary['statistics']['tokens']} tokens (mean over layers; Gaussian: excess kurtosis "
+             "0, 68.3% within 1 std; Laplacian: 3, 75.7%):"]
+    for name, label in (("ffn_input", "FFN input"), ("abs_silu_gate", "|SiLU(gate x)|"),
+                        ("down_input", "down-projection input")):
+        m = means[name]
+        lines.append(f"  {label}: mean {m['mean']:.3f}, std {m['std']:.3f}, excess kurtosis "
+                     f"{m['excess_kurtosis']:.2f}, {m['within_1std']:.1%} within 1 std")
+    return "\n".join(lines)
 
 
 def _experts_line(summary: dict) -> str:

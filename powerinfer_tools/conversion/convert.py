@@ -25,7 +25,14 @@ from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
-from powerinfer_tools.conversion.sparsify import SparsifySettings, SparsityArtifacts, prepare_sparsity, work_folder
+from powerinfer_tools.conversion.sparsify import (
+    SparsifySettings,
+    SparsityArtifacts,
+    calibrate_checkpoint,
+    prepare_sparsity,
+    thresholded_artifacts,
+    work_folder,
+)
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, check_writable_output
 from powerinfer_tools.formats.constants import (
@@ -38,6 +45,7 @@ from powerinfer_tools.formats.constants import (
     predictor_names,
     tensor_name,
 )
+from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
 from powerinfer_tools.formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
 from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
 from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictors
@@ -47,6 +55,7 @@ from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.models import ModelSpec, spec_from_config
+from powerinfer_tools.profiling.calibration import Calibration
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
 
@@ -106,15 +115,19 @@ class ConversionPlan:
     neuron_frequencies: dict[FFNUnit, np.ndarray] | None = None  # per FFN, in the file's neuron order
     predictor_layers: list[dict] | None = None  # predictors.json's per-FFN quality, when predictors are merged
     routing: np.ndarray | None = None  # a mixture's routing frequencies [n_layers, experts]
+    thresholds: ActivationThresholds | None = None  # a SiLU model's calibrated sparsity thresholds
 
 
-
-def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | None) -> bool:
-    """True for the PowerInfer layout: the default for ReLU-family models."""
+def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | None, thresholded: bool) -> bool:
+    """True for the PowerInfer layout: the default for ReLU-family models, and SiLU models with thresholds."""
     if predictors is not None and (dense or not spec.ffn.sparse):
         why = "with --dense" if dense else f"to a {spec.ffn.value} model, which is not activation-sparse"
         raise PitoolsError(f"predictors do not apply {why}")
-    return spec.ffn.sparse and not dense
+    if thresholded and (dense or spec.ffn.sparse):
+        why = ("--dense writes the dense layout" if dense else
+               f"its FFN is {spec.ffn.value}, sparse already: its predictors are trained, not thresholds")
+        raise PitoolsError(f"--target-sparsity is for SiLU models: {why}")
+    return (spec.ffn.sparse or thresholded) and not dense
 
 
 class _Source(NamedTuple):
@@ -168,7 +181,8 @@ def plan_conversion(
     if outtype not in OUTTYPES:
         raise PitoolsError(f"unknown output type {outtype!r} (supported: {', '.join(OUTTYPES)})")
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-    powerinfer = _choose_layout(spec, dense, predictors)
+    thresholds = sparsity.thresholds if sparsity is not None else None
+    powerinfer = _choose_layout(spec, dense, predictors, thresholds is not None)
     vocab = read_vocab(checkpoint.folder, spec.vocab_size)
     orders = sparsity.orders if sparsity is not None and powerinfer else None
     sources = _model_tensors(checkpoint, spec, powerinfer, orders, allow_nonfinite)
@@ -189,7 +203,7 @@ def plan_conversion(
         routing = sparsity.routing
     return ConversionPlan(
         name, spec, gguf_architecture(spec, powerinfer), powerinfer, kind, vocab, tensors, threshold, frequencies,
-        predictors.meta["layers"] if predictors is not None else None, routing,
+        predictors.meta["layers"] if predictors is not None else None, routing, thresholds,
     )
 
 
@@ -204,6 +218,8 @@ def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
         writer.add_array(neuron_frequency_key(unit.layer, unit.expert), [float(f) for f in freq])
     for layer, shares in enumerate(plan.routing if plan.routing is not None else []):
         writer.add_array(expert_frequency_key(layer), [float(f) for f in shares])
+    if plan.thresholds is not None:
+        plan.thresholds.add_to(writer)
     if plan.predictor_layers:
         for key, field in ((PREDICTOR_RECALL_KEY, "recall"), (PREDICTOR_PRECISION_KEY, "precision"),
                            (PREDICTOR_COMPUTED_KEY, "predicted_density")):
@@ -247,6 +263,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     allow_nonfinite: bool = False,
+    calibration: Calibration | None = None,
 ) -> tuple[Path, ConversionPlan]:
     """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written.
 
@@ -254,19 +271,25 @@ def convert(
     PowerInfer file gets predictors, hot-first neurons and firing frequencies:
     ``profile``/``predictors`` folders are reused when given, else made in the
     work folder beside the output. Without it, ``predictors`` are merged as given.
+    A SiLU model with ``sparsify.target_sparsity`` (or a ready ``calibration`` of it) gets the
+    PowerInfer layout with calibrated thresholds instead of predictors.
     NaN/inf weights are refused unless ``allow_nonfinite`` (profiling refuses them always).
     """
     folder = resolve_checkpoint(source, progress=progress)
     checkpoint = Checkpoint(folder)
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
     name = _model_name(source, folder)
-    sparse_layout = spec.ffn.sparse and not dense
+    thresholded = calibration is not None or (sparsify is not None and sparsify.target_sparsity is not None)
+    sparse_layout = _choose_layout(spec, dense, None, thresholded)
     path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
     check_writable_output(path, force, inputs=_input_files(folder, profile, predictors))
     plan_conversion(checkpoint, name, outtype, dense)  # every input check before the long sparsity steps
     try:
         sparsity = None
-        if sparsify is not None and sparse_layout:
+        if thresholded:
+            calibration = calibration or calibrate_checkpoint(folder, sparsify, progress)
+            sparsity = thresholded_artifacts(calibration, sparsify.reorder if sparsify is not None else True)
+        elif sparsify is not None and sparse_layout:
             sparsity = prepare_sparsity(
                 folder,
                 work_folder(path),

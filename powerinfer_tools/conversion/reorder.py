@@ -23,11 +23,11 @@ _FFN_NEURON_AXIS = {"gate": 0, "up": 0, "gate_bias": 0, "up_bias": 0, "down": 1}
 
 
 def hot_first_permutation(fire_count: np.ndarray) -> np.ndarray:
-    """Neuron indices sorted by firing count, highest first; ties keep their original order.
+    """Neuron indices sorted by firing count (or frequency), highest first; ties keep their original order.
 
     ``new[i] = old[perm[i]]``: apply with ``permute_neurons(tensor, perm, axis)``.
     """
-    return np.argsort(-np.asarray(fire_count, dtype=np.int64), kind="stable")
+    return np.argsort(-np.asarray(fire_count), kind="stable")
 
 
 def permute_neurons(tensor: np.ndarray, perm: np.ndarray, axis: int) -> np.ndarray:

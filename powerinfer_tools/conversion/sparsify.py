@@ -1,4 +1,5 @@
-"""The sparsity steps of ``pitools convert``: profile the model, train its predictors, order neurons.
+"""The sparsity steps of ``pitools convert``: profile the model, train its predictors, order neurons;
+or, for a SiLU model given a target sparsity, calibrate its thresholds (``profiling/calibration.py``).
 
 Both steps cache their results in a work folder beside the output
 (``<output>.work/profile`` and ``<output>.work/predictors``) and resume an
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer_tools.conversion.reorder import profile_permutations
+from powerinfer_tools.conversion.reorder import hot_first_permutation, profile_permutations
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.models import load_model_and_tokenizer
+from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.profiling.calibration import Calibration, CalibrationSettings, calibrate
 from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
@@ -29,6 +32,9 @@ class SparsifySettings:
     seq_len: int = 256
     train: TrainSettings = field(default_factory=TrainSettings)
     reorder: bool = True
+    # A SiLU model: thresholds calibrated to this sparsity by ``rule`` instead of predictors.
+    target_sparsity: float | None = None
+    rule: SparsityRule = SparsityRule.CATS
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,11 @@ class SparsityArtifacts:
     """What the converter writes into a PowerInfer file beyond the checkpoint's weights, per FFN (a
     layer's, or an expert's)."""
 
-    predictors: Path  # predictor folder (formats/README.md)
+    predictors: Path | None  # predictor folder (formats/README.md); None for a thresholded model
     frequencies: dict[FFNUnit, np.ndarray] | None  # firing probability per neuron, in the checkpoint's order
     orders: dict[FFNUnit, np.ndarray] | None  # file neuron i is checkpoint neuron orders[unit][i]
     routing: np.ndarray | None = None  # a mixture's [n_layers, experts]: share of tokens routed to each
+    thresholds: ActivationThresholds | None = None  # a SiLU model's, instead of predictors
 
 
 def work_folder(output: Path) -> Path:
@@ -55,6 +62,21 @@ def profile_checkpoint(folder: Path, profile_dir: Path, settings: SparsifySettin
     Profiler(model, str(folder), tokens, source.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
         progress=progress
     )
+
+
+def calibrate_checkpoint(folder: Path, settings: SparsifySettings, progress: bool) -> Calibration:
+    """Thresholds for ``folder``'s model at ``settings.target_sparsity``, calibrated on its corpus."""
+    model, tokenizer = load_model_and_tokenizer(folder)
+    tokens = read_tokens(resolve_source(settings.corpus, None, folder), tokenizer, settings.tokens)
+    return calibrate(model, tokens, CalibrationSettings(settings.target_sparsity, settings.rule, settings.seq_len),
+                     progress)
+
+
+def thresholded_artifacts(calibration: Calibration, reorder: bool) -> SparsityArtifacts:
+    """What a thresholded file carries: thresholds, frequencies and (``reorder``) hot-first neurons."""
+    frequencies = calibration.frequencies
+    orders = {unit: hot_first_permutation(f) for unit, f in frequencies.items()} if reorder else None
+    return SparsityArtifacts(None, frequencies, orders, thresholds=calibration.thresholds)
 
 
 def prepare_sparsity(

@@ -13,7 +13,7 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
-from powerinfer_tools.models import llama, mistral, mixtral, opt
+from powerinfer_tools.models import llama, mistral, mixtral, opt, qwen2
 from powerinfer_tools.models.base import DecoderModel
 
 # config.json "model_type" -> the module that reads it.
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "bamboo": mistral,
     "mixtral": mixtral,
     mixtral.TURBOSPARSE: mixtral,
+    qwen2.ARCHITECTURE: qwen2,
     "opt": opt,
 }
 

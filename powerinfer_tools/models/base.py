@@ -10,6 +10,7 @@ from gguf import MODEL_TENSOR as T
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.tensor_table import ArchitectureTable
 from powerinfer_tools.interfaces import Engine, FFNTracer
@@ -134,8 +135,9 @@ class DecoderModel(Engine, FFNTracer):
     """The reference engine: a decoder-only language model evaluated in NumPy, one sequence at a time.
 
     ``ffn_hook`` (if set) sees every FFN's input and activations; ``neuron_selector``
-    (if set) restricts which neurons each FFN computes. Both exist so profiling and
-    sparse evaluation can use the reference model unchanged.
+    (if set) restricts which neurons each FFN computes; ``activation_thresholds`` (if set)
+    run a SiLU model's FFNs by their rule (``layers.feed_forward``).
+    They exist so profiling and sparse evaluation can use the reference model unchanged.
     """
 
     spec: ModelSpec
@@ -144,6 +146,7 @@ class DecoderModel(Engine, FFNTracer):
     def __init__(self) -> None:
         self.ffn_hook: Optional[FFNHook] = None
         self.neuron_selector: Optional[NeuronSelector] = None
+        self.activation_thresholds: Optional[ActivationThresholds] = None
 
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "DecoderModel":
@@ -179,7 +182,9 @@ class DecoderModel(Engine, FFNTracer):
                 if self.neuron_selector is not None:
                     raise PitoolsError("selecting neurons is per layer; a mixture of experts has no selector yet")
                 return mixture_of_experts(s.ffn, b.ffn, s.n_experts_used, h, i, self.ffn_hook, residual)
-            return feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=residual)
+            thresholds = self.activation_thresholds.layers[i] if self.activation_thresholds is not None else None
+            return feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=residual,
+                                thresholds=thresholds)
 
         return decoder_layer(x, attend, ffn, lambda v: norm(b.attn_norm, v), lambda v: norm(b.ffn_norm, v),
                              s.pre_norm)

@@ -20,7 +20,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.xp import array_namespace
 
 
@@ -91,6 +93,13 @@ def apply_rope_adjacent(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.n
     out[..., 0::2] = even * c - odd * s
     out[..., 1::2] = even * s + odd * c
     return out
+
+
+def stored_rotation(spec: ModelSpec) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """``apply_rope`` or ``apply_rope_adjacent``: the rotation that q and k need as a GGUF file of
+    ``spec``'s architecture stores them (its table's ``rope_pairs``, which llama.cpp's rope type and
+    the converter's row order follow). The reference engine, on checkpoint weights, always rotates halves."""
+    return apply_rope_adjacent if TABLES[spec.architecture].rope_pairs is RopePairs.ADJACENT else apply_rope
 
 
 class KVCache:
@@ -288,16 +297,20 @@ def feed_forward(
     hook: Optional[FFNHook] = None,
     selector: Optional[NeuronSelector] = None,
     residual: Optional[np.ndarray] = None,
+    thresholds: Optional[LayerThresholds] = None,
 ) -> np.ndarray:
     """One FFN over ``x [T, d_model]``; ``residual`` is the stream before the FFN norm (default ``x``).
 
     With a ``selector``, neurons it leaves out are treated as not firing (their
     activated value is zeroed), which is what a sparse runtime computes when it
-    skips them. This reference path still multiplies every row; the runtime is
-    what reads only the selected rows.
+    skips them. With ``thresholds`` (a SiLU model's), their rule decides instead:
+    the definition the runtime's kernels are tested against (``formats/activation_thresholds.py``);
+    the hook then sees the activations before the rule drops any. This reference path
+    still multiplies every row; the runtime is what reads only the selected rows.
     """
-    gate_pre = linear(x, w.gate, w.gate_bias) if w.gate is not None else None
-    up_pre = linear(x, w.up, w.up_bias)
+    product_input = x if thresholds is None else np.where(kept(x, thresholds.ffn_in), x, 0)
+    gate_pre = linear(product_input, w.gate, w.gate_bias) if w.gate is not None else None
+    up_pre = linear(product_input, w.up, w.up_bias)
     activated = activate(kind, gate_pre, up_pre)
     residual = x if residual is None else residual
     if selector is not None:
@@ -306,4 +319,7 @@ def feed_forward(
             activated = np.where(mask, activated, 0)
     if hook is not None:
         hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
+    if thresholds is not None:
+        selected = kept(silu(gate_pre), thresholds.cats)
+        activated = np.where(selected & kept(activated, thresholds.ffn_down), activated, 0)
     return linear(activated, w.down, w.down_bias)

@@ -4,13 +4,14 @@ The runtime's one specialization of the layer math that both engines share (``mo
 the general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
 calls: for a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development
 machine, against 0.7 ms (one thread) for this path (docs/benchmarks.md). For the common case --
-one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE, gated FFN, no biases) in
-dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer as one numba call: the products
-are loops over weight rows calling ggml's ``vec_dot`` (the kernels' building blocks, fused so that
-a layer takes five fork/joins of the thread pool: q/k/v, attention, output projection, gate/up
-with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``; the predictor's two
-products, on its stored rows, add one each only when the matrix is large), and the small work
-between them (norms, RoPE, the predictor's relu and threshold) is compiled loops.
+one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either pair order, gated
+FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer
+as one numba call: the products are loops over weight rows calling ggml's ``vec_dot`` (the kernels'
+building blocks, fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
+output projection, gate/up with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``;
+the predictor's two products, on its stored rows, add one each only when the matrix is large), and
+the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is compiled
+loops.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
@@ -27,6 +28,7 @@ from numba.experimental import structref
 
 from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels import weight_bytes
@@ -35,8 +37,14 @@ from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache, route
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, compute_cached
 
-# FFN kinds as integers for the compiled code.
+# FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
+# already computed for every neuron (in the scratch's ``predicted``, by row).
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
+CATS_GATE_GIVEN = 3
+NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not use
+# The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
+_BIASES = ("q", "k", "v")
+_NO_BIAS = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias (same numba type)
 
 
 # Weights and buffers reach the compiled code as numba StructRefs: one pointer each. (A namedtuple of
@@ -62,7 +70,8 @@ class ScratchType(_Fields):
 class LayerWeights(structref.StructRefProxy):
     """One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8). Matrices that share an
     input share a ggml type id (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up), so the
-    input is encoded once for them (``CompiledDecoder.build`` checks)."""
+    input is encoded once for them (``CompiledDecoder.build`` checks). ``bq, bk, bv``: biases, empty
+    when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
 class Scratch(structref.StructRefProxy):
@@ -70,13 +79,13 @@ class Scratch(structref.StructRefProxy):
 
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
-    "attn_norm", "wq", "wk", "wv", "wo", "attn_type",
+    "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "bq", "bk", "bv", "rope_halves",
     "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2", "fc2_type",
-    "threshold",
+    "threshold", "thresholded", "cats", "ffn_in", "ffn_down",
 ])
 structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
-    "all_rows", "predicted",
+    "all_rows", "predicted", "down_rows",
 ])
 
 
@@ -118,42 +127,62 @@ def _matvec(vec_dot, w, x_encoded, cols, out):
 
 
 @njit(inline="always")
+def _silu(g):
+    return g / (1.0 + math.exp(-g))
+
+
+@njit(inline="always")
 def _activation(kind, g, u):
     if kind == 0:  # ReGLU
         return max(g, 0.0) * u
     if kind == 1:  # dReLU
         return max(g, 0.0) * max(u, 0.0)
-    return g / (1.0 + math.exp(-g)) * u  # SwiGLU
+    return _silu(g) * u  # SwiGLU
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act):
+def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given):
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
-    one loop (``at`` places the values: a cached layer computes its resident neurons first)."""
+    one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
+    ``CATS_GATE_GIVEN`` the gate products are ``gate_given[row]`` and only the up rows are read."""
     n, row_bytes, xe = rows.shape[0], gate.strides[0], x_encoded.ctypes.data
     for i in prange(n):
         if i + PREFETCH_ROWS < n:  # scattered rows: the hardware prefetcher cannot guess the next one
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
-            prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            if kind != CATS_GATE_GIVEN:
+                prefetch_span(gate.ctypes.data + ahead, row_bytes)
             prefetch_span(up.ctypes.data + ahead, row_bytes)
         row, j = rows[i] * row_bytes, at[i]
-        ggml_vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * j, gate.ctypes.data + row, xe)
+        if kind == CATS_GATE_GIVEN:
+            gate_out[j] = gate_given[rows[i]]
+        else:
+            ggml_vec_dot(vec_dot, cols, gate_out.ctypes.data + 4 * j, gate.ctypes.data + row, xe)
         ggml_vec_dot(vec_dot, cols, up_out.ctypes.data + 4 * j, up.ctypes.data + row, xe)
-        act[j] = _activation(kind, gate_out[j], up_out[j])
+        act[j] = _activation(min(kind, 2), gate_out[j], up_out[j])
 
 
 # --- the small work between the products
 
 
 @njit(nogil=True, cache=True)
-def _rope(x, n_heads, head_dim, cos, sin):
-    """Rotate pairs (2i, 2i+1) of every head, as ggml's normal rope mode (``apply_rope_adjacent``)."""
+def _rope(x, n_heads, head_dim, cos, sin, halves):
+    """Rotate pairs (2i, 2i+1) of every head, as ggml's normal rope mode (``apply_rope_adjacent``), or with
+    ``halves`` (i, i + head_dim/2), as its neox mode and Hugging Face (``apply_rope``)."""
+    half = head_dim // 2
     for h in range(n_heads):
         base = h * head_dim
-        for i in range(head_dim // 2):
-            even, odd = x[base + 2 * i], x[base + 2 * i + 1]
-            x[base + 2 * i] = even * cos[i] - odd * sin[i]
-            x[base + 2 * i + 1] = even * sin[i] + odd * cos[i]
+        for i in range(half):
+            a, b = (base + i, base + half + i) if halves else (base + 2 * i, base + 2 * i + 1)
+            first, second = x[a], x[b]
+            x[a] = first * cos[i] - second * sin[i]
+            x[b] = first * sin[i] + second * cos[i]
+
+
+@njit(nogil=True, cache=True)
+def _add_bias(x, bias):
+    """``x += bias``; an empty ``bias`` (none) adds nothing."""
+    for i in range(bias.shape[0]):
+        x[i] += bias[i]
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -225,6 +254,30 @@ def _predict(x, w, s, fns):
 
 
 @njit(nogil=True, cache=True)
+def _thresholded_input(w, s, fns):
+    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
+    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
+    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
+    |silu| exceeds the threshold; without CATS every neuron is computed."""
+    d_model, d_ff = s.h.shape[0], w.up.shape[0]
+    if w.ffn_in >= 0:
+        for i in range(d_model):
+            if abs(s.h[i]) <= w.ffn_in:
+                s.h[i] = 0.0
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    if w.cats < 0:
+        s.active[:d_ff] = s.all_rows[:d_ff]
+        return d_ff
+    _matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
+    n = 0
+    for neuron in range(d_ff):
+        if abs(_silu(s.predicted[neuron])) > w.cats:
+            s.active[n] = neuron
+            n += 1
+    return n
+
+
+@njit(nogil=True, cache=True)
 def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns):
     """A layer's attention for one token at position ``pos`` (updates the residual ``x`` in place, writes
     this token's key and value into ``keys[pos]`` / ``values[pos]``), then what its FFN needs: the
@@ -234,8 +287,11 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     _rms_norm(x, w.attn_norm, eps, s.h)
     ggml_from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
-    _rope(s.q, n_heads, head_dim, cos, sin)
-    _rope(s.k, n_kv_heads, head_dim, cos, sin)
+    _add_bias(s.q, w.bq)
+    _add_bias(s.k, w.bk)
+    _add_bias(s.v, w.bv)
+    _rope(s.q, n_heads, head_dim, cos, sin, w.rope_halves)
+    _rope(s.k, n_kv_heads, head_dim, cos, sin, w.rope_halves)
     keys[pos] = s.k.reshape((n_kv_heads, head_dim))
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
     _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
@@ -244,6 +300,8 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
+    if sparse and w.thresholded:
+        return _thresholded_input(w, s, fns)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
     n = _predict(x, w, s, fns) if sparse else w.up.shape[0]
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -254,7 +312,20 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
 def gate_up(w, s, rows, at, kind, fns):
     """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up."""
     _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, s.h.shape[0], kind, s.gate_out, s.up_out,
-             s.act)
+             s.act, s.predicted)
+
+
+@njit(nogil=True, cache=True)
+def _teal_down(s, rows, threshold):
+    """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
+    ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
+    m = 0
+    for i in range(rows.shape[0]):
+        if abs(s.act[i]) > threshold:
+            s.down_rows[m] = rows[i]
+            s.act[m] = s.act[i]
+            m += 1
+    return m
 
 
 @njit(nogil=True, cache=True)
@@ -288,12 +359,16 @@ def expert_ffn(x, residual, w, s, weight, kind, sparse, fns, n_threads):
 @njit(nogil=True, cache=True)
 def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
     """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
-    rows of the neurons it chose); returns the number of neurons computed."""
+    rows of the neurons it chose); returns the number of neurons computed and of down rows read."""
     n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns)
     rows = s.active[:n] if sparse else s.all_rows[:n]
-    gate_up(w, s, rows, s.all_rows[:n], kind, fns)
+    gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
+    if sparse and w.ffn_down >= 0:
+        m = _teal_down(s, rows, w.ffn_down)
+        down(x, w, s, s.down_rows[:m], fns, n_threads)
+        return n, m
     down(x, w, s, rows, fns, n_threads)
-    return n
+    return n, n
 
 
 def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
@@ -327,12 +402,13 @@ class CompiledDecoder:
 
     spec: ModelSpec
     layers: list[LayerWeights]
-    bytes_per_neuron: list[int]  # per layer: gate, up and down bytes of one neuron (for TokenStats)
+    row_bytes: list[tuple[int, int, int]]  # per layer: a neuron's gate, up and down bytes (for TokenStats)
+    cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
     rope_frequencies: np.ndarray  # float64 [head_dim / 2]: angle per position of each rotated pair
     max_context: int  # positions the scratch holds attention scores for
-    has_predictors: bool  # every layer has one: sparse mode can run here
+    can_run_sparse: bool  # every layer has one: sparse mode can run here
     neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
     active: np.ndarray  # the scratch's ``active``: the neurons a layer's predictor chose
     mixtures: list[Mixture | None]  # per layer: its router and experts, when its FFN is a mixture
@@ -365,13 +441,19 @@ class CompiledDecoder:
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
+            np.zeros(s.d_ff, np.intp),  # down_rows
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
-        units = [[_unit_weights(layer.dense, *unit) for unit in _units(layer)] for layer in model.layers]
+        halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
+        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] for layer in model.layers]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
                     if layer.experts else None for layer, weights in zip(model.layers, units)]
-        return cls(s, [weights[0] for weights in units], [_units(layer)[0][0].bytes_per_neuron for layer in model.layers],
-                   scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.has_predictors,
+        row_bytes = [(p.gate.row_bytes, p.up.row_bytes, p.bytes_per_neuron - p.gate.row_bytes - p.up.row_bytes)
+                     for p in (_units(layer)[0][0] for layer in model.layers)]
+        cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
+                for layer in model.layers]
+        return cls(s, [weights[0] for weights in units], row_bytes, cats,
+                   scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
                    h)
 
@@ -379,7 +461,7 @@ class CompiledDecoder:
         """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
         cached = any(c is not None for c in self.neuron_caches)  # dense mode streams them: the general path
         return (n_tokens == 1 and caches[0].length < self.max_context
-                and ((mode is FFNMode.DENSE and not cached) or (mode is FFNMode.SPARSE and self.has_predictors)))
+                and ((mode is FFNMode.DENSE and not cached) or (mode is FFNMode.SPARSE and self.can_run_sparse)))
 
     def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
         """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
@@ -392,27 +474,28 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for w, bytes_per_neuron, cache, neurons, mixture in zip(self.layers, self.bytes_per_neuron, caches,
-                                                                 self.neuron_caches, self.mixtures):
+        for w, (gate_bytes, up_bytes, down_bytes), cats, cache, neurons, mixture in zip(
+                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures):
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
             if mixture is not None:
                 decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
                                  s.norm_eps, False, self.fns)
-                n = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse, self.fns,
-                                   threads, step)
+                n = m = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse,
+                                       self.fns, threads, step)
             elif neurons is None:
-                n = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                 s.norm_eps, kind, sparse, self.fns, threads)
+                n, m = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                                    s.norm_eps, kind, sparse, self.fns, threads)
             else:
                 n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
                                      s.norm_eps, sparse, self.fns)
                 before = neurons.counters.snapshot()
                 cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
                 step.add_cache_use(neurons.counters.since(before))
+                m = n
             step.neurons_total += s.d_ff * max(s.n_experts_used, 1)
             step.neurons_active += n
-            step.bytes_read += n * bytes_per_neuron
+            step.bytes_read += gate_bytes * (s.d_ff if sparse and cats else n) + up_bytes * n + down_bytes * m
         return residual[None]
 
 
@@ -446,12 +529,12 @@ def _units(layer) -> list[tuple]:
 
 
 def _supported(layer) -> bool:
-    """Whether the compiled path computes this layer: all on the CPU, no biases, gated FFNs (one CPU
-    partition each; an expert's not through a neuron cache), and one weight type for q/k/v/o and one
-    for every gate/up."""
+    """Whether the compiled path computes this layer: all on the CPU, no biases but q/k/v's, gated FFNs
+    (one CPU partition each; an expert's not through a neuron cache), and one weight type for q/k/v/o
+    and one for every gate/up."""
     d = layer.dense
-    if d.biases or d.backend.is_device or any(len(p) != 1 for p in ([e.partitions for e in layer.experts]
-                                                                     or [layer.partitions])):
+    if set(d.biases) - set(_BIASES) or d.backend.is_device or any(
+            len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
         return False
     partitions = [p for p, _ in _units(layer)]
     if layer.experts and any(p.cache is not None for p in partitions):
@@ -468,16 +551,21 @@ def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
     return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _unit_weights(d, p, predictor) -> LayerWeights:
+def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
     """The compiled weights of one FFN (a layer's, or an expert's) with its layer's attention ``d``."""
+    bq, bk, bv = (d.biases.get(key, _NO_BIAS) for key in _BIASES)
     down = p.down_t if p.down_t is not None else p.down
-    # Without a predictor (dense mode only) the fields hold a placeholder of the same numba type.
+    # Without a predictor (dense mode, or thresholds) the fields hold a placeholder of the same numba type.
     fc1, fc2 = ([predictor.fc1, predictor.fc2] if predictor is not None
                 else [QuantMatrix(GGMLQuantizationType.F32, np.zeros((1, 1), np.float32))] * 2)
+    t = d.thresholds
+    cats, ffn_in, ffn_down = (NO_THRESHOLD if v is None else np.float32(v)
+                              for v in ((t.cats, t.ffn_in, t.ffn_down) if t is not None else (None,) * 3))
     return LayerWeights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
-        int(d.wq.qtype), d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
+        int(d.wq.qtype), bq, bk, bv, rope_halves,
+        d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
         weight_bytes(down), int(down.qtype), p.down_t is not None,
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
-        np.float32(predictor.threshold if predictor is not None else 0.0),
+        np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats, ffn_in, ffn_down,
     )

@@ -10,18 +10,20 @@ from typing import Optional
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
-    apply_rope_adjacent,
     decoder_layer,
     normalize,
     rope_tables,
     route,
     self_attention,
+    silu,
+    stored_rotation,
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
@@ -44,6 +46,7 @@ class DenseBlock:
     ffn_norm: Norm
     biases: dict = field(default_factory=dict)  # "q", "k", "v", "o", "down" -> bias vector
     predictor: Optional[Predictor] = None
+    thresholds: Optional[LayerThresholds] = None  # a SiLU model's calibrated sparsity (instead of a predictor)
 
 
 @dataclass
@@ -153,10 +156,11 @@ class RuntimeModel(Engine):
         self.ram = None  # ram_budget.RamState when loaded under a RAM budget
 
     @property
-    def has_predictors(self) -> bool:
-        """Every FFN has its predictor: each layer's, or each expert's of a mixture."""
+    def can_run_sparse(self) -> bool:
+        """Every FFN has its predictor (each layer's, or each expert's of a mixture), or its thresholds."""
         return all(all(e.predictor is not None for e in layer.experts) if layer.experts
-                   else layer.dense.predictor is not None for layer in self.layers)
+                   else layer.dense.predictor is not None or layer.dense.thresholds is not None
+                   for layer in self.layers)
 
     def _dense_matrices(self) -> list[QuantMatrix]:
         per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
@@ -257,7 +261,8 @@ class RuntimeModel(Engine):
 
         rotate = None
         if rope is not None:
-            rotate = partial(apply_rope_adjacent, cos=d.backend.xp.asarray(rope[0]), sin=d.backend.xp.asarray(rope[1]))
+            rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
+                             sin=d.backend.xp.asarray(rope[1]))
         out = self_attention(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
                              rotate)
         out = d.backend.matmul(d.wo, out)
@@ -281,7 +286,7 @@ class RuntimeModel(Engine):
         return out
 
     def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,
-                residual):
+                residual, step: TokenStats):
         """Which neurons to compute: (active global ids, per-token mask over them or None).
 
         The predictor reads ``residual``, the stream entering the FFN block before its
@@ -289,7 +294,12 @@ class RuntimeModel(Engine):
         """
         if self.mode is FFNMode.DENSE:
             return np.arange(layer.d_ff), None
-        if self.mode is FFNMode.SPARSE:
+        thresholds = layer.dense.thresholds
+        if self.mode is FFNMode.SPARSE and thresholds is not None:
+            if thresholds.cats is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
+                return np.arange(layer.d_ff), None
+            chosen = self._cats(layer, partitions, h, thresholds.cats, step)
+        elif self.mode is FFNMode.SPARSE:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
             chosen = predictor(residual)
@@ -298,6 +308,19 @@ class RuntimeModel(Engine):
         chosen = move(chosen, layer.dense.backend, self.host)
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
+
+    def _cats(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, threshold: float,
+              step: TokenStats) -> np.ndarray:
+        """CATS's choice: the neurons whose |silu(gate x)| exceeds the layer's threshold, from every
+        partition's full gate product (read here, and counted)."""
+        chosen = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
+        for p in partitions:
+            xh = move(h, layer.dense.backend, p.backend)
+            gate_pre = move(p.backend.matmul(p.gate, xh, p.backend.xp.asarray(p.row_of[p.neurons])), p.backend,
+                            self.host)
+            chosen[:, p.neurons] = kept(silu(gate_pre), threshold)
+            step.bytes_read += len(p.neurons) * p.gate.row_bytes
+        return chosen
 
     def _firing(self, layer: RuntimeLayer, partitions: list[FFNPartition], h) -> np.ndarray:
         """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
@@ -315,7 +338,11 @@ class RuntimeModel(Engine):
              step: TokenStats):
         """One FFN (the layer's, or one expert's) over the tokens ``h``, its neurons split in ``partitions``."""
         home = layer.dense.backend
-        active, mask = self._select(layer, partitions, predictor, h, residual)
+        thresholds = layer.dense.thresholds if self.mode is FFNMode.SPARSE else None
+        if thresholds is not None and thresholds.ffn_in is not None:  # TEAL: small input entries dropped
+            h = home.xp.where(kept(h, thresholds.ffn_in), h, 0)
+        down_threshold = thresholds.ffn_down if thresholds is not None else None
+        active, mask = self._select(layer, partitions, predictor, h, residual, step)
         n_tokens = h.shape[0]
         step.neurons_total += layer.d_ff * n_tokens
         work = []
@@ -339,14 +366,14 @@ class RuntimeModel(Engine):
             return out
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):
-            if part_mask is not None and n_tokens > 1 and not p.backend.is_device:
+            if part_mask is not None and n_tokens > 1 and not p.backend.is_device and down_threshold is None:
                 out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:
                     return out
             xh = move(h, home, p.backend)
             if part_mask is not None:
                 part_mask = p.backend.xp.asarray(part_mask, dtype=np.float32)
-            return move(p.compute(self.spec.ffn, xh, ids, part_mask), p.backend, home)
+            return move(p.compute(self.spec.ffn, xh, ids, part_mask, down_threshold), p.backend, home)
 
         if len(work) == 1:
             return run(*work[0])

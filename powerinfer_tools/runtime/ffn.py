@@ -93,17 +93,20 @@ class FFNPartition:
             up_pre += self.up_bias[rows]
         return activate(kind, gate_pre, up_pre)
 
-    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None):
+    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None, down_threshold: Optional[float] = None):
         """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
 
         ``mask [T, len(active)]`` zeroes the neurons a token did not select; without
-        it every active neuron counts for every token.
+        it every active neuron counts for every token. With ``down_threshold`` (TEAL on the down
+        projection's input), activations of no larger magnitude are dropped too.
         """
         rows = self.row_of[active]
         device_rows = self.backend.xp.asarray(rows)  # one upload for the products of gate, up and down
         activated = self._activations(kind, x, device_rows)
         if mask is not None:
             activated = activated * mask
+        if down_threshold is not None:
+            activated = self.backend.xp.where(self.backend.xp.abs(activated) > down_threshold, activated, 0)
         if self.down_t is None:
             if len(rows) != self.down.cols:
                 raise RuntimeError(

@@ -119,7 +119,7 @@ class LLM:
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
                                    cache_policy=cache_policy, cpu_only=device == "cpu")
         ffn_mode = FFNMode(mode)
-        if ffn_mode is FFNMode.SPARSE and not model.has_predictors:
+        if ffn_mode is FFNMode.SPARSE and not model.can_run_sparse:
             ffn_mode = FFNMode.DENSE
         model.mode = ffn_mode
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""

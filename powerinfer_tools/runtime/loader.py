@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 
 from powerinfer_tools.direct_io import DirectReader
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, LayerThresholds, read_thresholds
 from powerinfer_tools.formats.constants import (
     SPARSE_THRESHOLD_KEY,
     PowerInferTensor,
@@ -266,8 +267,10 @@ def _predictor(tensors: _Tensors, layer: int, backend, on_device: bool, threshol
                      tensors.predictor_matrix(fc2_name, matrix_backend), threshold)
 
 
-def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float) -> DenseBlock:
-    """A layer's attention, norms, biases and predictor on ``backend`` (matrices uploaded only to a device)."""
+def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float,
+                 thresholds: LayerThresholds | None) -> DenseBlock:
+    """A layer's attention, norms, biases and predictor (or ``thresholds``) on ``backend`` (matrices uploaded
+    only to a device)."""
     biases = {
         key: tensors.array(tensor_name(tensor, layer, "bias"), backend)
         for key, tensor in (("q", T.ATTN_Q), ("k", T.ATTN_K), ("v", T.ATTN_V), ("o", T.ATTN_OUT))
@@ -287,6 +290,7 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
         ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
         biases={k: v for k, v in biases.items() if v is not None},
         predictor=_predictor(tensors, layer, backend, on_device, threshold),
+        thresholds=thresholds,
     )
 
 
@@ -336,7 +340,7 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray |
 
 
 def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_backend, host,
-           cache: CacheSetup | None) -> RuntimeLayer:
+           cache: CacheSetup | None, thresholds: ActivationThresholds | None) -> RuntimeLayer:
     """Layer ``i``: its dense block where the split puts it (the device when it holds the layer's hot
     neurons, unless the split says otherwise), its FFN partitions or its experts."""
     on_device = gpu_split is not None and (
@@ -344,7 +348,7 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
     )
     backend = device_backend if on_device else host
     threshold = float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0))
-    dense = _dense_block(tensors, i, backend, on_device, threshold)
+    dense = _dense_block(tensors, i, backend, on_device, threshold, thresholds.layers[i] if thresholds else None)
     gpu_mask = gpu_split.masks[i] if gpu_split is not None else None
     if spec.moe:
         return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
@@ -399,12 +403,17 @@ def load_runtime_model(
                                    "cuda, or --no-split")
             device_backend = None
     tensors, cache = _Tensors(model), None
+    thresholds = read_thresholds(model.get, spec.n_layers, str(path))
+    if ram is not None and thresholds is not None:
+        raise PitoolsError(f"{path}: a thresholded model ({thresholds.rule.value}) under a RAM budget (--ram) is "
+                           "not supported yet: its neuron choice reads every gate row")
     if ram is not None:
         file = NeuronFile(path)
         cache = _ram_setup(path, model, spec, file, gpu_split, ram, cache_policy, cache_share)
         tensors = _Tensors(model, file.reader)
 
-    layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache) for i in range(spec.n_layers)]
+    layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, thresholds)
+              for i in range(spec.n_layers)]
     runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path, context_size)
     if cache is not None:
         caches = [p.cache for layer in layers for ffn in ([e.partitions for e in layer.experts] or [layer.partitions])

@@ -2,17 +2,24 @@
 
 Two vocabularies are supported, named by ``tokenizer.ggml.model``:
 
-* ``gpt2``: byte-level BPE. Text is split by the pre-tokenizer's regex, each
-  piece's bytes are mapped to printable characters (GPT-2's byte alphabet) and
-  merged pair by pair in merge-rank order.
+* ``gpt2``: byte-level BPE. Text is split by the pre-tokenizer's regex (named by
+  ``tokenizer.ggml.pre``: GPT-2's, Qwen2's, Llama-3's), each piece's bytes are
+  mapped to printable characters (GPT-2's byte alphabet) and merged pair by pair
+  in merge-rank order.
 * ``llama``: SentencePiece-style BPE. Spaces become U+2581 (with one prefixed),
   symbols are merged greedily by vocabulary score, and text no token covers
   falls back to ``<0xXX>`` byte tokens.
+
+Added tokens are split out of the text first, longest spelling first:
+USER_DEFINED ones always, CONTROL ones (and the unknown token) only with
+``parse_special``, as llama.cpp's tokenizer does.
 """
 
 from __future__ import annotations
 
 import functools
+import unicodedata
+from dataclasses import dataclass
 from typing import Iterable
 
 import regex
@@ -24,12 +31,42 @@ from powerinfer_tools.interfaces import Tokenizer
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
-# Pre-tokenizer regexes by tokenizer.ggml.pre. GPT-2's split, as tokenizers'
-# ByteLevel(use_regex=True) applies it.
-PRE_TOKENIZER_PATTERNS = {
-    "gpt-2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
-}
 SPM_SPACE = "\u2581"
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How a byte-level BPE vocabulary (``tokenizer.ggml.pre``) treats text before merging."""
+
+    pattern: str  # the regex that splits text into pieces merged separately
+    # NFC-normalize text first, as Qwen2's tokenizer.json does. llama.cpp does not: on text that NFC
+    # changes (decomposed accents) it differs from tokenizers, and we side with tokenizers.
+    nfc: bool = False
+    ignore_merges: bool = False  # a piece that is itself a token stays whole (Llama-3)
+    add_bos: bool = False  # without tokenizer.ggml.add_bos_token, whether BOS starts a prompt (llama.cpp's default)
+
+
+# GPT-2's split, as tokenizers' ByteLevel(use_regex=True) applies it.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Qwen2's Split regex with its case-insensitive contractions "(?i:'s|'t|...)" spelled out, as llama.cpp
+# spells them: with (?i) the regex module would also take the long s (U+017F) for an s, which neither
+# tokenizers (Oniguruma) nor llama.cpp does. Llama-3's splits digits in runs of up to three, not one by one.
+QWEN2_PATTERN = (
+    r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+LLAMA3_PATTERN = QWEN2_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+# Byte-level pre-tokenizers by tokenizer.ggml.pre, with the other names llama.cpp gives the same one.
+_LLAMA3 = PreTokenizer(LLAMA3_PATTERN, ignore_merges=True, add_bos=True)
+PRE_TOKENIZERS = {
+    "gpt-2": PreTokenizer(GPT2_PATTERN),
+    "qwen2": PreTokenizer(QWEN2_PATTERN, nfc=True),
+    "llama-bpe": _LLAMA3,
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "smaug-bpe": PreTokenizer(LLAMA3_PATTERN),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,7 +89,8 @@ class GGUFTokenizer(Tokenizer):
     def __init__(self, metadata: dict, parse_special: bool = False):
         """``parse_special``: text spelling a control token (``<|endoftext|>``, ``</s>``) encodes as that
         token, as Hugging Face tokenizers and llama.cpp's ``special=True`` do; otherwise it is plain text,
-        as in llama.cpp's default (the prompts of ``pitools run``)."""
+        as in llama.cpp's default (the prompts of ``pitools run``). Other added tokens (USER_DEFINED)
+        encode as themselves either way."""
         self.parse_special = parse_special
         try:
             self.kind = metadata[Keys.Tokenizer.MODEL]
@@ -64,15 +102,16 @@ class GGUFTokenizer(Tokenizer):
         self.eos_token_id = metadata.get(Keys.Tokenizer.EOS_ID)
         self.ids = {t: i for i, t in enumerate(self.tokens)}
         if self.kind == "gpt2":
-            pre = metadata.get(Keys.Tokenizer.PRE, "gpt-2")
-            if pre not in PRE_TOKENIZER_PATTERNS:
-                supported = ", ".join(PRE_TOKENIZER_PATTERNS)
-                raise PitoolsError(f"pre-tokenizer {pre!r} is not supported (supported: {supported})")
-            self._split = regex.compile(PRE_TOKENIZER_PATTERNS[pre])
+            name = metadata.get(Keys.Tokenizer.PRE, "gpt-2")
+            if name not in PRE_TOKENIZERS:
+                supported = ", ".join(PRE_TOKENIZERS)
+                raise PitoolsError(f"pre-tokenizer {name!r} is not supported (supported: {supported})")
+            self.pre = PRE_TOKENIZERS[name]
+            self._split = regex.compile(self.pre.pattern)
             merges = metadata.get(Keys.Tokenizer.MERGES, [])
             self._merge_rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
             self._byte_of = {c: b for b, c in byte_alphabet().items()}
-            self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, False))
+            self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, self.pre.add_bos))
         elif self.kind == "llama":
             self.scores = list(metadata.get(Keys.Tokenizer.SCORES, [0.0] * len(self.tokens)))
             self.add_space_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
@@ -87,10 +126,9 @@ class GGUFTokenizer(Tokenizer):
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids: list[int] = []
         space_prefix = True  # SentencePiece: a text fragment at the start or after a special token gets one
-        for fragment in self._special_split.split(text) if self.parse_special else [text]:
-            special = self.ids[fragment] if self.parse_special and fragment in self._special_texts else None
-            if special is not None:
-                ids.append(special)
+        for fragment in self._special_split.split(text) if self._special_texts else [text]:
+            if fragment in self._special_texts:
+                ids.append(self.ids[fragment])
                 space_prefix = True
             elif fragment:
                 ids += self._encode_gpt2(fragment) if self.kind == "gpt2" else self._encode_spm(fragment, space_prefix)
@@ -101,13 +139,16 @@ class GGUFTokenizer(Tokenizer):
 
     @functools.cached_property
     def _special_texts(self) -> frozenset[str]:
-        return frozenset(t for t, kind in zip(self.tokens, self.types) if kind == CONTROL and t)
+        """Spellings split out of the text as single tokens: added tokens that are not control tokens
+        always, control (and unknown) tokens only with ``parse_special``, as llama.cpp does."""
+        kinds = {USER_DEFINED, CONTROL, UNKNOWN} if self.parse_special else {USER_DEFINED}
+        return frozenset(t for t, kind in zip(self.tokens, self.types) if kind in kinds and t)
 
     @functools.cached_property
     def _special_split(self) -> regex.Pattern:
-        """Splits text around control tokens' spellings, longest first, keeping them as fragments."""
+        """Splits text around those spellings, longest first, keeping them as fragments."""
         spellings = sorted(self._special_texts, key=len, reverse=True)
-        return regex.compile("(" + "|".join(map(regex.escape, spellings)) + ")") if spellings else regex.compile("(?!)")
+        return regex.compile("(" + "|".join(map(regex.escape, spellings)) + ")")
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the tokens; control tokens (BOS/EOS) print as nothing, as in llama.cpp."""
@@ -129,6 +170,8 @@ class GGUFTokenizer(Tokenizer):
 
     def _encode_gpt2(self, text: str) -> list[int]:
         alphabet = byte_alphabet()
+        if self.pre.nfc:
+            text = unicodedata.normalize("NFC", text)
         ids: list[int] = []
         for piece in self._split.findall(text):
             ids.extend(self._bpe("".join(alphabet[b] for b in piece.encode("utf-8"))))
@@ -136,6 +179,8 @@ class GGUFTokenizer(Tokenizer):
 
     @functools.lru_cache(maxsize=65536)
     def _bpe(self, word: str) -> tuple[int, ...]:
+        if self.pre.ignore_merges and word in self.ids:
+            return (self.ids[word],)
         symbols = list(word)
         while len(symbols) > 1:
             ranks = [self._merge_rank.get(pair, None) for pair in zip(symbols, symbols[1:])]

@@ -1,0 +1,112 @@
+"""Training-free activation sparsity for SwiGLU models: the rules, their per-layer thresholds, and how a
+model file stores them.
+
+A SiLU FFN ``down(silu(gate x) * up x)`` has no exact zeros, but most of its activations are small.
+Two published rules skip the small ones without retraining:
+
+- **CATS** (arXiv 2404.08763): neuron ``i`` is skipped when ``|silu(gate_i x)|`` is below the layer's
+  threshold. The gate product stays dense (it decides); ``up`` and ``ffn_down_t`` are read only for the
+  kept neurons, as for a ReLU model's firing ones.
+- **TEAL** (ICLR 2025): an entry of a projection's input is dropped when its magnitude is below the
+  threshold, so the weight column it multiplies is not read. We apply it to the FFN's two inputs: ``x``
+  entering gate and up (``ffn_in``) and the intermediate ``h`` entering the down projection
+  (``ffn_down``: a row of ``ffn_down_t``, the transposed storage sparse files already use).
+
+``cats+teal`` is CATS, then TEAL on the down projection's input among the neurons CATS kept.
+
+Thresholds are per layer, each set to the layer's quantile of its magnitudes on calibration text
+(``profiling/calibration.py``): every layer at the target sparsity, the uniform allocation. The reference
+engine's ``models.layers.feed_forward`` computes the rule in NumPy: the definition the runtime's kernels
+are tested against.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from powerinfer_tools.errors import PitoolsError
+
+# GGUF metadata keys (ours; PowerInfer and llama.cpp ignore them).
+RULE_KEY = "pitools.sparsity.rule"  # string: a SparsityRule value
+TARGET_KEY = "pitools.sparsity.target"  # float32: the sparsity the thresholds were calibrated for
+
+
+def threshold_key(name: str) -> str:
+    """The float32 array (one value per layer) of one kind of threshold."""
+    return f"pitools.sparsity.threshold.{name}"
+
+
+class SparsityRule(str, enum.Enum):
+    CATS = "cats"
+    TEAL = "teal"
+    CATS_TEAL = "cats+teal"
+
+    @property
+    def thresholds(self) -> tuple[str, ...]:
+        """The ``LayerThresholds`` fields this rule sets."""
+        return {SparsityRule.CATS: ("cats",), SparsityRule.TEAL: ("ffn_in", "ffn_down"),
+                SparsityRule.CATS_TEAL: ("cats", "ffn_down")}[self]
+
+
+@dataclass(frozen=True)
+class LayerThresholds:
+    """One layer's thresholds; None where its rule does not use one."""
+
+    cats: Optional[float] = None  # on |silu(gate x)|, per neuron
+    ffn_in: Optional[float] = None  # on |x| entering gate and up
+    ffn_down: Optional[float] = None  # on |h| entering the down projection
+
+
+@dataclass(frozen=True)
+class ActivationThresholds:
+    rule: SparsityRule
+    target: float  # the sparsity each threshold was calibrated for, in [0, 1)
+    layers: tuple[LayerThresholds, ...]
+
+    def add_to(self, writer) -> None:
+        """Write into a ``GGUFWriter``'s metadata."""
+        writer.add_string(RULE_KEY, self.rule.value)
+        writer.add_float32(TARGET_KEY, self.target)
+        for name in self.rule.thresholds:
+            writer.add_array(threshold_key(name), [float(getattr(t, name)) for t in self.layers])
+
+
+def read_thresholds(get: Callable[[str], Any], n_layers: int, source: str) -> Optional[ActivationThresholds]:
+    """The thresholds in a model file's metadata (``get``: its key lookup), or None when it has none.
+    Errors name ``source``."""
+    rule_name = get(RULE_KEY)
+    if rule_name is None:
+        return None
+    try:
+        rule = SparsityRule(rule_name)
+    except ValueError:
+        known = ", ".join(r.value for r in SparsityRule)
+        raise PitoolsError(f"{source}: {RULE_KEY} is {rule_name!r:.40}; expected one of {known}") from None
+    target = get(TARGET_KEY)
+    if not isinstance(target, float) or not 0 <= target < 1:
+        raise PitoolsError(f"{source}: {TARGET_KEY} must be a number in [0, 1), got {target!r:.40}")
+    values = {}
+    for name in rule.thresholds:
+        stored = get(threshold_key(name))
+        array = np.asarray(stored if stored is not None else [], dtype=np.float64)
+        if array.shape != (n_layers,) or not np.all(np.isfinite(array)) or np.any(array < 0):
+            raise PitoolsError(f"{source}: {threshold_key(name)} must hold {n_layers} finite non-negative "
+                               f"thresholds (rule {rule.value}), got {_describe(stored)}")
+        values[name] = array
+    layers = tuple(LayerThresholds(**{name: float(v[i]) for name, v in values.items()}) for i in range(n_layers))
+    return ActivationThresholds(rule, float(target), layers)
+
+
+def _describe(stored) -> str:
+    return "nothing" if stored is None else f"{len(stored)} values" if hasattr(stored, "__len__") else repr(stored)
+
+
+def kept(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:
+    """Which entries a threshold keeps: magnitude strictly above it (all, without one)."""
+    if threshold is None:
+        return np.ones(values.shape, dtype=bool)
+    return np.abs(values) > threshold
