@@ -1,5 +1,5 @@
 """
-Train the tiny, sparse ReLU-Llama that ships with powerinfer-tools.
+Train the tiny Llamas that ship with powerinfer-tools: the sparse ReLU one and a dense SiLU one.
 
 Everything comes from text that exists on every machine with Python:
 
@@ -11,11 +11,19 @@ Everything comes from text that exists on every machine with Python:
              coefficient that grows from ~0 until the layer fires on no more
              than a target fraction of its FFN neurons (progressive, adaptive)
 
+--activation silu trains the same model with a SwiGLU FFN (down(silu(gate x) * up x))
+and no sparsity penalty at all: a plain dense model, for training-free activation
+sparsity methods (CATS, TEAL). Give it --tokenizer examples/tiny-relu-llama to reuse
+the ReLU model's tokenizer.json, so both models share one vocabulary (the held-out
+split depends only on the corpus, so heldout.txt is the same file).
+
 Output: a Hugging Face folder (config, fp16 safetensors, tokenizer files),
 heldout.txt (held-out documents joined by <|endoftext|>) and metrics.json,
 whose numbers go into MODEL_CARD.md.
 
     nice -n 10 python3 examples/train_bundled_model.py --out examples/tiny-relu-llama --minutes 21 --seed 1337
+    nice -n 10 python3 examples/train_bundled_model.py --activation silu --tokenizer examples/tiny-relu-llama \
+        --out examples/tiny-silu-llama --steps 1312 --seed 1337
 """
 
 import argparse
@@ -46,7 +54,12 @@ SAMPLE_PROMPTS = ["def ", "import os\n\ndef main():\n"]
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="examples/tiny-relu-llama", help="output model folder")
+    p.add_argument("--out", default=None, help="output model folder (default: examples/tiny-<activation>-llama)")
+    p.add_argument("--activation", choices=("relu", "silu"), default="relu",
+                   help="FFN activation: relu = ReGLU with the L1 sparsity penalty; silu = SwiGLU, no penalty (dense)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="reuse FOLDER/tokenizer.json instead of training one; if FOLDER has a heldout.txt "
+                        "it must equal this run's (same corpus and split)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--minutes", type=float, default=21.0,
                    help="wall-clock budget of the optimisation loop (LR and L1 schedules follow elapsed time)")
@@ -71,13 +84,16 @@ def parse_args():
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    # sparsity
+    # sparsity (--activation relu only)
     p.add_argument("--l1-init", type=float, default=1e-3, help="initial (and minimum) L1 coefficient per layer")
     p.add_argument("--l1-growth", type=float, default=12.0,
                    help="controller speed: log(coefficient) may change by this much over the whole run")
     p.add_argument("--target-fire", type=float, default=0.10, help="per-layer firing fraction the controller aims at")
     p.add_argument("--log-every", type=int, default=10)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.out is None:
+        args.out = f"examples/tiny-{args.activation}-llama"
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -146,6 +162,20 @@ def train_tokenizer(texts, vocab_size):
     return tok
 
 
+def load_tokenizer(folder, held_text, vocab_size):
+    """Another model's tokenizer.json, checked to come from the same corpus split (its heldout.txt)."""
+    held_path = os.path.join(folder, "heldout.txt")
+    if os.path.exists(held_path):
+        with open(held_path, encoding="utf-8") as f:
+            if f.read() != held_text:
+                raise SystemExit(f"{held_path} differs from this run's held-out text: the tokenizer was "
+                                 "trained on a different split (another Python version or --heldout-* options)")
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    if tok.get_vocab_size() != vocab_size:
+        raise SystemExit(f"{folder}/tokenizer.json has {tok.get_vocab_size()} tokens, --vocab-size is {vocab_size}")
+    return tok
+
+
 def encode_stream(tok, texts):
     """One token stream: EOT doc EOT doc ... (EOT opens every document)."""
     eot = tok.token_to_id(EOT)
@@ -175,7 +205,7 @@ def save_tokenizer(tok, out, ctx):
 # model
 
 def make_config(args, vocab_size, eot_id):
-    """A Llama whose FFN is ReGLU: down(relu(gate x) * up x)."""
+    """A Llama whose FFN is ReGLU, down(relu(gate x) * up x), or SwiGLU with --activation silu."""
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=args.d_model,
@@ -183,7 +213,7 @@ def make_config(args, vocab_size, eot_id):
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
-        hidden_act="relu",
+        hidden_act=args.activation,
         max_position_embeddings=args.ctx,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -245,22 +275,30 @@ def make_optimizer(model, args):
 
 
 def train_step(model, ffn, opt, x, y, l1_coef, args):
-    """One step of loss = CE + sum_l coef_l * mean|relu(gate_l x)|. Returns (ce, firing per layer)."""
+    """One step of loss = CE + sum_l coef_l * mean|relu(gate_l x)|. Returns (ce, firing per layer).
+
+    Without activation hooks (ffn None: the SiLU model) the loss is CE alone and firing is None.
+    """
     logits = model(input_ids=x).logits
     ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-    l1 = torch.stack([a.mean() for a in ffn.acts])  # activations are >= 0, so mean == L1 / n
-    loss = ce + (l1_coef * l1).sum()
+    loss = ce
+    if ffn is not None:
+        l1 = torch.stack([a.mean() for a in ffn.acts])  # activations are >= 0, so mean == L1 / n
+        loss = ce + (l1_coef * l1).sum()
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     opt.step()
+    if ffn is None:
+        return ce.item(), None
     fire = torch.stack([(a > 0).float().mean() for a in ffn.acts])
     return ce.item(), fire
 
 
 def train(model, data, args, log):
     gen = torch.Generator().manual_seed(args.seed)  # batch sampling; the model has no dropout
-    ffn = FFNActivations(model)
+    sparse = args.activation == "relu"  # the L1 penalty and its controller: ReLU only
+    ffn = FFNActivations(model) if sparse else None
     opt = make_optimizer(model, args)
     progress = make_progress(args)
     # per-layer L1 coefficients, adapted multiplicatively: log(coef) moves by
@@ -279,16 +317,19 @@ def train(model, data, args, log):
         coef = log_coef.exp()
         x, y = get_batch(data, args.batch_size, args.ctx, gen)
         ce, fire = train_step(model, ffn, opt, x, y, coef, args)
-        fire_ema = fire if fire_ema is None else 0.9 * fire_ema + 0.1 * fire
         step += 1
         p_next = progress(step, time.time() - t0)
-        log_coef += args.l1_growth * (p_next - p) * torch.sign(fire_ema - args.target_fire)
-        log_coef.clamp_(min=math.log(args.l1_init))
+        if sparse:
+            fire_ema = fire if fire_ema is None else 0.9 * fire_ema + 0.1 * fire
+            log_coef += args.l1_growth * (p_next - p) * torch.sign(fire_ema - args.target_fire)
+            log_coef.clamp_(min=math.log(args.l1_init))
         p = p_next
         if step % args.log_every == 1 or p >= 1:
-            log(f"step {step:5d} ({min(p, 1):6.1%}) | ce {ce:.4f} | lr {lr:.2e} | "
-                f"fire {' '.join(f'{f:.3f}' for f in fire_ema.tolist())} | "
-                f"l1 {' '.join(f'{c:.3f}' for c in coef.tolist())} | {time.time() - t0:.0f}s")
+            l1_info = (f"fire {' '.join(f'{f:.3f}' for f in fire_ema.tolist())} | "
+                       f"l1 {' '.join(f'{c:.3f}' for c in coef.tolist())} | " if sparse else "")
+            log(f"step {step:5d} ({min(p, 1):6.1%}) | ce {ce:.4f} | lr {lr:.2e} | {l1_info}{time.time() - t0:.0f}s")
+    if not sparse:
+        return {"steps": step, "train_seconds": time.time() - t0, "final_train_ce": ce}
     ffn.remove()
     return {"steps": step, "train_seconds": time.time() - t0, "final_train_ce": ce,
             "final_l1_coef": coef.tolist()}
@@ -389,12 +430,15 @@ def main():
     docs = load_documents()
     train_docs, held_docs = split_documents(docs, args.heldout_permille)
     held_text = heldout_sample(held_docs, args.heldout_bytes)
+    # tokenizer (a reused one is checked against its folder's heldout.txt before this run writes one)
+    if args.tokenizer:
+        tok = load_tokenizer(args.tokenizer, held_text, args.vocab_size)
+        log(f"tokenizer: reused {os.path.join(args.tokenizer, 'tokenizer.json')}")
+    else:
+        tok = train_tokenizer([t for _, t in train_docs], args.vocab_size)
     with open(os.path.join(args.out, "heldout.txt"), "w", encoding="utf-8") as f:
         f.write(held_text)
     log(f"documents: {len(train_docs)} train, {len(held_docs)} held out; heldout.txt {len(held_text.encode())} bytes")
-
-    # tokenizer
-    tok = train_tokenizer([t for _, t in train_docs], args.vocab_size)
     eot_id = tok.token_to_id(EOT)
     assert eot_id == 0, eot_id
     save_tokenizer(tok, args.out, args.ctx)
@@ -415,7 +459,8 @@ def main():
     held_nll, counts, n_eval = evaluate(model, held_ids, args.ctx)
     log(f"evaluated {n_eval} held-out tokens")
     uni_nll = unigram_nll(train_ids, held_ids, tok.get_vocab_size())
-    sparsity = sparsity_stats(counts, n_eval)
+    # ReLU firing (> 0) is activation sparsity; a SiLU output is almost never exactly 0
+    sparsity = sparsity_stats(counts, n_eval) if args.activation == "relu" else None
     samples = {p: greedy(model, tok, p, 96) for p in SAMPLE_PROMPTS}
 
     metrics = {
@@ -430,7 +475,7 @@ def main():
     }
     write_json(os.path.join(args.out, "metrics.json"), metrics)
     log(f"held-out ppl {metrics['heldout_ppl']:.2f} vs unigram {metrics['unigram_ppl']:.2f}")
-    for l, s in enumerate(sparsity):
+    for l, s in enumerate(sparsity or []):
         log(f"layer {l}: firing {s['firing_fraction']:.4f}, 80% mass in {s['mass80_neuron_fraction']:.4f} of neurons")
     for p, s in samples.items():
         log(f"sample {p!r} -> {s!r}")
