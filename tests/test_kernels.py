@@ -120,6 +120,30 @@ def test_kernels_match_reference(qtype, shape, tokens, threads):
 
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_token_axpy_with_threads_sharing_rows_matches_reference(qtype, shape, threads):
+    from powerinfer_tools.kernels.numba_kernels import axpy_rows_one_token
+
+    m = make(qtype, *shape)
+    rng = np.random.default_rng([*shape, threads])
+    for name, rows in row_selections(m.rows, rng).items():
+        rows = np.arange(m.rows) if rows is None else rows
+        coeffs = rng.standard_normal((1, len(rows))).astype(np.float32)
+        start = rng.standard_normal((1, m.cols)).astype(np.float32)
+        out = start.copy()  # it adds to what is there, as the decoder's residual
+        axpy_rows_one_token(int(m.qtype), kernels.weight_bytes(m), rows.astype(np.intp), coeffs, out, threads)
+        again = start.copy()
+        axpy_rows_one_token(int(m.qtype), kernels.weight_bytes(m), rows.astype(np.intp), coeffs, again, threads)
+        assert np.array_equal(out, again), f"rows {name}: not deterministic"
+        try:
+            assert_axpy_close(m, coeffs, rows, out - start)
+        except AssertionError as exc:
+            raise AssertionError(f"rows {name}: {exc}") from exc
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_thread_count_does_not_change_results(qtype):
     # each output is computed by one thread in a fixed order, so results are bit-identical
     m = make(qtype, 301, 256, seed=3)

@@ -19,6 +19,7 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 
 from __future__ import annotations
 
+import numpy as np
 import numba
 from llvmlite import ir
 from numba import njit, prange, types
@@ -252,6 +253,32 @@ def _axpy_row(qtype, out_addr, out_stride, row_addr, first, stop, block_bytes, c
 def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
     """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` over a column count that is a multiple of 32."""
     _axpy(qtype, weights, rows, rows, rows, True, coeffs, out, n_threads)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def axpy_rows_one_token(qtype, weights, rows, coeffs, out, n_threads):
+    """One token's ``out[0] += Σ_j coeffs[0, j] · W[rows[j]]`` with the threads sharing the rows, not
+    each row's columns as ``axpy_rows`` does: each thread sums its run of rows into a partial of its own,
+    and the partials are added to ``out`` in thread order. Splitting a 1152-byte q4_0 row between two
+    threads made two threads slower than one (examples/bench_kernels.py: 3.5 against 4.4 GB/s); a
+    decoded token has one output row, so the partials cost one row per thread. Columns a multiple of 32."""
+    n_rows, cols = rows.shape[0], out.shape[1]
+    n_blocks = cols // BLOCK
+    block_bytes = weights.shape[1] // n_blocks
+    n_chunks = max(1, min(n_threads, n_rows))
+    partial = np.zeros((n_chunks, cols), np.float32)
+    w_addr, row_stride, c_addr = weights.ctypes.data, weights.strides[0], coeffs.ctypes.data
+    p_addr, p_stride = partial.ctypes.data, partial.strides[0]
+    for chunk in prange(n_chunks):
+        first, stop = chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
+        for j in range(first, stop):
+            if j + PREFETCH_ROWS < stop:
+                prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride, weights.shape[1])
+            _axpy_row(qtype, p_addr + chunk * p_stride, p_stride, w_addr + rows[j] * row_stride, 0, n_blocks,
+                      block_bytes, c_addr + j * 4, 0, 0, 1)
+    for chunk in range(n_chunks):
+        for c in range(cols):
+            out[0, c] += partial[chunk, c]
 
 
 @njit(parallel=True, nogil=True, cache=True)

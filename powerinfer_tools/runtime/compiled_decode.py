@@ -8,7 +8,7 @@ one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either
 FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer
 as one numba call: the products are loops over weight rows calling ggml's ``vec_dot`` (the kernels'
 building blocks, fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
-output projection, gate/up with the activation, and ``numba_kernels.axpy_rows`` over ``ffn_down_t``;
+output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over ``ffn_down_t``;
 the predictor's two products, on its stored rows, add one each only when the matrix is large), and
 the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is compiled
 loops.
@@ -334,7 +334,7 @@ def down(x, w, s, rows, fns, n_threads):
     n, d_model = rows.shape[0], x.shape[0]
     act = s.act[:n]
     if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
-        nk.axpy_rows(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
+        nk.axpy_rows_one_token(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
         _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
