@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.xp import array_namespace
 
 # GGUF metadata keys (ours; PowerInfer and llama.cpp ignore them).
 RULE_KEY = "pitools.sparsity.rule"  # string: a SparsityRule value
@@ -107,6 +108,7 @@ def _describe(stored) -> str:
 
 def kept(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:
     """Which entries a threshold keeps: magnitude strictly above it (all, without one)."""
+    xp = array_namespace(values)  # NumPy, or CuPy on a device
     if threshold is None:
-        return np.ones(values.shape, dtype=bool)
-    return np.abs(values) > threshold
+        return xp.ones(values.shape, dtype=bool)
+    return xp.abs(values) > threshold

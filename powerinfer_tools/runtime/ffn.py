@@ -82,16 +82,22 @@ class FFNPartition:
         """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""
         return self._activations(kind, x, self.backend.xp.asarray(self.row_of[neurons]))
 
-    def _activations(self, kind: FFNKind, x, rows):
-        gate_pre = None
+    def pre_activations(self, x, rows, up: bool = True):
+        """``(gate, up)`` products (biases added) ``[T, len(rows)]`` of the neurons in this partition's
+        ``rows`` (on its backend): gate None for an ungated FFN, up None when not asked for."""
+        gate_pre, up_pre = None, None
         if self.gate is not None:
             gate_pre = self.backend.matmul(self.gate, x, rows)
             if self.gate_bias is not None:
                 gate_pre += self.gate_bias[rows]
-        up_pre = self.backend.matmul(self.up, x, rows)
-        if self.up_bias is not None:
-            up_pre += self.up_bias[rows]
-        return activate(kind, gate_pre, up_pre)
+        if up:
+            up_pre = self.backend.matmul(self.up, x, rows)
+            if self.up_bias is not None:
+                up_pre += self.up_bias[rows]
+        return gate_pre, up_pre
+
+    def _activations(self, kind: FFNKind, x, rows):
+        return activate(kind, *self.pre_activations(x, rows))
 
     def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None, down_threshold: Optional[float] = None):
         """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
