@@ -104,15 +104,17 @@ def _logits(runtime, tokens, one_at_a_time: bool) -> np.ndarray:
     return np.concatenate([runtime.forward(tokens[i:i + 1], caches) for i in range(len(tokens))])
 
 
-@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["compiled decode", "prompt"])
+@pytest.mark.parametrize("one_at_a_time, compiled", [(True, True), (True, False), (False, True)],
+                         ids=["compiled decode", "general decode", "prompt"])
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.value)
 def test_sparse_runtime_computes_the_rule_as_the_reference_engine(silu_model, thresholded_files, rule,
-                                                                 one_at_a_time):
+                                                                 one_at_a_time, compiled):
     """The runtime's kernels against the NumPy rule on the checkpoint's float weights. A neuron whose value
     lies within float32 rounding of its threshold may be kept by one engine and not the other, so the
     logits must agree closely on most tokens and every token's top choice must be the same."""
     runtime = load_runtime_model(thresholded_files[rule])
     runtime.mode = FFNMode.SPARSE
+    runtime.compiled_decoding = compiled  # off: one token through RuntimeModel._cats and FFNPartition.compute
     reference = load_model(Checkpoint(silu_model))
     reference.activation_thresholds = read_thresholds(open_model_file(thresholded_files[rule]).get, 2, "f")
     tokens = np.arange(3, 40, 3)

@@ -16,7 +16,6 @@ from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
-    activate,
     Norm,
     decoder_layer,
     normalize,
@@ -333,8 +332,9 @@ class RuntimeModel(Engine):
         for p in partitions:
             xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
             gate_pre, up_pre = p.pre_activations(move(h, home, p.backend), rows)
-            chosen = kept(silu(gate_pre), t.cats)
-            activated = activate(self.spec.ffn, gate_pre, up_pre)
+            gate = silu(gate_pre)  # once, for the choice and the activation (a SiLU model's FFN)
+            chosen = kept(gate, t.cats)
+            activated = gate * up_pre
             activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
             computed = int(chosen.sum())
             step.neurons_active += computed

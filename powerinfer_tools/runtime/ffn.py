@@ -15,6 +15,7 @@ from typing import Optional
 
 import numpy as np
 
+from powerinfer_tools.formats.activation_thresholds import kept
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -112,7 +113,7 @@ class FFNPartition:
         if mask is not None:
             activated = activated * mask
         if down_threshold is not None:
-            activated = self.backend.xp.where(self.backend.xp.abs(activated) > down_threshold, activated, 0)
+            activated = self.backend.xp.where(kept(activated, down_threshold), activated, 0)
         if self.down_t is None:
             if len(rows) != self.down.cols:
                 raise RuntimeError(
