@@ -186,6 +186,19 @@ def encode_stream(tok, texts):
     return np.array(ids, dtype=np.uint16)
 
 
+# The model was never trained on conversations: this template only lets chat clients (`pitools serve`'s
+# /v1/chat/completions) be tested against it. Each message becomes a Python comment line, the form of
+# text it has seen, and the assistant's turn is left open.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('this chat template knows the roles system, user and assistant only') }}{%- endif -%}\n"
+    "{{ '# ' + message['role'] + ': ' + message['content'] | trim + '\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{ '# assistant:' }}{%- endif -%}"
+)
+
+
 def save_tokenizer(tok, out, ctx):
     """tokenizer.json + a transformers config naming EOT as BOS and EOS (never added automatically)."""
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, model_max_length=ctx)
@@ -196,7 +209,7 @@ def save_tokenizer(tok, out, ctx):
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg.update(tokenizer_class="PreTrainedTokenizerFast", bos_token=EOT, eos_token=EOT,
-               add_bos_token=True, add_eos_token=False, model_max_length=ctx)
+               add_bos_token=True, add_eos_token=False, model_max_length=ctx, chat_template=CHAT_TEMPLATE)
     write_json(cfg_path, cfg)
     write_json(os.path.join(out, "special_tokens_map.json"), {"bos_token": EOT, "eos_token": EOT})
 

@@ -79,14 +79,20 @@ class Tokenizer(Protocol):
 
     bos_token_id: Optional[int]
     eos_token_id: Optional[int]
+    chat_template: Optional[str]  # Jinja source, as Hugging Face tokenizers carry it; None when the model has none
 
     @property
     def vocab_size(self) -> int:
         ...
 
-    def encode(self, text: str, add_bos: Optional[bool] = None) -> list[int]:
-        """Ids of ``text``, BOS first when ``add_bos`` (default: as the model's prompts start)."""
+    def encode(self, text: str, add_bos: Optional[bool] = None, special: Optional[bool] = None) -> list[int]:
+        """Ids of ``text``, BOS first when ``add_bos`` (default: as the model's prompts start); with
+        ``special``, text spelling a control token (``<|im_start|>``) is that token."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
+        ...
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary's spelling of one token (a special token's literal text)."""
         ...

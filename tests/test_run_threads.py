@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerinfer_tools import kernels
-from powerinfer_tools.commands import run as run_command
+from powerinfer_tools.commands import options as runtime_options
 from powerinfer_tools.commands.cli import cli
 
 
@@ -24,8 +24,8 @@ def policy_at_kernel_load(monkeypatch):
 
 
 def run_at_load(monkeypatch, load: float, *options: str):
-    monkeypatch.setattr(run_command.os, "getloadavg", lambda: (load, load, load))
-    monkeypatch.setattr(run_command.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(runtime_options.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(runtime_options.os, "cpu_count", lambda: 2)
     result = CliRunner().invoke(cli, ["run", "-n", "2", *options])
     assert result.exit_code == 0, result.output
 

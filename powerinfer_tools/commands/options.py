@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
+from powerinfer_tools import kernels
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
+from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
+from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
+from powerinfer_tools.units import parse_size
 
 
 def corpus_options(f):
@@ -50,3 +57,72 @@ def ram_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def runtime_options(f):
+    """How a model is loaded and run, shared by `run` and `serve` (read by ``load_llm``): -c/--ctx-size,
+    --mode, --device, -t/--threads, --split, --no-split, --vram, --hardware, --ram, --cache-policy."""
+    options = [
+        click.option("-c", "--ctx-size", type=int, default=None,
+                     help="Context window: positions for prompt and generated tokens together [default: the "
+                          "model's trained positions, also the most it takes]."),
+        click.option("--mode", type=click.Choice([FFNMode.SPARSE.value, FFNMode.DENSE.value]),
+                     default=FFNMode.SPARSE.value, show_default=True,
+                     help="sparse: compute only the FFN neurons the predictors (or a SiLU model's thresholds) "
+                          "select; dense: all of them."),
+        click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
+                     help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
+                          "for a GPU that checks the budget and counts PCIe bytes (for testing)."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads for the compiled kernels [default: all cores]."),
+        click.option("--split", type=click.Path(path_type=Path, dir_okay=False), default=None,
+                     help="GPU split file [default: MODEL.generated.gpuidx beside the model, if present]."),
+        click.option("--no-split", is_flag=True, help="Ignore any split file."),
+        click.option("--vram", default=None,
+                     help="GPU memory budget (11GB, 800MiB, ...): solve the split for it now, unless the split "
+                          "file was already solved for this budget, and keep it beside the model as PowerInfer "
+                          "does."),
+        click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
+                     help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`."),
+    ]
+    f = ram_options(f)  # listed last
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads: int | None, split: Path | None,
+             no_split: bool, vram: str | None, hardware: str, ram: str | None, cache_policy: str) -> LLM:
+    """The model loaded as ``runtime_options`` say; sizes and the split are checked before anything loads."""
+    budget = parse_size(vram, "--vram") if vram is not None else None
+    ram_budget = parse_size(ram, "--ram") if ram is not None else None
+    if threads is not None:
+        kernels.set_threads(threads)
+    _spin_only_on_idle_cores(kernels.get_threads())
+    if split is not None and vram is None and not split.is_file():
+        raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
+    return LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
+                    hardware=hardware, ctx_size=ctx_size, ram=ram_budget, cache_policy=cache_policy)
+
+
+def _spin_only_on_idle_cores(threads: int) -> None:
+    """Load the compiled kernels with OpenMP's waiting threads asleep (``OMP_WAIT_POLICY=passive``) when
+    other work holds the cores.
+
+    The kernels' parallel loops run on libgomp, whose threads spin while they wait, by default. That
+    is the quickest hand-over on idle cores, but when another process holds a core the spinning
+    thread burns its time slice waiting for its preempted partner, at every one of a token's ~110
+    joins: on the shared 2-core machine at a load of 9-12, a TinyLlama-shape token took 550-760 ms
+    spinning against 116-136 ms passive. So: passive when fewer cores are idle (by the 1-minute load
+    average) than there are threads, unless the user set the variable. libgomp reads it once, as it
+    loads with ggml's CPU library; the variable is unset again after, so that no child process or
+    later in-process caller inherits it.
+    """
+    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
+    if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        kernels.available()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]

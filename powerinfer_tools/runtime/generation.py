@@ -105,8 +105,9 @@ def context_window(max_positions: int, requested: Optional[int] = None) -> int:
 
 class Generation:
     """The tokens sampled after ``prompt``, as an iterator: up to ``max_new_tokens``, ending after a
-    token in ``stop_ids``, or once prompt and generated tokens fill the ``context_size`` positions of
-    the context window (then ``stopped_at_window`` becomes True).
+    token in ``stop_ids`` (then ``stopped_at_token`` becomes True), or once prompt and generated tokens
+    fill the ``context_size`` positions of the context window (then ``stopped_at_window`` does).
+    ``sampled`` counts the tokens yielded so far.
 
     The arguments are checked here, before ``step`` runs: a prompt that does not fit the window is
     refused before its forward pass allocates anything (attention over a prompt grows with the
@@ -125,14 +126,17 @@ class Generation:
         self.step, self.prompt, self.sampler, self.stop = step, list(prompt), sampler, set(stop_ids)
         self.count = min(max_new_tokens, room)
         self.cut_by_window = room < max_new_tokens  # the window, not max_new_tokens, sets count
-        self.stopped_at_window = False
+        self.stopped_at_window = self.stopped_at_token = False
+        self.sampled = 0
 
     def __iter__(self) -> Iterator[int]:
         logits = self.step(np.asarray(self.prompt, dtype=np.int64))
         for _ in range(self.count):
             token = self.sampler(logits)
+            self.sampled += 1
             yield token
             if token in self.stop:
+                self.stopped_at_token = True
                 return
             logits = self.step(np.asarray([token], dtype=np.int64))
         self.stopped_at_window = self.cut_by_window

@@ -11,10 +11,11 @@ runs on the NumPy reference engine (dense, for checking).
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.gpu_split import default_split_path
@@ -44,10 +45,12 @@ from powerinfer_tools.units import format_size
 class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # tokens whose forward pass was timed (the last one sampled has none at EOS)
     generation_seconds: float = 0.0
+    sampled_tokens: int = 0  # tokens produced, EOS included: an API's completion tokens
     context_size: int = 0  # positions of the context window: prompt and generated tokens together
     stopped_at_window: bool = False  # generation ended because the window was full, not at max_tokens or EOS
+    stopped_at_eos: bool = False  # the model produced its end-of-sequence token
     ffn: TokenStats = field(default_factory=TokenStats)  # runtime only: neurons and bytes per step
 
     @property
@@ -132,16 +135,19 @@ class LLM:
         return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else FFNMode.DENSE.value
 
     def generate(
-        self, prompt: str, max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
+        self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
     ) -> Iterator[str]:
         """Text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends.
 
-        The prompt and ``max_tokens`` are checked now, before anything is computed: SettingError
-        for text that is not valid UTF-8 or a prompt longer than the context window. Generation
-        stops early when the window is full (``last_stats.stopped_at_window``).
+        ``prompt``: text (encoded as the model's prompts start, BOS first where it has one), or token ids
+        taken as they are. The prompt and ``max_tokens`` are checked now, before anything is computed:
+        SettingError for text that is not valid UTF-8, an id outside the vocabulary or a prompt longer
+        than the context window. Generation stops early when the window is full
+        (``last_stats.stopped_at_window``).
         """
         stats = self.last_stats = GenerationStats(context_size=self.context_size)
-        prompt_ids = self.tokenizer.encode(_checked_text(prompt))
+        prompt_ids = (self.tokenizer.encode(_checked_text(prompt)) if isinstance(prompt, str)
+                      else _checked_ids(prompt, self.tokenizer.vocab_size))
         stats.prompt_tokens = len(prompt_ids)
         eos = self.engine.spec.eos_token_id
         if isinstance(self.engine, RuntimeModel):
@@ -151,8 +157,11 @@ class LLM:
         return self._stream(tokens, stats)
 
     def _stream(self, tokens: Generation, stats: GenerationStats) -> Iterator[str]:
-        yield from stream_text(tokens, self.tokenizer.decode)
-        stats.stopped_at_window = tokens.stopped_at_window
+        try:
+            yield from stream_text(tokens, self.tokenizer.decode)
+        finally:  # also when the caller stops early (a stop string, a client gone)
+            stats.sampled_tokens = tokens.sampled
+            stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
 
 
 def _checked_text(prompt: str) -> str:
@@ -163,6 +172,16 @@ def _checked_text(prompt: str) -> str:
     except UnicodeEncodeError as exc:
         raise SettingError(f"prompt (-p/--prompt): not valid UTF-8 (at character {exc.start})") from None
     return prompt
+
+
+def _checked_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
+    """Prompt token ids, refused unless each is a whole number naming a token of the vocabulary."""
+    ids = list(prompt)
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise SettingError(f"prompt: token id {bad!r} is not in the vocabulary (0 to {vocab_size - 1})")
+    return [int(t) for t in ids]
 
 
 def _timed(step, stats: GenerationStats):

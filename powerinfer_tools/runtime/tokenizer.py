@@ -98,6 +98,7 @@ class GGUFTokenizer(Tokenizer):
         except KeyError as exc:
             raise PitoolsError(f"the model file has no embedded tokenizer ({exc.args[0]} missing)") from None
         self.types = list(metadata.get(Keys.Tokenizer.TOKEN_TYPE, [NORMAL] * len(self.tokens)))
+        self.chat_template = metadata.get(Keys.Tokenizer.CHAT_TEMPLATE)
         self.bos_token_id = metadata.get(Keys.Tokenizer.BOS_ID)
         self.eos_token_id = metadata.get(Keys.Tokenizer.EOS_ID)
         self.ids = {t: i for i, t in enumerate(self.tokens)}
@@ -123,11 +124,15 @@ class GGUFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self.tokens)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, special: bool | None = None) -> list[int]:
+        """``special`` overrides ``parse_special`` for this text (a rendered chat template spells its
+        control tokens)."""
+        parse_special = self.parse_special if special is None else special
+        specials, split = self._special_texts[parse_special], self._special_split[parse_special]
         ids: list[int] = []
         space_prefix = True  # SentencePiece: a text fragment at the start or after a special token gets one
-        for fragment in self._special_split.split(text) if self._special_texts else [text]:
-            if fragment in self._special_texts:
+        for fragment in split.split(text) if specials else [text]:
+            if fragment in specials:
                 ids.append(self.ids[fragment])
                 space_prefix = True
             elif fragment:
@@ -138,17 +143,27 @@ class GGUFTokenizer(Tokenizer):
         return ids
 
     @functools.cached_property
-    def _special_texts(self) -> frozenset[str]:
-        """Spellings split out of the text as single tokens: added tokens that are not control tokens
-        always, control (and unknown) tokens only with ``parse_special``, as llama.cpp does."""
-        kinds = {USER_DEFINED, CONTROL, UNKNOWN} if self.parse_special else {USER_DEFINED}
-        return frozenset(t for t, kind in zip(self.tokens, self.types) if kind in kinds and t)
+    def _special_texts(self) -> dict[bool, frozenset[str]]:
+        """Spellings split out of the text as single tokens, by whether special tokens are parsed: added
+        tokens that are not control tokens always, control (and unknown) tokens only when parsed, as
+        llama.cpp does."""
+        def spelled(kinds: set[int]) -> frozenset[str]:
+            return frozenset(t for t, kind in zip(self.tokens, self.types) if kind in kinds and t)
+
+        return {False: spelled({USER_DEFINED}), True: spelled({USER_DEFINED, CONTROL, UNKNOWN})}
 
     @functools.cached_property
-    def _special_split(self) -> regex.Pattern:
+    def _special_split(self) -> dict[bool, regex.Pattern]:
         """Splits text around those spellings, longest first, keeping them as fragments."""
-        spellings = sorted(self._special_texts, key=len, reverse=True)
-        return regex.compile("(" + "|".join(map(regex.escape, spellings)) + ")")
+        def splitter(spellings: frozenset[str]) -> regex.Pattern:
+            ordered = sorted(spellings, key=len, reverse=True)
+            return regex.compile("(" + "|".join(map(regex.escape, ordered)) + ")")
+
+        return {parse: splitter(texts) for parse, texts in self._special_texts.items()}
+
+    def token_text(self, token_id: int) -> str:
+        """How the vocabulary spells a token (a special token's literal text, as a chat template writes it)."""
+        return self.tokens[token_id]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of the tokens; control tokens (BOS/EOS) print as nothing, as in llama.cpp."""
