@@ -17,6 +17,7 @@ from powerinfer_tools.commands.perplexity import perplexity
 from powerinfer_tools.commands.profile import profile
 from powerinfer_tools.commands.pull import pull
 from powerinfer_tools.commands.run import run
+from powerinfer_tools.commands.serve import serve
 from powerinfer_tools.commands.solve import probe, solve
 from powerinfer_tools.commands.synth import synth
 from powerinfer_tools.commands.train_predictors import train_predictors
@@ -78,6 +79,7 @@ def cli() -> None:
       pitools convert SRC        write a PowerInfer GGUF (profiling + predictors)
       pitools solve FILE --vram  write the GPU/CPU neuron split
       pitools run FILE -p TEXT   generate text
+      pitools serve FILE         an OpenAI-compatible HTTP server
       pitools bundle FILE        one read per neuron, for run --ram (models larger than memory)
     """
 
@@ -87,5 +89,6 @@ def main() -> None:
     cli(prog_name="pitools")
 
 
-for command in (pull, convert, bundle, inspect, profile, train_predictors, perplexity, solve, probe, run, synth, bench):
+for command in (pull, convert, bundle, inspect, profile, train_predictors, perplexity, solve, probe, run, serve, synth,
+                bench):
     cli.add_command(command)

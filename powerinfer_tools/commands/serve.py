@@ -1,0 +1,94 @@
+"""``pitools serve``: the model behind an OpenAI-compatible HTTP API (docs/serving.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+
+import click
+
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.commands.options import load_llm, runtime_options
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.units import parse_size
+
+API_KEY_VARIABLE = "PITOOLS_API_KEY"
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. The default answers this machine only; 0.0.0.0 answers every network "
+                   "the machine is on (then give --api-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="TCP port (0: any free one, printed at start).")
+@click.option("--api-key", envvar=API_KEY_VARIABLE, default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for the model while one generates; more are answered 503 with "
+                   "Retry-After.")
+@click.option("--max-body", default="1MiB", show_default=True, help="Largest request body accepted (413 above it).")
+@click.option("--model-name", default=None,
+              help="The model's id in the API (the 'model' clients send) [default: MODEL's file or folder name].")
+@runtime_options
+def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int, max_body: str,
+          model_name: str | None, **runtime) -> None:
+    """Serve MODEL over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
+    (streaming too), /v1/models, /health and /metrics (Prometheus).
+
+    One generation runs at a time; others wait in a queue of --max-queue.
+    Chat prompts are rendered with the model's own chat template (from the
+    GGUF file or the checkpoint's tokenizer_config.json). The model options
+    are those of `pitools run`. Needs the serve extra:
+    pip install 'powerinfer-tools[serve]'.
+
+    \b
+    Examples:
+      pitools serve
+      pitools serve model.powerinfer.gguf --port 8080 --api-key "$KEY"
+      curl http://127.0.0.1:8080/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "tiny-relu-llama", "prompt": "import os", "max_tokens": 16, "temperature": 0}'
+    """
+    try:
+        import uvicorn
+
+        from powerinfer_tools.serving.app import ServeSettings, create_app
+    except ImportError as exc:
+        raise PitoolsError(f"pitools serve needs the serve extra ({exc.name} is missing): "
+                           "pip install 'powerinfer-tools[serve]'") from None
+    if api_key is not None and not api_key.strip():
+        raise PitoolsError("--api-key: empty (unset the variable or give a key)")
+    settings = ServeSettings(model_id=model_name or model.name, api_key=api_key, max_queue=max_queue,
+                             max_body_bytes=parse_size(max_body, "--max-body"))
+    listener = _listen(host, port)  # before loading: a port in use is found out at once
+    llm = load_llm(model, **runtime)
+    where = listener.getsockname()
+    url = f"http://{_url_host(where[0])}:{where[1]}"
+    click.echo(f"pitools serve: {settings.model_id} ({llm.description}, context {llm.context_size}) at {url}/v1",
+               err=True)
+    if api_key is None and not _is_loopback(host):
+        click.echo(f"pitools: warning: listening on {host} without --api-key: anyone who reaches this port can "
+                   "use the model", err=True)
+    config = uvicorn.Config(create_app(llm, settings), log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, or one error line naming the address."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise PitoolsError(f"{host}:{port}: cannot listen ({exc.strerror or exc})") from None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

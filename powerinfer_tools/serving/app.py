@@ -1,0 +1,347 @@
+"""The HTTP side of ``pitools serve``: OpenAI's routes on Starlette, with authentication, bounded bodies
+and OpenAI-style JSON errors for everything a client can get wrong (never a traceback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import pydantic
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError
+from powerinfer_tools.serving.metrics import ServerMetrics
+from powerinfer_tools.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    Reply,
+    error_body,
+    usage,
+)
+from powerinfer_tools.serving.scheduler import Job, QueueFull, Scheduler, Ticket
+
+log = logging.getLogger("pitools.serve")
+PUBLIC_ROUTES = ("/health",)  # answered without the API key: a load balancer's probe carries none
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_id: str  # the name clients give as "model"
+    api_key: Optional[str] = None
+    max_queue: int = 64  # requests waiting for the model beyond the one running
+    max_body_bytes: int = 1 << 20
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the API key (Bearer, compared in constant time),
+    the body size bound, and the count of responses by route and status."""
+
+    def __init__(self, app, settings: ServeSettings, metrics: ServerMetrics, routes: set[str]):
+        self.app, self.settings, self.metrics, self.routes = app, settings, metrics, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        status = 499  # the client closed the connection before a response started
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await refusal(scope, receive, counted_send)
+            await self.app(scope, self._bounded(receive), counted_send)
+        finally:
+            self.metrics.record_response(route, status)
+
+    def _refusal(self, scope) -> Optional[Response]:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        key = self.settings.api_key
+        if key is not None and scope["path"] not in PUBLIC_ROUTES:
+            given = headers.get("authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode("utf-8", "replace"), key.encode("utf-8")):
+                return _error(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                              "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > self.settings.max_body_bytes:
+            return _too_large(self.settings.max_body_bytes)
+        return None
+
+    def _bounded(self, receive):
+        """``receive``, raising _BodyTooLarge once a body sent without a length passes the bound."""
+        received = 0
+
+        async def bounded():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.settings.max_body_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        return bounded
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+           param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return _error(413, f"request body over the server's {limit} bytes (--max-body)", code="request_too_large")
+
+
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(400, "the request body must be a JSON object")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError(400, "the request contains text that is not valid Unicode (an unpaired surrogate)") from None
+    return data
+
+
+def _validated(model: type[pydantic.BaseModel], data: dict):
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ProtocolError(422, f"{where}: {first['msg']}", code="invalid_value", param=where) from None
+
+
+class Server:
+    """The routes, over one loaded model."""
+
+    def __init__(self, llm: LLM, settings: ServeSettings):
+        self.llm, self.settings = llm, settings
+        self.chat_template = ChatTemplate(llm.tokenizer)
+        self.metrics = ServerMetrics(settings.model_id, ram_budget=getattr(llm.engine, "ram", None) is not None)
+        self.scheduler: Optional[Scheduler] = None  # made on the event loop, at startup
+        self.created = int(time.time())
+
+    # -- requests into jobs --------------------------------------------------
+
+    def _check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
+        if request.model != self.settings.model_id:
+            raise ProtocolError(404, f"model {request.model!r} does not exist; this server has "
+                                f"{self.settings.model_id!r}", code="model_not_found", param="model")
+        unsupported = [name for name, used in request.unsupported().items() if used]
+        if unsupported:
+            raise ProtocolError(400, f"{unsupported[0]}: not supported by this server (leave it out)",
+                                code="unsupported_parameter", param=unsupported[0])
+
+    def _job(self, prompt_ids: list[int], max_tokens: Optional[int], request) -> Job:
+        window, vocab = self.llm.context_size, self.llm.tokenizer.vocab_size
+        if not prompt_ids:
+            raise ProtocolError(400, "the prompt has no tokens", param="prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ProtocolError(400, f"token id {bad} is not in the vocabulary (0 to {vocab - 1})", param="prompt")
+        if len(prompt_ids) > window:
+            raise ProtocolError(400, f"the prompt is {len(prompt_ids)} tokens; the context window holds {window}",
+                                code="context_length_exceeded")
+        room = window - len(prompt_ids)  # generation stops at the window's end: finish_reason "length"
+        return Job(prompt_ids, room if max_tokens is None else min(max_tokens, room), request.sampling(),
+                   request.stop_strings())
+
+    async def _completion_job(self, request: CompletionRequest) -> Job:
+        prompt = request.prompt[0] if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) \
+            else request.prompt
+        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.llm.tokenizer.encode, prompt)
+        return self._job(ids, request.max_tokens, request)
+
+    async def _chat_job(self, request: ChatCompletionRequest) -> Job:
+        messages = [m.for_template() for m in request.messages]
+        try:
+            ids = await asyncio.to_thread(self.chat_template.prompt_ids, messages)
+        except ChatTemplateError as exc:
+            raise ProtocolError(400, str(exc), param="messages") from None
+        limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        return self._job(ids, limit, request)
+
+    # -- routes ----------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        body = _validated(CompletionRequest, await _json_body(request))
+        self._check(body)
+        return await self._respond(request, body, await self._completion_job(body), Reply(False, self.settings.model_id))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = _validated(ChatCompletionRequest, await _json_body(request))
+        self._check(body)
+        return await self._respond(request, body, await self._chat_job(body), Reply(True, self.settings.model_id))
+
+    async def _respond(self, request: Request, body, job: Job, reply: Reply) -> Response:
+        ticket = self.scheduler.admit()  # QueueFull (503) now, before any response has started
+        if body.stream:
+            return _EventStream(self._events(job, ticket, reply, body.include_usage()), on_close=ticket.leave)
+        try:
+            text = await _unless_disconnected(request, self._text(job, ticket))
+        finally:
+            ticket.leave()
+        if text is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(reply.body(text, job.finish_reason, self._usage(job)))
+
+    async def _text(self, job: Job, ticket: Ticket) -> str:
+        return "".join([piece async for piece in self.scheduler.run(job, ticket)])
+
+    def _usage(self, job: Job) -> dict:
+        return usage(len(job.prompt_ids), job.stats.sampled_tokens)
+
+    async def _events(self, job: Job, ticket: Ticket, reply: Reply, with_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; an error after the stream
+        has started is an ``error`` event, as OpenAI's clients expect."""
+        opening = reply.first_chunk(with_usage)  # sent once the model is working on this request
+        try:
+            async for piece in self.scheduler.run(job, ticket):
+                if opening is not None:
+                    yield _sse(opening)
+                    opening = None
+                yield _sse(reply.chunk(piece, with_usage=with_usage))
+            if opening is not None:
+                yield _sse(opening)
+            yield _sse(reply.chunk("", job.finish_reason, with_usage=with_usage))
+            if with_usage:
+                yield _sse(reply.usage_chunk(self._usage(job)))
+        except Exception as exc:
+            log.exception("generation failed")
+            yield _sse(error_body(f"generation failed: {type(exc).__name__}", "server_error"))
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.settings.model_id:
+            raise ProtocolError(404, f"model {request.path_params['model']!r} does not exist",
+                                code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model_id, "object": "model", "created": self.created, "owned_by": "pitools",
+                "context_window": self.llm.context_size, "description": self.llm.description}
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        s = self.scheduler
+        return PlainTextResponse(self.metrics.exposition(s.waiting, s.running),
+                                 media_type="text/plain; version=0.0.4")
+
+
+class _EventStream(StreamingResponse):
+    """A stream whose place in the queue is given back however it ends, even if it never started
+    (its client gone before the first byte)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events, self._on_close = events, on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # runs the generator's cleanup now: the job is cancelled at once
+            self._on_close()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work) -> Optional[str]:
+    """``work``'s result, or None (and ``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(llm: LLM, settings: ServeSettings) -> Starlette:
+    server = Server(llm, settings)
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+    ]
+    handlers = {
+        ProtocolError: lambda _, exc: _error(exc.status, exc.message, exc.kind, exc.code, exc.param, exc.headers),
+        QueueFull: lambda _, exc: _error(503, str(exc), "server_error", "queue_full",
+                                         headers={"Retry-After": str(exc.retry_after)}),
+        _BodyTooLarge: lambda _, exc: _too_large(settings.max_body_bytes),
+        HTTPException: lambda _, exc: _error(exc.status_code, _HTTP_MESSAGES.get(exc.status_code, exc.detail),
+                                             code="not_found" if exc.status_code == 404 else None),
+        Exception: _internal_error,
+    }
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.scheduler = Scheduler(llm, settings.max_queue, server.metrics)
+        try:
+            yield
+        finally:
+            server.scheduler.close()
+
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=[Middleware(_Guard, settings=settings, metrics=server.metrics,
+                                           routes={r.path for r in routes if "{" not in r.path})])
+    app.state.server = server
+    return app
+
+
+_HTTP_MESSAGES = {404: "no such route (the API is under /v1: /v1/completions, /v1/chat/completions, /v1/models)",
+                  405: "method not allowed on this route"}
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("internal error on %s", request.url.path, exc_info=exc)
+    return _error(500, f"internal server error ({type(exc).__name__}); the server's log has the details",
+                  "server_error")

@@ -1,0 +1,78 @@
+"""What the server has done, for ``GET /metrics`` in Prometheus' text format.
+
+Counters only grow (a scraper takes rates of them); the gauges are the queue now and ratios over
+everything generated so far: tokens per second of generation, the mean fraction of FFN neurons
+computed, and under ``--ram`` the neuron caches' hit rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from powerinfer_tools.runtime.engine import TokenStats
+from powerinfer_tools.runtime.llm import GenerationStats
+
+PREFIX = "pitools"
+
+
+class ServerMetrics:
+    def __init__(self, model: str, ram_budget: bool):
+        self.model, self.ram_budget = model, ram_budget
+        self.responses: Counter = Counter()  # (route, HTTP status) -> responses
+        self.prompt_tokens = self.completion_tokens = self.generations = self.cancelled = 0
+        self.prompt_seconds = self.generation_seconds = 0.0
+        self.ffn = TokenStats()
+
+    def record_response(self, route: str, status: int) -> None:
+        self.responses[route, status] += 1
+
+    def record_generation(self, stats: GenerationStats, cancelled: bool) -> None:
+        self.generations += 1
+        self.cancelled += cancelled
+        self.prompt_tokens += stats.prompt_tokens
+        self.completion_tokens += stats.sampled_tokens
+        self.prompt_seconds += stats.prompt_seconds
+        self.generation_seconds += stats.generation_seconds
+        self.ffn.add(stats.ffn)
+
+    def mean_request_seconds(self) -> float | None:
+        """A generation's mean time on the model so far (None before the first)."""
+        if not self.generations:
+            return None
+        return (self.prompt_seconds + self.generation_seconds) / self.generations
+
+    def exposition(self, waiting: int, running: int) -> str:
+        rate = self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {PREFIX}_{name} {help}", f"# TYPE {PREFIX}_{name} {kind}"])
+            lines.extend(f"{PREFIX}_{name}{labels} {_number(value)}" for labels, value in samples)
+
+        metric("responses_total", "counter", "HTTP responses by route and status.",
+               [(f'{{route="{route}",status="{status}"}}', n) for (route, status), n in sorted(self.responses.items())])
+        metric("generations_total", "counter", "Generations run on the model.", [("", self.generations)])
+        metric("generations_cancelled_total", "counter", "Generations stopped because the client went away.",
+               [("", self.cancelled)])
+        metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
+        metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
+        metric("generation_seconds_total", "counter", "Seconds spent generating tokens after the prompt.",
+               [("", self.generation_seconds)])
+        metric("generation_tokens_per_second", "gauge", "Tokens per second of generation, over all requests.",
+               [("", rate)])
+        metric("queue_length", "gauge", "Requests waiting for the model.", [("", waiting)])
+        metric("requests_running", "gauge", "Requests generating now (at most 1).", [("", running)])
+        metric("ffn_density", "gauge", "Mean fraction of FFN neurons computed per token (NaN before any).",
+               [("", self.ffn.density)])
+        if self.ram_budget:
+            metric("neuron_cache_hit_rate", "gauge", "Share of cold neurons found in the neuron caches (--ram).",
+                   [("", self.ffn.hit_rate)])
+            metric("disk_bytes_total", "counter", "Bytes of weights read from disk (--ram).", [("", self.ffn.disk_bytes)])
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return repr(value) if isinstance(value, float) else str(value)

@@ -1,0 +1,149 @@
+"""The server's queue on a slowed model, in this process: one generation at a time, a bounded queue
+answering 503 with Retry-After, and clients that leave giving back the model (or their place) at once.
+
+The model is the bundled one on the runtime with every forward pass slowed by ``STEP_SECONDS`` and its
+end-of-sequence token never chosen, so a generation lasts as long as the test needs it to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from serving import metric
+from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.serving.app import ServeSettings, create_app
+
+STEP_SECONDS = 0.025
+LONG = {"model": "tiny", "prompt": "import os\n", "max_tokens": 240, "temperature": 0}  # >= 6 s on the model
+SHORT = {"model": "tiny", "prompt": "def ", "max_tokens": 3, "temperature": 0}
+
+
+def slowed(llm: LLM) -> LLM:
+    make, eos = llm.engine.step_fn, llm.engine.spec.eos_token_id
+
+    def step_fn():
+        step = make()
+
+        def slow(tokens):
+            time.sleep(STEP_SECONDS)
+            logits = np.array(step(tokens))
+            logits[eos] = -np.inf
+            return logits
+
+        return slow
+
+    llm.engine.step_fn = step_fn
+    return llm
+
+
+@contextlib.contextmanager
+def running(app):
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url(bundled_gguf):
+    llm = slowed(LLM.load(bundled_gguf("q8_0")))
+    with running(create_app(llm, ServeSettings("tiny", max_queue=1))) as url:
+        yield url
+
+
+def until(condition, seconds: float = 10.0) -> float:
+    """Waits for ``condition()``; returns how long it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def streaming(url: str, body: dict, started: bool = True):
+    """A streamed request, open until the block ends (then its connection closes, as a client that goes
+    away); with ``started``, once its first text has arrived."""
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions",
+                                                           json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: a dropped line iterator would close the connection
+        if started:
+            next(line for line in lines if line.startswith("data: {"))
+        yield lines
+
+
+def in_background(request) -> dict:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(response=request()), daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def test_a_full_queue_answers_503_and_a_stream_that_leaves_frees_the_model_at_once(url):
+    with streaming(url, LONG):
+        waiting = in_background(lambda: httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60))
+        until(lambda: metric(url, "queue_length") == 1)
+        refused = httpx.post(f"{url}/v1/completions", json=SHORT)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["Retry-After"]) >= 1
+        cancelled = metric(url, "generations_cancelled_total")
+    # The long stream had ~6 s to go; its client left, so the waiting request runs now.
+    waited = until(lambda: "response" in waiting, seconds=30)
+    assert waiting["response"].status_code == 200
+    assert waited < 2.0, f"the queued request waited {waited:.1f} s after the stream's client left"
+    assert metric(url, "generations_cancelled_total") == cancelled + 1
+
+
+def test_a_queued_client_that_leaves_gives_its_place_back(url):
+    with streaming(url, LONG):
+        with streaming(url, LONG, started=False):
+            until(lambda: metric(url, "queue_length") == 1)
+        until(lambda: metric(url, "queue_length") == 0, seconds=2)
+        waiting = in_background(lambda: httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60))
+        until(lambda: metric(url, "queue_length") == 1)  # admitted: the place was free again
+    until(lambda: "response" in waiting, seconds=30)
+    assert waiting["response"].status_code == 200
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_its_generation(url):
+    until(lambda: metric(url, "requests_running") == 0, seconds=30)
+    cancelled = metric(url, "generations_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=0.5))
+    until(lambda: metric(url, "requests_running") == 0, seconds=2)
+    assert metric(url, "generations_cancelled_total") == cancelled + 1
+
+
+def test_generation_is_bounded_by_the_context_window(url):
+    body = {**SHORT, "max_tokens": 10_000, "prompt": "x " * 120}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["total_tokens"] == 256  # the bundled model's window
+
+
+def test_chat_with_a_model_that_has_no_template_is_a_400(bundled_gguf):
+    llm = LLM.load(bundled_gguf("q8_0"))
+    llm.tokenizer.chat_template = None
+    with running(create_app(llm, ServeSettings("tiny"))) as url:
+        response = httpx.post(f"{url}/v1/chat/completions",
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert "no chat template" in response.json()["error"]["message"]
