@@ -53,8 +53,8 @@ def test_zero_tokens_reports_counts_not_rates_of_nothing():
 
 def test_rates_of_untimed_or_empty_phases_are_none():
     assert GenerationStats(prompt_tokens=3, prompt_seconds=0.0).prompt_rate is None  # a coarse clock
-    assert GenerationStats(generated_tokens=0, generation_seconds=0.5).generation_rate is None
-    assert GenerationStats(generated_tokens=4, generation_seconds=0.5).generation_rate == 8
+    assert GenerationStats(decode_steps=0, generation_seconds=0.5).generation_rate is None
+    assert GenerationStats(decode_steps=4, generation_seconds=0.5).generation_rate == 8
 
 
 def test_the_api_checks_the_same_settings_as_errors_of_both_kinds():

@@ -47,7 +47,7 @@ def test_generation_stops_where_prompt_and_tokens_fill_the_window():
     calls = []
     tokens = generate(counting_step(calls), [1, 2, 3], 10, GREEDY, context_size=8)
     assert list(tokens) == [4] * 5 and tokens.stopped_at_window
-    assert sum(calls) == 8  # every position the steps fed lies in the window
+    assert sum(calls) == 7  # every position the steps fed lies in the window; the last token is fed to none
     full = generate(counting_step([]), list(range(8)), 3, GREEDY, context_size=8)
     assert list(full) == [] and full.stopped_at_window
     enough = generate(counting_step([]), [1, 2, 3], 5, GREEDY, context_size=8)

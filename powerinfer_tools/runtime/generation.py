@@ -138,7 +138,8 @@ class Generation:
             if token in self.stop:
                 self.stopped_at_token = True
                 return
-            logits = self.step(np.asarray([token], dtype=np.int64))
+            if self.sampled < self.count:  # the last token's forward pass would feed no one
+                logits = self.step(np.asarray([token], dtype=np.int64))
         self.stopped_at_window = self.cut_by_window
 
 

@@ -45,9 +45,9 @@ from powerinfer_tools.units import format_size
 class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
-    generated_tokens: int = 0  # tokens whose forward pass was timed (the last one sampled has none at EOS)
-    generation_seconds: float = 0.0
-    sampled_tokens: int = 0  # tokens produced, EOS included: an API's completion tokens
+    generated_tokens: int = 0  # tokens sampled, EOS included (an API's completion tokens)
+    decode_steps: int = 0  # forward passes after the prompt's (one per generated token but the last)
+    generation_seconds: float = 0.0  # their time
     context_size: int = 0  # positions of the context window: prompt and generated tokens together
     stopped_at_window: bool = False  # generation ended because the window was full, not at max_tokens or EOS
     stopped_at_eos: bool = False  # the model produced its end-of-sequence token
@@ -60,8 +60,8 @@ class GenerationStats:
 
     @property
     def generation_rate(self) -> float | None:
-        """Generated tokens per second; None when nothing was timed."""
-        return _rate(self.generated_tokens, self.generation_seconds)
+        """Generated tokens per second: forward passes of one token per second; None when nothing was timed."""
+        return _rate(self.decode_steps, self.generation_seconds)
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -160,7 +160,7 @@ class LLM:
         try:
             yield from stream_text(tokens, self.tokenizer.decode)
         finally:  # also when the caller stops early (a stop string, a client gone)
-            stats.sampled_tokens = tokens.sampled
+            stats.generated_tokens = tokens.sampled
             stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
 
 
@@ -197,7 +197,7 @@ def _timed(step, stats: GenerationStats):
         if not prompt_done:
             stats.prompt_seconds, prompt_done = elapsed, True
         else:
-            stats.generated_tokens += 1
+            stats.decode_steps += 1
             stats.generation_seconds += elapsed
         return logits
 

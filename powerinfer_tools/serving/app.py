@@ -217,7 +217,7 @@ class Server:
         return "".join([piece async for piece in self.scheduler.run(job, ticket)])
 
     def _usage(self, job: Job) -> dict:
-        return usage(len(job.prompt_ids), job.stats.sampled_tokens)
+        return usage(len(job.prompt_ids), job.stats.generated_tokens)
 
     async def _events(self, job: Job, ticket: Ticket, reply: Reply, with_usage: bool) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; an error after the stream

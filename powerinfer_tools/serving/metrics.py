@@ -20,7 +20,7 @@ class ServerMetrics:
     def __init__(self, model: str, ram_budget: bool):
         self.model, self.ram_budget = model, ram_budget
         self.responses: Counter = Counter()  # (route, HTTP status) -> responses
-        self.prompt_tokens = self.completion_tokens = self.generations = self.cancelled = 0
+        self.prompt_tokens = self.completion_tokens = self.decode_steps = self.generations = self.cancelled = 0
         self.prompt_seconds = self.generation_seconds = 0.0
         self.ffn = TokenStats()
 
@@ -31,7 +31,8 @@ class ServerMetrics:
         self.generations += 1
         self.cancelled += cancelled
         self.prompt_tokens += stats.prompt_tokens
-        self.completion_tokens += stats.sampled_tokens
+        self.completion_tokens += stats.generated_tokens
+        self.decode_steps += stats.decode_steps
         self.prompt_seconds += stats.prompt_seconds
         self.generation_seconds += stats.generation_seconds
         self.ffn.add(stats.ffn)
@@ -43,7 +44,7 @@ class ServerMetrics:
         return (self.prompt_seconds + self.generation_seconds) / self.generations
 
     def exposition(self, waiting: int, running: int) -> str:
-        rate = self.completion_tokens / self.generation_seconds if self.generation_seconds else 0.0
+        rate = self.decode_steps / self.generation_seconds if self.generation_seconds else 0.0
         lines: list[str] = []
 
         def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
@@ -59,7 +60,7 @@ class ServerMetrics:
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
         metric("generation_seconds_total", "counter", "Seconds spent generating tokens after the prompt.",
                [("", self.generation_seconds)])
-        metric("generation_tokens_per_second", "gauge", "Tokens per second of generation, over all requests.",
+        metric("generation_tokens_per_second", "gauge", "Tokens per second of generation (one-token forward passes), over all requests.",
                [("", rate)])
         metric("queue_length", "gauge", "Requests waiting for the model.", [("", waiting)])
         metric("requests_running", "gauge", "Requests generating now (at most 1).", [("", running)])
