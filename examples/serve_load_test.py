@@ -4,8 +4,8 @@
     python examples/serve_load_test.py --url http://127.0.0.1:8080 --clients 32 --requests 320 --out report.json
 
 ``--clients`` clients share ``--requests`` requests; each sends its next one as soon as its last is
-answered. Requests alternate between /v1/completions and /v1/chat/completions, a ``--stream-share`` of
-them streamed, each with its own prompt: a slice of the model folder's held-out text (the bundled
+answered. A ``--chat-share`` of the requests go to /v1/chat/completions, the rest to /v1/completions, a
+``--stream-share`` of them streamed, each with its own prompt: a slice of the model folder's held-out text (the bundled
 model's by default), never the same text twice, so nothing is easier for being repeated. A 503 (queue
 full) is retried after its Retry-After, as a client should, and counted; anything else that is not a
 complete answer (an error status, a stream without ``[DONE]``, a broken connection) is a failure.
@@ -42,7 +42,7 @@ def request_body(i: int, prompt: str, args) -> tuple[str, dict]:
             "stream": (i % 100) < args.stream_share * 100}
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
-    if i % 2:
+    if (i * 37 % 100) < args.chat_share * 100:  # spread over the run, independent of streaming
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
     return "/v1/completions", {**body, "prompt": prompt}
 
@@ -156,7 +156,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--words", type=int, default=24, help="Words of held-out text per prompt.")
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--stream-share", type=float, default=0.5)
+    parser.add_argument("--stream-share", type=float, default=0.5, help="Share of requests streamed.")
+    parser.add_argument("--chat-share", type=float, default=0.5,
+                        help="Share of requests to /v1/chat/completions (0: completions only, for a server whose "
+                             "model has no chat template).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds a request may take in all.")
     parser.add_argument("--api-key", default=None)
