@@ -37,12 +37,17 @@ def prompts(text: str, count: int, words: int, seed: int) -> list[str]:
     return [" ".join(tokens[start + i * step: start + i * step + words]) for i in range(count)]
 
 
+def picked(i: int, share: float) -> bool:
+    """Whether request ``i`` is among a ``share`` of them, spread evenly over the run."""
+    return int((i + 1) * share) > int(i * share)
+
+
 def request_body(i: int, prompt: str, args) -> tuple[str, dict]:
     body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": i,
-            "stream": (i % 100) < args.stream_share * 100}
+            "stream": picked(i, args.stream_share)}
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
-    if (i * 37 % 100) < args.chat_share * 100:  # spread over the run, independent of streaming
+    if picked(i * 7 + 3, args.chat_share):  # spread over the run, not in step with streaming
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
     return "/v1/completions", {**body, "prompt": prompt}
 
@@ -73,7 +78,7 @@ async def streamed(client: httpx.AsyncClient, route: str, body: dict, start: flo
             await response.aread()
             return {"status": response.status_code, "retry_after": response.headers.get("retry-after"),
                     "seconds": time.perf_counter() - start}
-        first, tokens, done = None, None, False
+        first, usage, chunks, done = None, None, 0, False
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -83,13 +88,14 @@ async def streamed(client: httpx.AsyncClient, route: str, body: dict, start: flo
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 break
-            if first is None and any(c.get("text") or c.get("delta", {}).get("content") for c in chunk["choices"]):
+            texts = [c.get("text") or c.get("delta", {}).get("content") for c in chunk["choices"]]
+            chunks += any(t is not None for t in texts)
+            if first is None and any(texts):
                 first = time.perf_counter() - start
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+            usage = chunk.get("usage") or usage
         outcome = {"status": 200 if done else 599, "seconds": time.perf_counter() - start, "first_token": first}
-        if done and tokens is not None:
-            outcome["tokens"] = tokens
+        if done:  # a server that sends no usage chunk: one chunk a token, as llama.cpp's streams
+            outcome["tokens"] = usage["completion_tokens"] if usage else chunks
         return outcome
 
 
@@ -142,6 +148,9 @@ def summarize(outcomes: list[dict], wall: float, metrics: str, args) -> dict:
         "wall_seconds": wall, "requests_per_second": len(ok) / wall, "completion_tokens_per_second": tokens / wall,
         "latency_seconds": {f"p{p}": percentile(seconds, p) for p in (50, 90, 99)} | {"mean": statistics.fmean(seconds) if seconds else None},
         "first_token_seconds": {f"p{p}": percentile(first, p) for p in (50, 90, 99)},
+        # How much of the wall time the model computed; the rest is HTTP, JSON, tokenizing and queueing.
+        "model_busy_share": (server.get("pitools_prompt_seconds_total", 0) +
+                             server.get("pitools_generation_seconds_total", 0)) / wall,
         "server_metrics": server,
     }
 

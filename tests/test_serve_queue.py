@@ -147,3 +147,11 @@ def test_chat_with_a_model_that_has_no_template_is_a_400(bundled_gguf):
                               json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
+
+
+def test_under_a_ram_budget_metrics_report_the_neuron_caches(bundled_gguf):
+    llm = LLM.load(bundled_gguf("q8_0"), ram=6_000_000)  # under the 8.6 MB file: cold neurons come from disk
+    with running(create_app(llm, ServeSettings("tiny"))) as url:
+        assert httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60).status_code == 200
+        assert 0 <= metric(url, "neuron_cache_hit_rate") <= 1
+        assert metric(url, "disk_bytes_total") > 0

@@ -58,6 +58,8 @@ class ServerMetrics:
                [("", self.cancelled)])
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
+        metric("prompt_seconds_total", "counter", "Seconds spent on prompts' forward passes.",
+               [("", self.prompt_seconds)])
         metric("generation_seconds_total", "counter", "Seconds spent generating tokens after the prompt.",
                [("", self.generation_seconds)])
         metric("generation_tokens_per_second", "gauge", "Tokens per second of generation (one-token forward passes), over all requests.",

@@ -65,6 +65,7 @@ class Scheduler:
         self.llm, self.max_queue, self.metrics = llm, max_queue, metrics
         self.waiting = 0  # admitted, not yet running
         self.running = 0
+        self._current: Optional[Job] = None  # the job on the model
         self._slot = asyncio.Lock()  # FIFO: waiters get it in the order they asked
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pitools-generate")
 
@@ -86,6 +87,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         self.running += 1
+        self._current = job
         future = loop.run_in_executor(self._worker, self._generate, job,
                                       lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
         future.add_done_callback(lambda _: self._finished(job))
@@ -99,6 +101,7 @@ class Scheduler:
     def _finished(self, job: Job) -> None:
         """On the event loop once the worker has let go of the model: the next job may start."""
         self.running -= 1
+        self._current = None
         self._slot.release()
         self.metrics.record_generation(job.stats, cancelled=job.finish_reason is None)
 
@@ -125,4 +128,7 @@ class Scheduler:
             emit(_END)
 
     def close(self) -> None:
+        """At shutdown: stop the running generation at its next token rather than let it finish."""
+        if self._current is not None:
+            self._current.cancelled.set()
         self._worker.shutdown(wait=False, cancel_futures=True)
