@@ -155,3 +155,22 @@ def test_under_a_ram_budget_metrics_report_the_neuron_caches(bundled_gguf):
         assert httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60).status_code == 200
         assert 0 <= metric(url, "neuron_cache_hit_rate") <= 1
         assert metric(url, "disk_bytes_total") > 0
+
+
+def test_a_model_that_fails_is_a_500_or_an_error_event_without_a_traceback(bundled_gguf):
+    llm = LLM.load(bundled_gguf("q8_0"))
+
+    def broken():
+        def step(tokens):
+            raise RuntimeError("a kernel fault")
+        return step
+
+    llm.engine.step_fn = broken
+    with running(create_app(llm, ServeSettings("tiny"))) as url:
+        whole = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
+        assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
+        streamed = httpx.post(f"{url}/v1/completions", json={**SHORT, "stream": True}, timeout=60)
+        events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and "error" in events[-2] and events[-1] == "data: [DONE]"
+        assert "Traceback" not in whole.text + streamed.text and "kernel fault" not in whole.text + streamed.text
+        assert httpx.get(f"{url}/health").status_code == 200
