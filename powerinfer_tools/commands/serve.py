@@ -24,7 +24,8 @@ API_KEY_VARIABLE = "PITOOLS_API_KEY"
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="TCP port (0: any free one, printed at start).")
 @click.option("--api-key", envvar=API_KEY_VARIABLE, default=None, show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on every route but /health.")
+              help="Require 'Authorization: Bearer KEY' on every route but /health. Prefer the variable: "
+                   "other users of the machine can read a command line.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for the model while one generates; more are answered 503 with "
                    "Retry-After.")

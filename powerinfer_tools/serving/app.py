@@ -145,7 +145,7 @@ class Server:
     def __init__(self, llm: LLM, settings: ServeSettings):
         self.llm, self.settings = llm, settings
         self.chat_template = ChatTemplate(llm.tokenizer)
-        self.metrics = ServerMetrics(settings.model_id, ram_budget=getattr(llm.engine, "ram", None) is not None)
+        self.metrics = ServerMetrics(ram_budget=getattr(llm.engine, "ram", None) is not None)
         self.scheduler: Optional[Scheduler] = None  # made on the event loop, at startup
         self.created = int(time.time())
 

@@ -17,8 +17,8 @@ PREFIX = "pitools"
 
 
 class ServerMetrics:
-    def __init__(self, model: str, ram_budget: bool):
-        self.model, self.ram_budget = model, ram_budget
+    def __init__(self, ram_budget: bool):
+        self.ram_budget = ram_budget  # whether the neuron caches' figures mean anything
         self.responses: Counter = Counter()  # (route, HTTP status) -> responses
         self.prompt_tokens = self.completion_tokens = self.decode_steps = self.generations = self.cancelled = 0
         self.prompt_seconds = self.generation_seconds = 0.0

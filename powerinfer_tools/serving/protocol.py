@@ -31,9 +31,6 @@ class ProtocolError(Exception):
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
         self.headers = headers or {}
 
-    def body(self) -> dict:
-        return error_body(self.message, self.kind, self.code, self.param)
-
 
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
