@@ -1,8 +1,8 @@
 """Requests take turns on the one model: a bounded first-come-first-served queue, one generation at a time.
 
 Why not batch decoding: on the CPU a sparse runtime's token costs about what its active rows cost to
-read, and two sequences' active neurons mostly differ, so a batch reads nearly the union of both
-(docs/serving.md has the measurement). Generations run one at a time on one worker thread (the model
+read, and two sequences' active neurons mostly differ, so a batch reads nearly the union of both: measured,
+one pass over 4-16 tokens gains at most ~1.3x over as many one-token passes (docs/serving.md). Generations run one at a time on one worker thread (the model
 and its compiled kernels are not re-entrant; the kernels use every core already), and each request's
 pieces of text travel back to the event loop as they are produced.
 
