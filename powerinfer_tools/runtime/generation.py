@@ -103,6 +103,18 @@ def context_window(max_positions: int, requested: Optional[int] = None) -> int:
     return int(requested)
 
 
+class PromptTooLong(SettingError):
+    """A prompt with more tokens than the context window holds."""
+
+
+def check_prompt(prompt: list[int], context_size: Optional[int]) -> None:
+    """A prompt can start a generation: it has tokens, and they fit the window."""
+    if not prompt:
+        raise SettingError("prompt: no tokens to start from (an empty prompt, and no BOS token); give some text")
+    if context_size is not None and len(prompt) > context_size:
+        raise PromptTooLong(f"prompt is {len(prompt)} tokens; the context window holds {context_size}")
+
+
 class Generation:
     """The tokens sampled after ``prompt``, as an iterator: up to ``max_new_tokens``, ending after a
     token in ``stop_ids`` (then ``stopped_at_token`` becomes True), or once prompt and generated tokens
@@ -118,10 +130,7 @@ class Generation:
                  stop_ids: Iterable[int] = (), context_size: Optional[int] = None):
         _require(_is_whole(max_new_tokens) and max_new_tokens >= 0, "tokens to generate (-n/--n-tokens)",
                  "a whole number >= 0", max_new_tokens)
-        if not prompt:
-            raise SettingError("prompt: no tokens to start from (an empty prompt, and no BOS token); give some text")
-        if context_size is not None and len(prompt) > context_size:
-            raise SettingError(f"prompt is {len(prompt)} tokens; the context window holds {context_size}")
+        check_prompt(prompt, context_size)
         room = max_new_tokens if context_size is None else context_size - len(prompt)
         self.step, self.prompt, self.sampler, self.stop = step, list(prompt), sampler, set(stop_ids)
         self.count = min(max_new_tokens, room)

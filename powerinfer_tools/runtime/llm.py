@@ -28,6 +28,7 @@ from powerinfer_tools.runtime.generation import (
     Sampler,
     SamplingConfig,
     SettingError,
+    check_prompt,
     context_window,
     generate,
     stream_text,
@@ -146,8 +147,7 @@ class LLM:
         (``last_stats.stopped_at_window``).
         """
         stats = self.last_stats = GenerationStats(context_size=self.context_size)
-        prompt_ids = (self.tokenizer.encode(_checked_text(prompt)) if isinstance(prompt, str)
-                      else _checked_ids(prompt, self.tokenizer.vocab_size))
+        prompt_ids = self.prompt_ids(prompt)
         stats.prompt_tokens = len(prompt_ids)
         eos = self.engine.spec.eos_token_id
         if isinstance(self.engine, RuntimeModel):
@@ -155,6 +155,14 @@ class LLM:
         tokens = generate(_timed(self.engine.step_fn(), stats), prompt_ids, max_tokens, Sampler(sampling),
                           [eos] if eos is not None else [], self.context_size)
         return self._stream(tokens, stats)
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The ids ``generate`` starts from: text encoded as the model's prompts start, or ids as they are;
+        SettingError (PromptTooLong for one that does not fit the context window) when it cannot start."""
+        ids = (self.tokenizer.encode(_checked_text(prompt)) if isinstance(prompt, str)
+               else _checked_ids(prompt, self.tokenizer.vocab_size))
+        check_prompt(ids, self.context_size)
+        return ids
 
     def _stream(self, tokens: Generation, stats: GenerationStats) -> Iterator[str]:
         try:

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from powerinfer_tools.runtime.generation import PromptTooLong, SettingError
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError
 from powerinfer_tools.serving.metrics import ServerMetrics
@@ -160,25 +161,22 @@ class Server:
             raise ProtocolError(400, f"{unsupported[0]}: not supported by this server (leave it out)",
                                 code="unsupported_parameter", param=unsupported[0])
 
-    def _job(self, prompt_ids: list[int], max_tokens: Optional[int], request) -> Job:
-        window, vocab = self.llm.context_size, self.llm.tokenizer.vocab_size
-        if not prompt_ids:
-            raise ProtocolError(400, "the prompt has no tokens", param="prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ProtocolError(400, f"token id {bad} is not in the vocabulary (0 to {vocab - 1})", param="prompt")
-        if len(prompt_ids) > window:
-            raise ProtocolError(400, f"the prompt is {len(prompt_ids)} tokens; the context window holds {window}",
-                                code="context_length_exceeded")
-        room = window - len(prompt_ids)  # generation stops at the window's end: finish_reason "length"
+    async def _job(self, prompt: str | list[int], max_tokens: Optional[int], request) -> Job:
+        """The generation to queue, its prompt checked now (a refusal is a 400, not a queued failure)."""
+        try:
+            prompt_ids = await asyncio.to_thread(self.llm.prompt_ids, prompt)
+        except PromptTooLong as exc:
+            raise ProtocolError(400, str(exc), code="context_length_exceeded", param="prompt") from None
+        except SettingError as exc:
+            raise ProtocolError(400, str(exc), param="prompt") from None
+        room = self.llm.context_size - len(prompt_ids)  # generation stops at the window's end: "length"
         return Job(prompt_ids, room if max_tokens is None else min(max_tokens, room), request.sampling(),
                    request.stop_strings())
 
     async def _completion_job(self, request: CompletionRequest) -> Job:
         prompt = request.prompt[0] if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) \
             else request.prompt
-        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(self.llm.tokenizer.encode, prompt)
-        return self._job(ids, request.max_tokens, request)
+        return await self._job(prompt, request.max_tokens, request)
 
     async def _chat_job(self, request: ChatCompletionRequest) -> Job:
         messages = [m.for_template() for m in request.messages]
@@ -187,7 +185,7 @@ class Server:
         except ChatTemplateError as exc:
             raise ProtocolError(400, str(exc), param="messages") from None
         limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        return self._job(ids, limit, request)
+        return await self._job(ids, limit, request)
 
     # -- routes ----------------------------------------------------------------
 
