@@ -11,8 +11,11 @@ the reference's median GB/s, and the ratio of medians over ``QuantMatrix.matmul`
 ``weighted_row_sum``. Each call reads a different copy of the matrix (a pool of ``--pool-mb``) and
 a fresh random row set, so weights come from memory rather than cache, as they do when a model
 decodes; a NumPy streaming read of the same pool gives the machine's memory speed at that moment.
-A last table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
-the kernels. The reference's BLAS uses its own thread count throughout.
+A table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
+the kernels. The reference's BLAS uses its own thread count throughout. The last table compares, for
+a dense q4_0 matrix, ggml's products over rows interleaved eight at a time (``kernels.interleaved``)
+with ``vec_dot`` row by row (one token) and with the runtime's prompt path, dequantize + BLAS shared
+out to the kernel threads (``runtime.backends._BlockProducts``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from powerinfer_tools import kernels
+from powerinfer_tools.kernels.interleaved import interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.backends import CpuBackend
 
 SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096)}
 
@@ -113,19 +118,50 @@ def bench_tokens(args, rng):
         print("T={:>3}: matvec {:7.2f} / {:7.2f}   axpy {:7.2f} / {:7.2f}".format(tokens, *times))
 
 
+def bench_interleaved(args, rng):
+    """Dense q4_0, from memory (the pool) and from cache (one matrix): interleaved against as stored."""
+    if kernels.ggml_routines().interleaved is None:
+        print("\nggml's interleaved q4_0 kernels do not run on this CPU")
+        return
+    blocks = CpuBackend()._blocks
+    print("\ninterleaved q4_0 (ggml gemv/gemm) against vec_dot row by row (T=1) and dequantize + BLAS (T>32): "
+          "median ms, as stored / interleaved")
+    for shape in args.shapes.split(","):
+        n_rows, n_cols = SHAPES[shape]
+        first = random_matrix(Q.Q4_0, n_rows, n_cols, rng)
+        pool = [first] + [random_matrix(Q.Q4_0, n_rows, n_cols, rng)
+                          for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+        packed = {id(m): interleave(m) for m in pool}
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            for tokens in (1, 64, 128):
+                x = [rng.standard_normal((tokens, n_cols), dtype=np.float32)]
+                stored = (lambda m, a: kernels.matvec(m, a)) if tokens == 1 else (lambda m, a: blocks.matmul(m, a))
+                line = []
+                for name, matrices in (("memory", pool), ("cache", pool[:1])):
+                    a = np.median(seconds(stored, matrices, x, args.repeats))
+                    b = np.median(seconds(lambda m, v: kernels.interleaved_matmul(packed[id(m)], v), matrices, x,
+                                          args.repeats))
+                    line.append(f"{name} {a * 1e3:7.2f} / {b * 1e3:7.2f} ({a / b:4.2f}x)")
+                print(f"{shape:>9} T={tokens:>3} {threads} thr: " + "   ".join(line))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per kernel measurement")
     parser.add_argument("--ref-repeats", type=int, default=7, help="timed calls per reference measurement")
     parser.add_argument("--pool-mb", type=int, default=1024, help="weights cycled through, to defeat the caches")
     parser.add_argument("--shapes", default="tinyllama,llama7b")
+    parser.add_argument("--only-interleaved", action="store_true", help="just the last table")
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
     print(kernels.describe())
     rng = np.random.default_rng(0)
-    bench_shapes(args, rng)
-    bench_tokens(args, rng)
+    if not args.only_interleaved:
+        bench_shapes(args, rng)
+        bench_tokens(args, rng)
+    bench_interleaved(args, rng)
 
 
 if __name__ == "__main__":

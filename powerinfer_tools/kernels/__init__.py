@@ -2,6 +2,7 @@
 
     matvec(m, x, rows)        x [T, cols] @ W[rows].T  -> [T, len(rows)]   gate/up, dense or gathered
     row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
+    interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
 
 ``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
 reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as q8_0 for
@@ -24,6 +25,7 @@ import warnings
 import numpy as np
 
 from powerinfer_tools.kernels import ggml_ops
+from powerinfer_tools.kernels.interleaved import InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
@@ -48,7 +50,8 @@ def describe() -> str:
     if isinstance(backend, str):
         return f"NumPy reference ({backend})"
     ggml = backend[1]
-    return (f"compiled: numba loops + ggml vec_dot from {ggml.library} (llama-cpp-python {ggml.version}), "
+    gemv = ", q4_0 interleaved for its gemv/gemm" if ggml.interleaved else ""
+    return (f"compiled: numba loops + ggml vec_dot{gemv} from {ggml.library} (llama-cpp-python {ggml.version}), "
             f"{_threads} threads")
 
 
@@ -95,6 +98,37 @@ def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None)
     coeffs = _checked_input(coeffs, len(rows), "coeffs")
     out = axpy_output(coeffs.shape[0], m.cols)
     nk.axpy_rows(int(m.qtype), weight_bytes(m), rows, coeffs, out, threads)
+    return out
+
+
+def interleaves(m: QuantMatrix) -> bool:
+    """Whether ``for_whole_products`` gives ``m`` a new layout here."""
+    ggml = ggml_routines()
+    return ggml is not None and ggml.interleaved is not None and can_interleave(m)
+
+
+def for_whole_products(m: QuantMatrix) -> QuantMatrix | InterleavedQ4:
+    """``m`` as the CPU best multiplies a matrix that is always used whole (attention, the output head, a
+    dense file's FFN): interleaved where ggml's kernels for that layout run here (``kernels.interleaved``),
+    else as it is."""
+    return interleave(m) if interleaves(m) else m
+
+
+def interleaved_matmul(p: InterleavedQ4, x: np.ndarray) -> np.ndarray:
+    """``x [T, cols] @ W.T`` as float32 ``[T, rows]`` for any number of tokens; x is encoded as q8_0, as
+    ``matvec`` encodes it."""
+    backend = _backend()
+    if isinstance(backend, str) or backend[1].interleaved is None:
+        return p.matmul(x)
+    from powerinfer_tools.kernels import numba_interleaved  # compiled on first use, as numba_kernels
+
+    nk, ggml = backend
+    x = _checked_input(x, p.cols, "x")
+    q4_0, routines = ggml.routines[p.qtype], ggml.interleaved
+    out = np.empty((x.shape[0], p.rows), dtype=np.float32)
+    x_encoded = np.empty((x.shape[0], q4_0.encoded_bytes(p.cols)), dtype=np.uint8)
+    numba_interleaved.gemm(routines.gemm, routines.gemv, routines.quantize4, q4_0.from_float, p.data, x, x_encoded,
+                           out, nk.use_threads(_threads))
     return out
 
 

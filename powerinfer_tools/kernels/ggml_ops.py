@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
+from powerinfer_tools.kernels.interleaved import ROWS, interleave
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix, dequantize_blocks
 
 TESTED_VERSION = "0.3.36"  # llama-cpp-python release whose ggml this module was checked against
@@ -49,6 +50,17 @@ _VEC_DOT = ctypes.CFUNCTYPE(
     None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
     ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
 )
+
+
+# gemv and gemm over q4_0 interleaved eight rows at a time (``kernels.interleaved``):
+# void (int n, float *s, size_t bs, const void *vx, const void *vy, int nr, int nc) computes
+# s[t * bs + i] = x_t . W_i for the nr tokens of vy and the nc rows (a multiple of 8) at vx; gemm takes
+# nr a multiple of 4, x quantized four rows at a time by ggml_quantize_mat_q8_0_4x8 (x, vy, n), gemv
+# one token (nr = 1) as plain q8_0. ggml runs them for q4_0 on x86 CPUs with AVX2; elsewhere it
+# picks other layouts, and so the runtime does not interleave there.
+_INTERLEAVED = ("ggml_gemv_q4_0_8x8_q8_0", "ggml_gemm_q4_0_8x8_q8_0", "ggml_quantize_mat_q8_0_4x8")
+_PRODUCT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 
 
 class GgmlUnavailable(RuntimeError):
@@ -87,12 +99,22 @@ class DotRoutine:
 
 
 @dataclass(frozen=True)
+class InterleavedRoutines:
+    """ggml's products over interleaved q4_0 (``_INTERLEAVED``), by address."""
+
+    gemv: int
+    gemm: int
+    quantize4: int  # four rows of x as q8_0, interleaved as gemm reads them
+
+
+@dataclass(frozen=True)
 class GgmlCpu:
     """The checked routines, one per supported weight type, and where they came from."""
 
     routines: dict[Q, DotRoutine]
     library: Path
     version: str
+    interleaved: InterleavedRoutines | None  # None where ggml would not use that layout on this CPU
 
 
 def load() -> GgmlCpu:
@@ -128,7 +150,39 @@ def load() -> GgmlCpu:
         routine = DotRoutine(encoder.from_float, traits.vec_dot, _VEC_DOT_TYPE[qtype])
         _check_numerics(qtype, routine, f"{cpu_path} (llama-cpp-python {version})")
         routines[qtype] = routine
-    return GgmlCpu(routines, cpu_path, version)
+    return GgmlCpu(routines, cpu_path, version, _interleaved_routines(cpu, routines[Q.Q4_0]))
+
+
+def _interleaved_routines(cpu: ctypes.CDLL, q4_0: DotRoutine) -> InterleavedRoutines | None:
+    """The interleaved q4_0 products where ggml itself would run them (x86 with AVX2) and they agree with
+    ``vec_dot`` on a small matrix; None otherwise (the runtime then keeps q4_0 rows as stored)."""
+    try:
+        addresses = [ctypes.cast(getattr(cpu, name), ctypes.c_void_p).value for name in _INTERLEAVED]
+        has_avx2 = cpu.ggml_cpu_has_avx2()
+    except AttributeError:  # another build, or another architecture's
+        return None
+    if not has_avx2:
+        return None
+    routines = InterleavedRoutines(*addresses)
+    rng = np.random.default_rng(0)
+    rows, cols, tokens = 2 * ROWS, 64, 4
+    matrix = QuantMatrix(Q.Q4_0, quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q.Q4_0))
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    expected = np.array([[q4_0.dot(row, token) for row in matrix.data] for token in x], dtype=np.float32)
+    packed = interleave(matrix).data
+    one = np.zeros(rows, np.float32)
+    encoded = np.empty(q4_0.encoded_bytes(cols), np.uint8)
+    _FROM_FLOAT(q4_0.from_float)(x[0].ctypes.data, encoded.ctypes.data, cols)
+    _PRODUCT(routines.gemv)(cols, one.ctypes.data, 0, packed.ctypes.data, encoded.ctypes.data, 1, rows)
+    four = np.zeros((tokens, rows), np.float32)
+    encoded4 = np.empty(tokens * q4_0.encoded_bytes(cols), np.uint8)
+    _FROM_FLOAT(routines.quantize4)(x.ctypes.data, encoded4.ctypes.data, cols)
+    _PRODUCT(routines.gemm)(cols, four.ctypes.data, rows, packed.ctypes.data, encoded4.ctypes.data, tokens, rows)
+    # the same q8_0 x and integer dots as vec_dot: equal up to float32 summation order
+    scale = np.abs(expected).max()
+    if not (np.allclose(one, expected[0], atol=1e-4 * scale) and np.allclose(four, expected, atol=1e-4 * scale)):
+        return None
+    return routines
 
 
 def _package_lib_dir() -> tuple[Path, str]:

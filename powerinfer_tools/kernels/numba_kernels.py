@@ -83,6 +83,25 @@ def ggml_vec_dot(typingctx, fn, n, s, x, y):
 
 
 @intrinsic
+def ggml_interleaved_product(typingctx, fn, n, s, bs, vx, vy, nr, nc):
+    """Call ggml's ``gemv``/``gemm`` over interleaved q4_0 at ``fn`` (``ggml_ops._INTERLEAVED``):
+    ``s[t * bs + i] = x_t · W_i`` for ``nr`` tokens and the ``nc`` rows at ``vx``."""
+    sig = types.void(*[types.intp] * 8)
+
+    def codegen(context, builder, signature, args):
+        fn_addr, n_, s_addr, bs_, vx_addr, vy_addr, nr_, nc_ = args
+        fnty = ir.FunctionType(ir.VoidType(), [_I32, _PTR, _I64, _PTR, _PTR, _I32, _I32])
+        callee = builder.inttoptr(fn_addr, fnty.as_pointer())
+        builder.call(callee, [
+            builder.trunc(n_, _I32), builder.inttoptr(s_addr, _PTR), bs_, builder.inttoptr(vx_addr, _PTR),
+            builder.inttoptr(vy_addr, _PTR), builder.trunc(nr_, _I32), builder.trunc(nc_, _I32),
+        ])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _prefetch(typingctx, addr):
     """Hint the cache line at ``addr`` into all cache levels for reading (``llvm.prefetch``)."""
     sig = types.void(types.intp)

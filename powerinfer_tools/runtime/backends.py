@@ -18,6 +18,7 @@ import numpy as np
 
 from powerinfer_tools import kernels
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.xp import cupy_or_none
 
@@ -29,7 +30,9 @@ class TransferStats:
 
 
 class CpuBackend:
-    """The host. Weights stay memory-mapped in the model file: nothing is copied.
+    """The host. Weights stay memory-mapped in the model file: nothing is copied, except the q4_0
+    matrices that are always multiplied whole, which the loader interleaves for ggml's faster kernels
+    (``kernels.interleaved``).
 
     Products go through the compiled kernels (``powerinfer_tools.kernels``), which
     fall back to the NumPy reference when they cannot load; blocks of more tokens
@@ -43,7 +46,11 @@ class CpuBackend:
     def __init__(self):
         self._blocks = _BlockProducts()
 
-    def matmul(self, m: QuantMatrix, x: np.ndarray, rows=None) -> np.ndarray:
+    def matmul(self, m: QuantMatrix | InterleavedQ4, x: np.ndarray, rows=None) -> np.ndarray:
+        if isinstance(m, InterleavedQ4):  # ggml's gemv/gemm for that layout, which compute every row
+            out = kernels.interleaved_matmul(m, x)
+            every_row = rows is None or (len(rows) == m.rows and np.array_equal(rows, np.arange(m.rows)))
+            return out if every_row else out[:, rows]
         if len(x) <= kernels.MAX_TOKENS or not kernels.available():
             return kernels.matvec(m, x, rows)
         return self._blocks.matmul(m, x, rows)

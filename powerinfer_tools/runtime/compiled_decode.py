@@ -30,7 +30,9 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -45,6 +47,8 @@ NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not us
 # The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
 _BIASES = ("q", "k", "v")
 _NO_BIAS = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias (same numba type)
+_NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
+_NO_GROUPS.flags.writeable = False
 
 
 # Weights and buffers reach the compiled code as numba StructRefs: one pointer each. (A namedtuple of
@@ -70,8 +74,11 @@ class ScratchType(_Fields):
 class LayerWeights(structref.StructRefProxy):
     """One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8). Matrices that share an
     input share a ggml type id (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up), so the
-    input is encoded once for them (``CompiledDecoder.build`` checks). ``bq, bk, bv``: biases, empty
-    when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
+    input is encoded once for them (``CompiledDecoder.build`` checks). ``attn_gemv``: the address of
+    ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
+    ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
+    which are then always computed whole. ``bq, bk, bv``: biases, empty when absent; ``rope_halves``:
+    q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
 class Scratch(structref.StructRefProxy):
@@ -79,8 +86,9 @@ class Scratch(structref.StructRefProxy):
 
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
-    "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "bq", "bk", "bv", "rope_halves",
-    "ffn_norm", "gate", "up", "ffn_type", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2", "fc2_type",
+    "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "attn_gemv", "bq", "bk", "bv", "rope_halves",
+    "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2",
+    "fc2_type",
     "threshold", "thresholded", "cats", "ffn_in", "ffn_down",
 ])
 structref.define_proxy(Scratch, ScratchType, [
@@ -278,7 +286,7 @@ def _thresholded_input(w, s, fns):
 
 
 @njit(nogil=True, cache=True)
-def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns):
+def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns, n_threads):
     """A layer's attention for one token at position ``pos`` (updates the residual ``x`` in place, writes
     this token's key and value into ``keys[pos]`` / ``values[pos]``), then what its FFN needs: the
     normed input encoded in ``s.x_encoded`` and, sparse, the predicted neurons in ``s.active``; returns
@@ -286,7 +294,10 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
     _rms_norm(x, w.attn_norm, eps, s.h)
     ggml_from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
+    if w.attn_gemv:
+        numba_interleaved.gemv_fused(w.attn_gemv, w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v, n_threads)
+    else:
+        _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
     _add_bias(s.q, w.bq)
     _add_bias(s.k, w.bk)
     _add_bias(s.v, w.bv)
@@ -296,7 +307,10 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
     _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
     ggml_from_float(fns[w.attn_type, 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
-    _matvec(fns[w.attn_type, 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+    if w.attn_gemv:
+        numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads)
+    else:
+        _matvec(fns[w.attn_type, 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
@@ -360,7 +374,10 @@ def expert_ffn(x, residual, w, s, weight, kind, sparse, fns, n_threads):
 def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
     """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
     rows of the neurons it chose); returns the number of neurons computed and of down rows read."""
-    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns)
+    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns, n_threads)
+    if w.ffn_gemv:  # a dense file's FFN, interleaved
+        _interleaved_ffn(x, w, s, kind, fns, n_threads)
+        return n, n
     rows = s.active[:n] if sparse else s.all_rows[:n]
     gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
     if sparse and w.ffn_down >= 0:
@@ -369,6 +386,21 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
         return n, m
     down(x, w, s, rows, fns, n_threads)
     return n, n
+
+
+@njit(nogil=True, cache=True)
+def _interleaved_ffn(x, w, s, kind, fns, n_threads):
+    """Add a whole FFN of interleaved q4_0 matrices (``ffn_gemv``; the normed input encoded in
+    ``s.x_encoded``) to the residual ``x``: gate and up in one parallel loop, the activations, the down
+    projection."""
+    d_model, d_ff = x.shape[0], s.act.shape[0]
+    numba_interleaved.gemv_fused(w.ffn_gemv, w.gate, w.up, _NO_GROUPS, s.x_encoded, d_model, s.gate_out, s.up_out,
+                                 s.o[:0], n_threads)
+    for i in range(d_ff):
+        s.act[i] = _activation(kind, s.gate_out[i], s.up_out[i])
+    ggml_from_float(fns[w.down_type, 0], s.act.ctypes.data, s.x_encoded.ctypes.data, d_ff)
+    numba_interleaved.gemv(w.ffn_gemv, w.down, s.x_encoded, d_ff, s.o, n_threads)
+    x += s.o
 
 
 def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
@@ -480,7 +512,7 @@ class CompiledDecoder:
             cache.advance(1)
             if mixture is not None:
                 decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                 s.norm_eps, False, self.fns)
+                                 s.norm_eps, False, self.fns, threads)
                 n = m = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse,
                                        self.fns, threads, step)
             elif neurons is None:
@@ -488,7 +520,7 @@ class CompiledDecoder:
                                     s.norm_eps, kind, sparse, self.fns, threads)
             else:
                 n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                     s.norm_eps, sparse, self.fns)
+                                     s.norm_eps, sparse, self.fns, threads)
                 before = neurons.counters.snapshot()
                 cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
                 step.add_cache_use(neurons.counters.since(before))
@@ -530,8 +562,8 @@ def _units(layer) -> list[tuple]:
 
 def _supported(layer) -> bool:
     """Whether the compiled path computes this layer: all on the CPU, no biases but q/k/v's, gated FFNs
-    (one CPU partition each; an expert's not through a neuron cache), and one weight type for q/k/v/o
-    and one for every gate/up."""
+    (one CPU partition each; an expert's not through a neuron cache), and one weight type and layout for
+    q/k/v/o and one type for every gate/up."""
     d = layer.dense
     if set(d.biases) - set(_BIASES) or d.backend.is_device or any(
             len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
@@ -541,7 +573,8 @@ def _supported(layer) -> bool:
         return False
     return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
                 and (p.down_t is not None or p.down.cols == p.up.rows) for p in partitions)
-            and len({d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype}) == 1
+            and len({(d.wq.qtype, type(d.wq)), (d.wk.qtype, type(d.wk)), (d.wv.qtype, type(d.wv)),
+                     (d.wo.qtype, type(d.wo))}) == 1
             and len({m.qtype for p in partitions for m in (p.gate, p.up)}) == 1)
 
 
@@ -561,10 +594,12 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
     t = d.thresholds
     cats, ffn_in, ffn_down = (NO_THRESHOLD if v is None else np.float32(v)
                               for v in ((t.cats, t.ffn_in, t.ffn_down) if t is not None else (None,) * 3))
+    gemv = kernels.ggml_routines().interleaved.gemv if kernels.ggml_routines().interleaved else 0
     return LayerWeights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
-        int(d.wq.qtype), bq, bk, bv, rope_halves,
+        int(d.wq.qtype), gemv if isinstance(d.wq, InterleavedQ4) else 0, bq, bk, bv, rope_halves,
         d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
+        gemv if isinstance(p.up, InterleavedQ4) else 0,
         weight_bytes(down), int(down.qtype), p.down_t is not None,
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats, ffn_in, ffn_down,

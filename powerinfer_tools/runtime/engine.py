@@ -13,6 +13,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
@@ -39,10 +40,10 @@ class DenseBlock:
 
     backend: object
     attn_norm: Norm
-    wq: QuantMatrix
-    wk: QuantMatrix
-    wv: QuantMatrix
-    wo: QuantMatrix
+    wq: QuantMatrix | InterleavedQ4  # interleaved on the CPU where its kernels run (loader: whole_matrix)
+    wk: QuantMatrix | InterleavedQ4
+    wv: QuantMatrix | InterleavedQ4
+    wo: QuantMatrix | InterleavedQ4
     ffn_norm: Norm
     biases: dict = field(default_factory=dict)  # "q", "k", "v", "o", "down" -> bias vector
     predictor: Optional[Predictor] = None
@@ -120,7 +121,7 @@ class RuntimeModel(Engine):
         layers: list[RuntimeLayer],
         token_embd: QuantMatrix,
         output_norm: Optional[Norm],
-        output: QuantMatrix,
+        output: QuantMatrix | InterleavedQ4,
         positions: Optional[np.ndarray] = None,
         device=None,
         split_path=None,
@@ -162,7 +163,7 @@ class RuntimeModel(Engine):
                    else layer.dense.predictor is not None or layer.dense.thresholds is not None
                    for layer in self.layers)
 
-    def _dense_matrices(self) -> list[QuantMatrix]:
+    def _dense_matrices(self) -> list[QuantMatrix | InterleavedQ4]:
         per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
         return per_layer + [self.output]
 
@@ -250,7 +251,7 @@ class RuntimeModel(Engine):
     def _attention(self, d: DenseBlock, h, cache: KVCache, start: int, rope):
         b = d.biases
 
-        def project(w: QuantMatrix, key: str):
+        def project(w: QuantMatrix | InterleavedQ4, key: str):
             y = d.backend.matmul(w, h)
             return y + b[key] if key in b else y
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -10,6 +12,7 @@ import numpy as np
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType
 
+from powerinfer_tools import kernels
 from powerinfer_tools.direct_io import DirectReader
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, LayerThresholds, read_thresholds
@@ -27,6 +30,7 @@ from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, rea
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.formats.quantization import decode, storage_shape
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
@@ -77,6 +81,19 @@ class _Tensors:
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
 
+    def whole_matrix(self, name: str) -> QuantMatrix | InterleavedQ4:
+        """A host matrix that is only ever multiplied whole (attention, an untied head), in the layout the
+        CPU multiplies fastest (``kernels.for_whole_products``). A new layout's copy takes the place of the
+        RAM budget's copy; without a budget, the file pages it was made from leave the process's memory."""
+        m = self.matrix(name)
+        laid_out = kernels.for_whole_products(m)
+        if laid_out is not m:
+            if self.reader is not None:
+                self._copies[name] = laid_out.data
+            else:
+                _release_file_pages(m.data)
+        return laid_out
+
     def ffn_rows(self, tensor: TensorKind, layer: int, expert: int | None = None) -> tuple[GGMLQuantizationType, np.ndarray]:
         """The type and stored rows ``[d_ff, ...]`` of one of a layer's (or an expert's) FFN matrices, in
         either layout (a bundled file's are copied out of its bundle rows: the kernels read contiguous rows)."""
@@ -126,6 +143,17 @@ class _Tensors:
         return Norm(weight, bias)
 
 
+def _release_file_pages(data: np.ndarray) -> None:
+    """Drop the whole pages of a read-only file mapping under ``data`` from this process's resident memory
+    (``madvise(MADV_DONTNEED)``; they stay in the page cache and would be read back if touched), so that
+    a matrix copied into another layout is not counted twice. Does nothing where that is unavailable."""
+    start = -(-data.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+    stop = (data.ctypes.data + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start and hasattr(mmap, "MADV_DONTNEED"):
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start),
+                                                  mmap.MADV_DONTNEED)
+
+
 def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons: int, split_path: Path) -> None:
     """The split fits the model: a mask per layer over its FFN's neurons (a mixture's: all its experts')."""
     if len(split.masks) != n_layers:
@@ -162,17 +190,34 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
             v = tensors.array(name)
             return None if v is None else backend.upload(v[neurons])
 
+    gated = tensors.has_ffn(T.FFN_GATE, layer, expert)
+    if sparse_layout:
+        gate, up, down_t, down = pick(T.FFN_GATE) if gated else None, pick(T.FFN_UP), pick(DOWN_T), None
+    else:  # a dense file, on the host: its FFN is only ever computed whole
+        gate, up, down = _whole_ffn(tensors, [T.FFN_GATE] * gated + [T.FFN_UP, T.FFN_DOWN], layer)
+        down_t = None
     return FFNPartition(
         backend=backend,
         neurons=neurons,
         row_of=rows,
-        up=pick(T.FFN_UP),
-        down_t=pick(DOWN_T) if sparse_layout else None,
-        down=None if sparse_layout else tensors.matrix(tensor_name(T.FFN_DOWN, layer)),
-        gate=pick(T.FFN_GATE) if tensors.has_ffn(T.FFN_GATE, layer, expert) else None,
+        up=up,
+        down_t=down_t,
+        down=down,
+        gate=gate,
         gate_bias=pick_bias(tensor_name(T.FFN_GATE, layer, "bias", expert)),
         up_bias=pick_bias(tensor_name(T.FFN_UP, layer, "bias", expert)),
     )
+
+
+def _whole_ffn(tensors: _Tensors, kinds: list[TensorKind], layer: int) -> list:
+    """A dense file's FFN matrices (``kinds``), then None for an absent gate: interleaved together where
+    every one of them can be (``_Tensors.whole_matrix``; the compiled path takes them as a set), else as
+    stored."""
+    names = [tensor_name(kind, layer) for kind in kinds]
+    matrices = [tensors.matrix(name) for name in names]
+    if all(kernels.interleaves(m) for m in matrices):
+        matrices = [tensors.whole_matrix(name) for name in names]
+    return [None] * (3 - len(matrices)) + matrices
 
 
 @dataclass(frozen=True)
@@ -279,14 +324,15 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
     if down_bias is None:
         down_bias = tensors.array(tensor_name(T.FFN_DOWN, layer, "bias"), backend)
     biases["down"] = down_bias
-    matrix_backend = backend if on_device else None
+    wq, wk, wv, wo = (tensors.matrix(tensor_name(t, layer), backend) if on_device
+                      else tensors.whole_matrix(tensor_name(t, layer)) for t in (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT))
     return DenseBlock(
         backend=backend,
         attn_norm=tensors.norm(T.ATTN_NORM, layer, backend),
-        wq=tensors.matrix(tensor_name(T.ATTN_Q, layer), matrix_backend),
-        wk=tensors.matrix(tensor_name(T.ATTN_K, layer), matrix_backend),
-        wv=tensors.matrix(tensor_name(T.ATTN_V, layer), matrix_backend),
-        wo=tensors.matrix(tensor_name(T.ATTN_OUT, layer), matrix_backend),
+        wq=wq,
+        wk=wk,
+        wv=wv,
+        wo=wo,
         ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
         biases={k: v for k, v in biases.items() if v is not None},
         predictor=_predictor(tensors, layer, backend, on_device, threshold),
@@ -430,14 +476,16 @@ def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | 
     # state crosses PCIe instead of the logits being computed from host memory.
     head = device_backend if gpu_split is not None and gpu_split.output_on_gpu else host
     output_name = tensor_name(T.OUTPUT)
-    if output_name not in model:  # tied: the embedding
-        output_name = tensor_name(T.TOKEN_EMBD)
+    if output_name in model:
+        output = tensors.whole_matrix(output_name) if head is host else tensors.matrix(output_name, head)
+    else:  # tied: the embedding, whose rows are also looked up one by one
+        output = tensors.matrix(tensor_name(T.TOKEN_EMBD), None if head is host else head)
     return RuntimeModel(
         spec,
         layers,
         token_embd=tensors.matrix(tensor_name(T.TOKEN_EMBD)),
         output_norm=tensors.norm(T.OUTPUT_NORM, None, head) if tensor_name(T.OUTPUT_NORM) in model else None,
-        output=tensors.matrix(output_name, None if head is host else head),
+        output=output,
         positions=tensors.array(tensor_name(T.POS_EMBD)),
         device=device_backend,
         split_path=split_path if gpu_split is not None else None,

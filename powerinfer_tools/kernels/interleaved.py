@@ -1,0 +1,88 @@
+"""q4_0 matrices with their rows interleaved eight at a time: the layout of ggml's repacked kernels.
+
+llama.cpp's CPU backend does not multiply q4_0 weights as stored: at load it rewrites them into
+``block_q4_0x8`` groups (the "CPU_REPACK" buffer type) and runs ``ggml_gemv_q4_0_8x8_q8_0`` (one
+token) and ``ggml_gemm_q4_0_8x8_q8_0`` (four tokens at a time) over them, which produce eight rows'
+outputs per pass over the input. Measured on the 2-core development VM, a TinyLlama gate matrix
+(5632 x 2048), one token: 1.3-1.6x ``vec_dot`` row by row with the weights in cache, 1.1-1.4x from
+memory; 128 tokens on one thread: 43 against 30 G multiply-adds/s for dequantize + BLAS
+(``examples/bench_kernels.py``). Matrices that are always multiplied whole (attention, a q4_0 output
+head) are stored this way on the CPU; a sparse FFN's gate and up are not, since a predicted neuron's
+row must be readable alone.
+
+The layout (``ggml-cpu/repack.cpp``): rows are taken eight at a time; for each 32-column block of
+those eight rows, one 144-byte group holds the eight f16 scales, then 128 bytes of quants in which
+8-byte piece ``i`` is bytes ``8 * (i // 8) .. + 8`` of row ``i % 8``'s block, each nibble XORed with
+8 (so that it reads as a signed 4-bit value). A group of eight rows is as many bytes as the eight
+rows were, so interleaving costs no memory beyond the copy.
+
+``InterleavedQ4.matmul`` is the NumPy reference (undo the layout, then ``QuantMatrix.matmul``); the
+compiled products are ``kernels.interleaved_matmul`` and the compiled decode path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from powerinfer_tools.kernels.quant import QuantMatrix
+
+ROWS = 8  # rows per interleaved group
+_BLOCK, _BLOCK_BYTES, _SCALE_BYTES = 32, 18, 2
+_PIECE = 8  # bytes of one row's quants that sit together in a group
+
+
+@dataclass(frozen=True)
+class InterleavedQ4:
+    """A q4_0 ``[rows, cols]`` matrix stored as ``[rows / 8, 8 * row_bytes]`` uint8 interleaved groups."""
+
+    data: np.ndarray
+    cols: int
+    qtype = GGMLQuantizationType.Q4_0
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0] * ROWS
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols // _BLOCK * _BLOCK_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def deinterleaved(self) -> QuantMatrix:
+        """The matrix in GGUF's row layout again."""
+        groups, blocks = self.data.shape[0], self.cols // _BLOCK
+        g = self.data.reshape(groups, blocks, ROWS * _BLOCK_BYTES)
+        scales = g[..., : ROWS * _SCALE_BYTES].reshape(groups, blocks, ROWS, _SCALE_BYTES)
+        quants = (g[..., ROWS * _SCALE_BYTES :] ^ 0x88).reshape(groups, blocks, 2, ROWS, _PIECE)
+        quants = quants.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, ROWS, 2 * _PIECE)
+        rows = np.concatenate([scales, quants], axis=3).transpose(0, 2, 1, 3)
+        return QuantMatrix(self.qtype, rows.reshape(self.rows, self.row_bytes))
+
+    def matmul(self, x: np.ndarray, rows: None = None) -> np.ndarray:
+        """``x [T, cols] @ W.T``: the NumPy reference."""
+        if rows is not None:
+            raise ValueError("an interleaved matrix is multiplied whole")
+        return self.deinterleaved().matmul(x)
+
+
+def can_interleave(m: QuantMatrix) -> bool:
+    """Whether ``m`` has the interleaved layout: q4_0, whole groups of eight rows, on the host."""
+    return m.qtype == GGMLQuantizationType.Q4_0 and m.rows % ROWS == 0 and isinstance(m.data, np.ndarray)
+
+
+def interleave(m: QuantMatrix) -> InterleavedQ4:
+    """``m`` (``can_interleave``) in eight-row groups: a new array of the same size."""
+    groups, blocks = m.rows // ROWS, m.cols // _BLOCK
+    b = np.asarray(m.data).reshape(groups, ROWS, blocks, _BLOCK_BYTES).transpose(0, 2, 1, 3)
+    scales = b[..., :_SCALE_BYTES].reshape(groups, blocks, ROWS * _SCALE_BYTES)
+    # piece i of a group is row i % 8's bytes 8 * (i // 8) ..: the two halves of every row's 16 quant bytes
+    quants = b[..., _SCALE_BYTES:].reshape(groups, blocks, ROWS, 2, _PIECE).transpose(0, 1, 3, 2, 4)
+    quants = quants.reshape(groups, blocks, ROWS * 2 * _PIECE) ^ 0x88
+    data = np.concatenate([scales, quants], axis=2).reshape(groups, blocks * ROWS * _BLOCK_BYTES)
+    return InterleavedQ4(data, m.cols)

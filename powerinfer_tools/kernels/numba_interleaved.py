@@ -1,0 +1,73 @@
+"""Multi-threaded products over q4_0 matrices interleaved eight rows at a time (``kernels.interleaved``),
+through ggml's ``gemv`` and ``gemm`` for that layout (``ggml_ops.InterleavedRoutines``).
+
+The threads share a matrix's groups of eight rows, each one contiguous run, so that every thread
+makes one call per matrix: ggml's routine then streams its groups with nothing in between.
+"""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+from powerinfer_tools.kernels.numba_kernels import ggml_from_float, ggml_interleaved_product
+
+ROWS = 8  # rows per group (kernels.interleaved.ROWS)
+_Q8_0_BLOCK_BYTES, _BLOCK = 34, 32
+
+
+@njit(inline="always")
+def _groups_gemv(gemv, packed, first, stop, x_encoded, cols, out):
+    """``out[g*8 : stop*8] = W · x`` for the groups ``first .. stop - 1`` of ``packed`` (nothing if empty)."""
+    if stop > first:
+        ggml_interleaved_product(gemv, cols, out.ctypes.data + first * ROWS * 4, 0,
+                                 packed.ctypes.data + first * packed.strides[0], x_encoded.ctypes.data, 1,
+                                 (stop - first) * ROWS)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def gemv(fn, packed, x_encoded, cols, out, n_threads):
+    """One token: ``out = W · x`` for ``x`` encoded as q8_0 in ``x_encoded``."""
+    groups = packed.shape[0]
+    n_chunks = max(1, min(n_threads, groups))
+    for chunk in prange(n_chunks):
+        _groups_gemv(fn, packed, chunk * groups // n_chunks, (chunk + 1) * groups // n_chunks, x_encoded, cols, out)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def gemv_fused(fn, a, b, c, x_encoded, cols, out_a, out_b, out_c, n_threads):
+    """``out_a, out_b, out_c = A·x, B·x, C·x`` (q, k, v; or gate, up and a ``c`` of no groups) in one
+    parallel loop: the threads share the three matrices' groups as one run (a share may span two)."""
+    na, nb = a.shape[0], b.shape[0]
+    total = na + nb + c.shape[0]
+    n_chunks = max(1, min(n_threads, total))
+    for chunk in prange(n_chunks):
+        first, stop = chunk * total // n_chunks, (chunk + 1) * total // n_chunks
+        _groups_gemv(fn, a, min(first, na), min(stop, na), x_encoded, cols, out_a)
+        _groups_gemv(fn, b, min(max(first - na, 0), nb), min(max(stop - na, 0), nb), x_encoded, cols, out_b)
+        _groups_gemv(fn, c, max(first - na - nb, 0), max(stop - na - nb, 0), x_encoded, cols, out_c)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def gemm(gemm_fn, gemv_fn, quantize4, from_float, packed, x, x_encoded, out, n_threads):
+    """``out[t] = W · x[t]`` for every token of ``x [T, cols]`` (float32, contiguous) into ``out [T, rows]``.
+    Tokens go four at a time through ``gemm`` (x quantized by ``quantize4``), the ``T % 4`` left through
+    ``gemv``; ``x_encoded`` holds ``T`` q8_0 rows of scratch."""
+    n_tokens, cols = x.shape
+    row_q8 = cols // _BLOCK * _Q8_0_BLOCK_BYTES
+    in_fours = n_tokens - n_tokens % 4
+    xe = x_encoded.ctypes.data
+    for f in prange(in_fours // 4):
+        ggml_from_float(quantize4, x[4 * f].ctypes.data, xe + 4 * f * row_q8, cols)
+    for t in range(in_fours, n_tokens):
+        ggml_from_float(from_float, x[t].ctypes.data, xe + t * row_q8, cols)
+    groups, rows = packed.shape[0], out.shape[1]
+    n_chunks = max(1, min(n_threads, groups))
+    for chunk in prange(n_chunks):
+        first, stop = chunk * groups // n_chunks, (chunk + 1) * groups // n_chunks
+        if stop > first:
+            w, s = packed.ctypes.data + first * packed.strides[0], out.ctypes.data + first * ROWS * 4
+            if in_fours:
+                ggml_interleaved_product(gemm_fn, cols, s, rows, w, xe, in_fours, (stop - first) * ROWS)
+            for t in range(in_fours, n_tokens):
+                ggml_interleaved_product(gemv_fn, cols, s + t * rows * 4, 0, w, xe + t * row_q8, 1,
+                                         (stop - first) * ROWS)

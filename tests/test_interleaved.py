@@ -1,0 +1,127 @@
+"""q4_0 matrices interleaved eight rows at a time (kernels/interleaved.py): the layout against ggml's
+definition written out element by element, ggml's gemv/gemm for it against vec_dot row by row, and the
+runtime, which stores attention and the head that way, against the same model stored as the file has it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from powerinfer_tools import kernels
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels import ggml_ops
+from powerinfer_tools.kernels.interleaved import InterleavedQ4, interleave
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.loader import load_runtime_model
+
+ROUTINES = kernels.ggml_routines()
+pytestmark = pytest.mark.skipif(ROUTINES is None or ROUTINES.interleaved is None,
+                                reason="ggml's interleaved q4_0 kernels do not run on this CPU")
+
+
+def q4_0(rows: int, cols: int, seed: int = 0) -> QuantMatrix:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return QuantMatrix(Q.Q4_0, quantize(w, Q.Q4_0))
+
+
+def test_the_layout_is_ggmls_block_q4_0x8():
+    """ggml-cpu/repack.cpp: per group of 8 rows and 32-column block, 8 f16 scales, then 16 pieces of 8
+    bytes, piece i being bytes 8 * (i // 8) .. of row i % 8's quants, each byte XOR 0x88."""
+    m = q4_0(16, 64)
+    packed = interleave(m).data
+    blocks = m.data.reshape(16, 2, 18)
+    for group in range(2):
+        for block in range(2):
+            want = bytearray()
+            for row in range(8):
+                want += bytes(blocks[8 * group + row, block, :2])
+            for piece in range(16):
+                row, start = piece % 8, 2 + 8 * (piece // 8)
+                want += bytes(b ^ 0x88 for b in blocks[8 * group + row, block, start : start + 8])
+            assert bytes(packed[group, block * 144 : (block + 1) * 144]) == bytes(want)
+    assert np.array_equal(interleave(m).deinterleaved().data, m.data)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 40])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_products_equal_vec_dot_row_by_row(tokens, threads, monkeypatch):
+    """The same q8_0 encoding of x and integer dots as ``matvec``: equal up to float32 summation order,
+    for a token, tokens four at a time plus the rest, and a prompt (which ``matvec`` hands elsewhere)."""
+    monkeypatch.setattr(kernels, "_threads", threads)
+    m = q4_0(72, 256, seed=tokens)  # 9 groups: the threads' shares are uneven
+    x = np.random.default_rng(1).standard_normal((tokens, 256)).astype(np.float32)
+    want = np.concatenate([kernels.matvec(m, x[t : t + 1]) for t in range(tokens)])
+    got = kernels.interleaved_matmul(interleave(m), x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_the_fused_qkv_product_splits_across_matrices(threads):
+    """``gemv_fused`` shares the three matrices' groups between threads as one run."""
+    from powerinfer_tools.kernels import numba_interleaved
+
+    q, k, v = (interleave(q4_0(rows, 128, seed)) for seed, rows in enumerate((40, 16, 8)))
+    x = np.random.default_rng(4).standard_normal(128).astype(np.float32)
+    routine = ROUTINES.routines[Q.Q4_0]
+    encoded = np.empty((1, routine.encoded_bytes(128)), np.uint8)
+    outs = [np.zeros(p.rows, np.float32) for p in (q, k, v)]
+    ggml_ops._FROM_FLOAT(routine.from_float)(x.ctypes.data, encoded.ctypes.data, 128)
+    numba_interleaved.gemv_fused(ROUTINES.interleaved.gemv, q.data, k.data, v.data, encoded, 128, *outs, threads)
+    for p, out in zip((q, k, v), outs):
+        want = kernels.matvec(p.deinterleaved(), x[None])[0]
+        np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_only_whole_groups_of_q4_0_rows_are_interleaved():
+    assert isinstance(kernels.for_whole_products(q4_0(16, 64)), InterleavedQ4)
+    for m in (q4_0(12, 64), QuantMatrix(Q.Q8_0, quantize(np.ones((16, 64), np.float32), Q.Q8_0))):
+        assert kernels.for_whole_products(m) is m
+
+
+def test_routines_that_disagree_with_vec_dot_are_not_used():
+    """The load-time check: with gemv and gemm swapped (gemm computes nothing for one token) the
+    interleaved layout is not used, rather than giving wrong products."""
+    cpu = ctypes.CDLL(str(ROUTINES.library))
+    swapped = type("Swapped", (), {
+        "ggml_gemv_q4_0_8x8_q8_0": cpu.ggml_gemm_q4_0_8x8_q8_0, "ggml_gemm_q4_0_8x8_q8_0": cpu.ggml_gemv_q4_0_8x8_q8_0,
+        "ggml_quantize_mat_q8_0_4x8": cpu.ggml_quantize_mat_q8_0_4x8, "ggml_cpu_has_avx2": staticmethod(lambda: 1)})
+    assert ggml_ops._interleaved_routines(swapped, ROUTINES.routines[Q.Q4_0]) is None
+    without_avx2 = type("NoAvx2", (swapped,), {"ggml_cpu_has_avx2": staticmethod(lambda: 0)})
+    assert ggml_ops._interleaved_routines(without_avx2, ROUTINES.routines[Q.Q4_0]) is None
+    assert ggml_ops._interleaved_routines(cpu, ROUTINES.routines[Q.Q4_0]) == ROUTINES.interleaved
+
+
+def _decode(model, tokens) -> np.ndarray:
+    """Logits of each token fed one at a time (the compiled path), then of a prompt of the same tokens."""
+    caches = model.new_cache()
+    steps = np.concatenate([model.forward(tokens[i : i + 1], caches) for i in range(len(tokens))])
+    return steps, model.forward(tokens, model.new_cache())
+
+
+@pytest.mark.parametrize("which,mode", [("powerinfer", FFNMode.DENSE), ("powerinfer", FFNMode.SPARSE),
+                                        ("dense", FFNMode.DENSE)])
+def test_the_runtime_computes_with_interleaved_matrices_what_it_does_without(synthesized_tiny, monkeypatch, which,
+                                                                             mode):
+    """Attention always; a dense file's FFN too (a PowerInfer file's FFN rows are read one by one)."""
+    path = getattr(synthesized_tiny, which)
+    tokens = np.random.default_rng(0).integers(0, 500, 12)
+    model = load_runtime_model(path)
+    model.mode = mode
+    ffn = model.layers[0].partitions[0]
+    assert all(isinstance(m, InterleavedQ4) for layer in model.layers
+               for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo))
+    assert all(isinstance(m, InterleavedQ4) == (which == "dense") for m in (ffn.gate, ffn.up, ffn.down_t or ffn.down))
+    assert model.compiled_decoder() is not None  # which multiplies interleaved matrices with ggml's gemv
+    monkeypatch.setattr(kernels, "interleaves", lambda m: False)
+    stored = load_runtime_model(path)
+    stored.mode = mode
+    assert isinstance(stored.layers[0].dense.wq, QuantMatrix)
+    (steps, prompt), (want_steps, want_prompt) = _decode(model, tokens), _decode(stored, tokens)
+    np.testing.assert_allclose(steps, want_steps, rtol=0, atol=1e-4 * np.abs(want_steps).max())
+    # a prompt's projections see x as q8_0 here, as float32 through dequantize + BLAS there
+    np.testing.assert_allclose(prompt, want_prompt, rtol=0, atol=2e-2 * np.abs(want_prompt).max())
+    assert model.static_bytes == stored.static_bytes
