@@ -125,3 +125,33 @@ def test_the_runtime_computes_with_interleaved_matrices_what_it_does_without(syn
     # a prompt's projections see x as q8_0 here, as float32 through dequantize + BLAS there
     np.testing.assert_allclose(prompt, want_prompt, rtol=0, atol=2e-2 * np.abs(want_prompt).max())
     assert model.static_bytes == stored.static_bytes
+
+
+@pytest.fixture(scope="module")
+def cats_file(tmp_path_factory):
+    """A q4_0 SiLU model at 50% CATS (thresholds, no predictors): its gate is always computed whole."""
+    from powerinfer_tools.benchmarking.synth import SiluSettings, synthesize_silu
+
+    out = tmp_path_factory.mktemp("cats") / "silu.powerinfer.gguf"
+    return synthesize_silu("test-tiny", out, "q4_0", SiluSettings(target_sparsity=0.5), calibration_tokens=256,
+                           progress=False).powerinfer
+
+
+@pytest.mark.parametrize("mode", [FFNMode.DENSE, FFNMode.SPARSE])
+def test_a_cats_models_gate_is_interleaved_and_computes_the_same(cats_file, monkeypatch, mode):
+    """Its up and down rows are read by neuron, its gate whole. Sparse, a gate product within float32
+    summation order of CATS's threshold can tip a neuron either way: most steps agree closely, all on
+    the top token."""
+    tokens = np.random.default_rng(1).integers(0, 4096, 16)
+    model = load_runtime_model(cats_file)
+    model.mode = mode
+    assert all(isinstance(layer.partitions[0].gate, InterleavedQ4) and isinstance(layer.partitions[0].up, QuantMatrix)
+               for layer in model.layers)
+    assert model.compiled_decoder() is not None
+    monkeypatch.setattr(kernels, "interleaves", lambda m: False)
+    stored = load_runtime_model(cats_file)
+    stored.mode = mode
+    (steps, _), (want, _) = _decode(model, tokens), _decode(stored, tokens)
+    close = np.abs(steps - want).max(axis=1) < 1e-4 * np.abs(want).max()
+    assert close.mean() >= (1.0 if mode is FFNMode.DENSE else 0.75)
+    assert np.array_equal(steps.argmax(axis=1), want.argmax(axis=1))

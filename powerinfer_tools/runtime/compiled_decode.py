@@ -77,7 +77,8 @@ class LayerWeights(structref.StructRefProxy):
     input is encoded once for them (``CompiledDecoder.build`` checks). ``attn_gemv``: the address of
     ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
     ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
-    which are then always computed whole. ``bq, bk, bv``: biases, empty when absent; ``rope_halves``:
+    which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it).
+    ``cats_bounds``: where CATS's threshold lies on the gate product (``_cats_bounds``). ``bq, bk, bv``: biases, empty when absent; ``rope_halves``:
     q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
@@ -89,7 +90,7 @@ structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "attn_gemv", "bq", "bk", "bv", "rope_halves",
     "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2",
     "fc2_type",
-    "threshold", "thresholded", "cats", "ffn_in", "ffn_down",
+    "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
 ])
 structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
@@ -153,7 +154,8 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
     one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
     ``CATS_GATE_GIVEN`` the gate products are ``gate_given[row]`` and only the up rows are read."""
-    n, row_bytes, xe = rows.shape[0], gate.strides[0], x_encoded.ctypes.data
+    # gate and up rows are alike, unless the gate is given (then it may be interleaved: never read here)
+    n, row_bytes, xe = rows.shape[0], up.strides[0], x_encoded.ctypes.data
     for i in prange(n):
         if i + PREFETCH_ROWS < n:  # scattered rows: the hardware prefetcher cannot guess the next one
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
@@ -261,8 +263,39 @@ def _predict(x, w, s, fns):
     return n
 
 
+def _cats_bounds(t: float) -> np.ndarray:
+    """float64 ``[above, band_lo, band_hi]``: |silu(g)| > t exactly where g > above or band_lo < g < band_hi.
+    silu falls from 0 to its minimum -0.2785 at g = -1.2785 and rises after it, so the first is where
+    it climbs past t and the band, where it dips below -t, is empty (0, 0) for larger t."""
+    silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
+
+    def root(lo, hi, value):  # silu - value changes sign on [lo, hi]
+        rising = silu(hi) > silu(lo)
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if (silu(mid) < value) == rising else (lo, mid)
+        return (lo + hi) / 2
+
+    bottom = -1.2784645427610738  # silu's argmin, -1 - W(1/e)
+    t = float(t)
+    above = root(bottom, t + 20.0, t)
+    if t >= -silu(bottom):
+        return np.array([above, 0.0, 0.0])
+    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t)])
+
+
+@njit(inline="always")
+def _cats_keeps(g, t, bounds):
+    """|silu(g)| > t, by comparing g with ``bounds`` (``_cats_bounds(t)``): no exp, except within 1e-6 of
+    a bound, where the comparison gives way to the definition itself."""
+    for b in bounds:
+        if abs(g - b) < 1e-6:
+            return abs(_silu(g)) > t
+    return g > bounds[0] or bounds[1] < g < bounds[2]
+
+
 @njit(nogil=True, cache=True)
-def _thresholded_input(w, s, fns):
+def _thresholded_input(w, s, fns, n_threads):
     """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
     ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
     computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
@@ -276,13 +309,22 @@ def _thresholded_input(w, s, fns):
     if w.cats < 0:
         s.active[:d_ff] = s.all_rows[:d_ff]
         return d_ff
-    _matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
+    _whole_gate(w, s, d_model, fns, n_threads)
     n = 0
     for neuron in range(d_ff):
-        if abs(_silu(s.predicted[neuron])) > w.cats:
+        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
             s.active[n] = neuron
             n += 1
     return n
+
+
+@njit(nogil=True, cache=True)
+def _whole_gate(w, s, d_model, fns, n_threads):
+    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
+    if w.gate_gemv:
+        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads)
+    else:
+        _matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
 
 
 @njit(nogil=True, cache=True)
@@ -315,7 +357,7 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
     if sparse and w.thresholded:
-        return _thresholded_input(w, s, fns)
+        return _thresholded_input(w, s, fns, n_threads)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
     n = _predict(x, w, s, fns) if sparse else w.up.shape[0]
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -379,7 +421,11 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
         _interleaved_ffn(x, w, s, kind, fns, n_threads)
         return n, n
     rows = s.active[:n] if sparse else s.all_rows[:n]
-    gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
+    gate_given = sparse and w.cats >= 0
+    if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
+        _whole_gate(w, s, x.shape[0], fns, n_threads)
+        gate_given = True
+    gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if gate_given else kind, fns)
     if sparse and w.ffn_down >= 0:
         m = _teal_down(s, rows, w.ffn_down)
         down(x, w, s, s.down_rows[:m], fns, n_threads)
@@ -602,5 +648,7 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
         gemv if isinstance(p.up, InterleavedQ4) else 0,
         weight_bytes(down), int(down.qtype), p.down_t is not None,
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
-        np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats, ffn_in, ffn_down,
+        np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
+        _cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
+        ffn_in, ffn_down,
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,14 +80,15 @@ class _Tensors:
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
 
-    def whole_matrix(self, name: str) -> QuantMatrix | InterleavedQ4:
-        """A host matrix that is only ever multiplied whole (attention, an untied head), in the layout the
-        CPU multiplies fastest (``kernels.for_whole_products``). A new layout's copy takes the place of the
-        RAM budget's copy; without a budget, the file pages it was made from leave the process's memory."""
-        m = self.matrix(name)
+    def whole_matrix(self, name: str, m: QuantMatrix | None = None) -> QuantMatrix | InterleavedQ4:
+        """A host matrix (``m``, default the tensor ``name``) that is only ever multiplied whole: attention,
+        an untied head, a dense file's FFN, a CATS gate. It gets the layout the CPU multiplies fastest
+        (``kernels.for_whole_products``), whose copy takes the place of a RAM budget's copy; without a
+        budget, the file pages it was made from leave the process's memory."""
+        m = self.matrix(name) if m is None else m
         laid_out = kernels.for_whole_products(m)
         if laid_out is not m:
-            if self.reader is not None:
+            if name in self._copies:  # read with direct I/O into memory of ours: the copy replaces it
                 self._copies[name] = laid_out.data
             else:
                 _release_file_pages(m.data)
@@ -144,14 +144,20 @@ class _Tensors:
 
 
 def _release_file_pages(data: np.ndarray) -> None:
-    """Drop the whole pages of a read-only file mapping under ``data`` from this process's resident memory
-    (``madvise(MADV_DONTNEED)``; they stay in the page cache and would be read back if touched), so that
-    a matrix copied into another layout is not counted twice. Does nothing where that is unavailable."""
-    start = -(-data.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
-    stop = (data.ctypes.data + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if stop > start and hasattr(mmap, "MADV_DONTNEED"):
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start),
-                                                  mmap.MADV_DONTNEED)
+    """Drop the whole pages of the file mapping under ``data`` from this process's resident memory
+    (``madvise(MADV_DONTNEED)`` on the read-only map: they stay in the page cache and come back if
+    touched), so that a matrix copied into another layout is not counted twice. Nothing happens to an
+    array that is not a view of a memory-mapped file."""
+    mapping = data
+    while mapping is not None and not isinstance(mapping, mmap.mmap):
+        mapping = getattr(mapping, "base", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    offset = data.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    stop = (offset + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons: int, split_path: Path) -> None:
@@ -165,9 +171,10 @@ def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons
 
 
 def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend,
-               expert: int | None = None) -> FFNPartition:
+               expert: int | None = None, whole_gate: bool = False) -> FFNPartition:
     """The rows of ``neurons`` of one layer's FFN (or one expert's) on ``backend``: copied to a device, in
-    place on the host."""
+    place on the host. ``whole_gate``: the gate is always computed whole (CATS), so when the host has
+    every neuron it gets ``whole_matrix``'s layout."""
     sparse_layout = tensors.has_ffn(DOWN_T, layer, expert)
     if not backend.is_device:
         rows = np.arange(d_ff)
@@ -193,6 +200,8 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
     gated = tensors.has_ffn(T.FFN_GATE, layer, expert)
     if sparse_layout:
         gate, up, down_t, down = pick(T.FFN_GATE) if gated else None, pick(T.FFN_UP), pick(DOWN_T), None
+        if gated and whole_gate and not backend.is_device and len(neurons) == d_ff:
+            gate = tensors.whole_matrix(tensor_name(T.FFN_GATE, layer, expert=expert), gate)
     else:  # a dense file, on the host: its FFN is only ever computed whole
         gate, up, down = _whole_ffn(tensors, [T.FFN_GATE] * gated + [T.FFN_UP, T.FFN_DOWN], layer)
         down_t = None
@@ -369,7 +378,7 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
 
 
 def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray | None, device, host,
-                cache: CacheSetup | None, expert: int | None = None) -> list:
+                cache: CacheSetup | None, expert: int | None = None, whole_gate: bool = False) -> list:
     """A layer's FFN (or an expert's): the neurons ``gpu_mask`` marks on the device, the rest (all
     without a split) on the host, through a neuron cache under a RAM budget."""
     partitions = []
@@ -380,7 +389,7 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray |
     else:
         cold = all_neurons
     if len(cold):
-        partitions.append(_partition(tensors, layer, cold, d_ff, host, expert) if cache is None
+        partitions.append(_partition(tensors, layer, cold, d_ff, host, expert, whole_gate) if cache is None
                           else _cached_partition(tensors, layer, cold, cache, host, expert))
     return partitions
 
@@ -398,7 +407,9 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
     gpu_mask = gpu_split.masks[i] if gpu_split is not None else None
     if spec.moe:
         return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
-    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache), spec.d_ff)
+    cats = dense.thresholds is not None and dense.thresholds.cats is not None
+    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache,
+                                           whole_gate=cats), spec.d_ff)
 
 
 def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons: int,
