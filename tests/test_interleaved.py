@@ -121,6 +121,7 @@ def test_the_runtime_computes_with_interleaved_matrices_what_it_does_without(syn
     stored.mode = mode
     assert isinstance(stored.layers[0].dense.wq, QuantMatrix)
     (steps, prompt), (want_steps, want_prompt) = _decode(model, tokens), _decode(stored, tokens)
+    assert model.stats == stored.stats  # the same neurons computed and bytes read, counted the same way
     np.testing.assert_allclose(steps, want_steps, rtol=0, atol=1e-4 * np.abs(want_steps).max())
     # a prompt's projections see x as q8_0 here, as float32 through dequantize + BLAS there
     np.testing.assert_allclose(prompt, want_prompt, rtol=0, atol=2e-2 * np.abs(want_prompt).max())

@@ -359,7 +359,7 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     if sparse and w.thresholded:
         return _thresholded_input(w, s, fns, n_threads)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
-    n = _predict(x, w, s, fns) if sparse else w.up.shape[0]
+    n = _predict(x, w, s, fns) if sparse else s.act.shape[0]  # every neuron (up may be interleaved: not its rows)
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     return n
 
