@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import MODEL_TENSOR
-from powerinfer_tools.formats.constants import PowerInferTensor, neuron_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.constants import (
+    PowerInferTensor,
+    expert_frequency_key,
+    neuron_frequency_key,
+    predictor_names,
+    tensor_name,
+)
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.formats.model_file import ModelFile
@@ -57,6 +63,22 @@ def _check_shape(model: ModelFile, name: str, shape: tuple[int, ...]) -> None:
     if tuple(model[name].shape) != tuple(shape):
         raise PitoolsError(f"{model.path}: tensor {name} has shape {list(model[name].shape)}; "
                            f"the metadata implies {list(shape)}")
+
+
+def routing_frequencies(model: ModelFile, spec: ModelSpec, layer: int) -> np.ndarray | None:
+    """A mixture layer's recorded routing frequency per expert, the share of profiled tokens routed to it
+    (None when the file has none), checked to be ``n_experts`` finite shares in [0, 1]."""
+    key = expert_frequency_key(layer)
+    raw = model.get(key)
+    if raw is None:
+        return None
+    try:
+        shares = np.asarray(raw, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise PitoolsError(f"{model.path}: {key} is not an array of numbers") from None
+    if shares.shape != (spec.n_experts,) or not np.all(np.isfinite(shares)) or shares.min() < 0 or shares.max() > 1:
+        raise PitoolsError(f"{model.path}: {key} must hold {spec.n_experts} routing frequencies in [0, 1]")
+    return shares
 
 
 def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int, expert: int | None = None) -> np.ndarray | None:

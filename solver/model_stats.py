@@ -19,7 +19,7 @@ from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.constants import (PowerInferTensor, TensorKind, expert_frequency_key,
                                                 neuron_frequency_key, tensor_name)
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
-from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, sparse_layout
+from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.solver.problem import kv_cache_bytes_per_token
 
@@ -44,10 +44,10 @@ def _unit_frequencies(path, model: ModelFile, spec, layer: int) -> np.ndarray:
     times its routing frequency, the share of tokens routed to it."""
     if not spec.moe:
         return _recorded(path, neuron_frequencies(model, spec, layer))
-    routing = model.get(expert_frequency_key(layer))
-    if not isinstance(routing, list) or len(routing) != spec.n_experts:
-        raise PitoolsError(f"{path}: {expert_frequency_key(layer)} must hold {spec.n_experts} routing frequencies; "
-                           "convert the model with profiling (the default of pitools convert)")
+    routing = routing_frequencies(model, spec, layer)
+    if routing is None:
+        raise PitoolsError(f"{path}: no routing frequencies ({expert_frequency_key(layer)}); convert the model "
+                           "with profiling (the default of pitools convert)")
     return np.concatenate([float(share) * _recorded(path, neuron_frequencies(model, spec, layer, e))
                            for e, share in enumerate(routing)])
 

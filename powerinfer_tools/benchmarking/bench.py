@@ -58,8 +58,9 @@ from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.direct_io import forget_cached_pages
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import read_thresholds
-from powerinfer_tools.formats.constants import expert_frequency_key, neuron_frequency_key, predictor_names, tensor_name
+from powerinfer_tools.formats.constants import neuron_frequency_key, predictor_names, tensor_name
 from powerinfer_tools.formats.gguf_spec import predictor_quality, spec_from_model_file
+from powerinfer_tools.formats.model_check import routing_frequencies
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.units import format_size
@@ -580,10 +581,8 @@ def _read_share(model, spec, unit) -> float:
     frequency, or the experts used over the experts when the file records none)."""
     if unit.expert is None:
         return 1.0
-    routing = model.get(expert_frequency_key(unit.layer))
-    if isinstance(routing, list) and len(routing) == spec.n_experts:
-        return float(routing[unit.expert])
-    return spec.n_experts_used / spec.n_experts
+    routing = routing_frequencies(model, spec, unit.layer)
+    return spec.n_experts_used / spec.n_experts if routing is None else float(routing[unit.expert])
 
 
 def format_report(rep: dict) -> str:

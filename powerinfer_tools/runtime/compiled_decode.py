@@ -6,8 +6,9 @@ calls: for a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost 
 machine, against 0.7 ms (one thread) for this path (docs/benchmarks.md). For the common case --
 one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either pair order, gated
 FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer
-as one numba call: the products are loops over weight rows calling ggml's ``vec_dot`` (the kernels'
-building blocks, fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
+as one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its
+``gemv`` over matrices the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN,
+a CATS gate), fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
 output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over ``ffn_down_t``;
 the predictor's two products, on its stored rows, add one each only when the matrix is large), and
 the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is compiled
@@ -78,8 +79,8 @@ class LayerWeights(structref.StructRefProxy):
     ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
     ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it).
-    ``cats_bounds``: where CATS's threshold lies on the gate product (``_cats_bounds``). ``bq, bk, bv``: biases, empty when absent; ``rope_halves``:
-    q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
+    ``cats_bounds``: where CATS's threshold lies on the gate product (``_cats_bounds``). ``bq, bk, bv``:
+    biases, empty when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
 class Scratch(structref.StructRefProxy):
@@ -88,8 +89,8 @@ class Scratch(structref.StructRefProxy):
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "attn_gemv", "bq", "bk", "bv", "rope_halves",
-    "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed", "fc1", "fc1_type", "fc2",
-    "fc2_type",
+    "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed",
+    "fc1", "fc1_type", "fc2", "fc2_type",
     "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
 ])
 structref.define_proxy(Scratch, ScratchType, [

@@ -26,7 +26,7 @@ from powerinfer_tools.formats.constants import (
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
-from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies
+from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
@@ -269,9 +269,10 @@ def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: 
         plan = plan_from_split(ram, dense_bytes, neuron_bytes, _unit_masks(gpu_split.ram_masks, spec),
                                gpu_split.cache_bytes or 0, cpu, str(default_split_path(path)))
     else:
-        # Each FFN (an expert too) gets an equal share of the rows, its hottest pinned.
+        # Each layer gets an equal share of the rows, its hottest neurons pinned (a mixture's by reads per token).
         freqs = [neuron_frequencies(model, spec, u.layer, u.expert) for u in units]
-        plan = plan_ram(ram, dense_bytes, neuron_bytes, cpu, freqs, cache_share)
+        routing = [routing_frequencies(model, spec, layer) for layer in range(spec.n_layers)] if spec.moe else None
+        plan = plan_ram(ram, dense_bytes, neuron_bytes, cpu, freqs, cache_share, max(spec.n_experts, 1), routing)
     return CacheSetup(file, plan, policy, spec.d_ff, spec.n_experts)
 
 

@@ -5,7 +5,10 @@ output head, predictors, biases) is read every token, or at random rows, and is 
 left holds FFN rows, shared equally by the layers: per layer the hottest CPU neurons are pinned and
 ``cache_share`` of the rows are cache slots for the rest (``neuron_cache``). A split file solved with
 ``pitools solve --ram`` says which neurons to pin and how large the cache is; without one, the file's
-profiled frequencies say which neurons are hottest (in file order when it has none).
+profiled frequencies say which neurons are hottest (in file order when it has none). A mixture's layer
+shares its rows among its experts by how often each neuron is read per token: its firing frequency
+over the tokens routed to its expert times the expert's routing frequency; so are its cache slots, by
+routing frequency.
 """
 
 from __future__ import annotations
@@ -43,29 +46,56 @@ def _minimum(dense_bytes: int, neuron_bytes: int, n_layers: int) -> int:
 
 
 def plan_ram(budget: int, dense_bytes: int, neuron_bytes: int, cpu_neurons: list[np.ndarray],
-             frequencies: list[np.ndarray | None], cache_share: float = DEFAULT_CACHE_SHARE) -> RamPlan:
-    """Pin each layer's hottest of ``cpu_neurons`` (those not on a GPU) and size its cache within ``budget``."""
+             frequencies: list[np.ndarray | None], cache_share: float = DEFAULT_CACHE_SHARE,
+             experts: int = 1, routing: list[np.ndarray | None] | None = None) -> RamPlan:
+    """Pin the hottest of each FFN's ``cpu_neurons`` (those not on a GPU) and size its cache within
+    ``budget``. The FFNs are the layers', or, with ``experts`` per layer, each layer's experts in turn;
+    ``routing`` (per layer, None where unknown) is how often each expert is routed to."""
     if not 0 < cache_share < 1:
         raise PitoolsError(f"cache share must be between 0 and 1, got {cache_share}")
-    n_layers = len(cpu_neurons)
-    minimum = _minimum(dense_bytes, neuron_bytes, n_layers)
+    n_units = len(cpu_neurons)
+    minimum = _minimum(dense_bytes, neuron_bytes, n_units)
     if budget < minimum:
         raise PitoolsError(f"--ram {format_size(budget)} is too small for this model: its attention, embeddings, "
                            f"head and predictors take {format_size(dense_bytes)}, and a neuron cache of {MIN_SLOTS} "
                            f"neurons per layer {format_size(minimum - dense_bytes)} more: give at least "
                            f"{format_size(minimum)}")
-    rows = (budget - dense_bytes) // (n_layers * neuron_bytes)
+    rows = (budget - dense_bytes) // (n_units * neuron_bytes)  # per FFN; a layer's experts share theirs
     pinned, capacity = [], []
-    for neurons, freq in zip(cpu_neurons, frequencies):
-        if rows >= len(neurons):  # the whole layer fits: no cache
-            pinned.append(np.sort(neurons))
-            capacity.append(0)
-            continue
-        slots = max(MIN_SLOTS, int(cache_share * rows))
-        hottest = neurons if freq is None else neurons[np.argsort(-freq[neurons], kind="stable")]
-        pinned.append(np.sort(hottest[: rows - slots]))
-        capacity.append(slots)
+    for first in range(0, n_units, experts):
+        layer = slice(first, first + experts)
+        shares = None if routing is None else routing[first // experts]
+        plan = _layer_plan(rows * experts, cpu_neurons[layer], frequencies[layer], shares, cache_share)
+        pinned += plan[0]
+        capacity += plan[1]
     return RamPlan(budget, dense_bytes, neuron_bytes, tuple(pinned), tuple(capacity))
+
+
+def _layer_plan(rows: int, cpu_neurons: list[np.ndarray], frequencies: list[np.ndarray | None],
+                shares: np.ndarray | None, cache_share: float) -> tuple[list[np.ndarray], list[int]]:
+    """One layer's pinned neurons and cache slots per FFN (its own, or each expert's), ``rows`` in all:
+    slots first (``cache_share`` of the rows, each FFN at least ``MIN_SLOTS``; a mixture's by routing
+    frequency), then the hottest neurons by reads per token. Without frequencies or routing, the FFNs
+    share equally, each pinning its hottest (or its first)."""
+    if shares is None or shares.sum() <= 0 or any(f is None for f in frequencies):
+        share = rows // len(cpu_neurons)
+        pinned, slots = [], []
+        for n, f in zip(cpu_neurons, frequencies):
+            k = 0 if share >= len(n) else max(MIN_SLOTS, int(cache_share * share))  # it all fits: no cache
+            hottest = n if f is None else n[np.argsort(-f[n], kind="stable")]
+            pinned.append(np.sort(hottest[: share - k]))
+            slots.append(k)
+        return pinned, slots
+    if rows >= sum(len(n) for n in cpu_neurons):  # the whole layer fits: no cache
+        return [np.sort(n) for n in cpu_neurons], [0] * len(cpu_neurons)
+    slots = [max(MIN_SLOTS, int(cache_share * rows * share / shares.sum())) for share in shares]
+    reads = np.concatenate([share * f[n] for share, f, n in zip(shares, frequencies, cpu_neurons)])
+    unit = np.repeat(np.arange(len(cpu_neurons)), [len(n) for n in cpu_neurons])
+    chosen = np.argsort(-reads, kind="stable")[: max(0, rows - sum(slots))]
+    neurons = np.concatenate(cpu_neurons)
+    pinned = [np.sort(neurons[chosen[unit[chosen] == u]]) for u in range(len(cpu_neurons))]
+    # an expert whose every neuron is pinned needs no cache
+    return pinned, [0 if len(p) == len(n) else k for p, n, k in zip(pinned, cpu_neurons, slots)]
 
 
 def plan_from_split(budget: int, dense_bytes: int, neuron_bytes: int, ram_masks, cache_bytes: int,

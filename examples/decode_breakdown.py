@@ -1,0 +1,118 @@
+"""Where a decoded token's time goes on the compiled one-token path, part by part.
+
+    python examples/decode_breakdown.py MODEL.gguf [--mode sparse|dense] [--threads 2] [--repeats 30]
+
+After a 99-token prompt it times, for every layer in turn, the three calls a layer makes
+(``runtime/compiled_decode.py``): ``decode_attention`` (the attention, then what chooses the
+neurons: the predictor, or CATS's whole gate product and selection), the gate/up loop over the
+chosen neurons, and the down projection (with TEAL's selection where the file has it); then the
+output head, and whole steps for comparison. Medians per layer, times the layer count. Layers are
+timed on the model's own weights in memory order, so the weights come from memory as in a real
+step (the KV cache position is held fixed, and the residual is a random vector, which only moves
+the number of neurons chosen). For mixtures of experts and ``--ram`` it is not meant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from numba import njit
+
+from powerinfer_tools import kernels
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels import numba_kernels as nk
+from powerinfer_tools.runtime import compiled_decode as cd
+from powerinfer_tools.runtime.loader import load_runtime_model
+
+
+@njit
+def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, sparse, fns, n_threads):
+    return cd.decode_attention(x, w, s, keys, values, pos, 0, cos, sin, n_heads, eps, sparse, fns, n_threads)
+
+
+@njit
+def _gate_up(w, s, n, sparse, kind, fns):
+    rows = s.active[:n].copy() if sparse else s.all_rows[:n].copy()
+    cd.gate_up(w, s, rows, s.all_rows[:n], cd.CATS_GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
+    return rows
+
+
+@njit
+def _down(x, w, s, rows, sparse, fns, n_threads):
+    if sparse and w.ffn_down >= 0:
+        m = cd._teal_down(s, rows, w.ffn_down)
+        cd.down(x, w, s, s.down_rows[:m], fns, n_threads)
+        return m
+    cd.down(x, w, s, rows, fns, n_threads)
+    return rows.shape[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--mode", default="sparse", choices=["sparse", "dense"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    kernels.set_threads(args.threads)
+    model = load_runtime_model(args.model, cpu_only=True)
+    model.mode = FFNMode(args.mode)
+    caches = model.new_cache()
+    model.forward(np.arange(1, 100) * 7 % 1000, caches, all_logits=False)
+    decoder, spec = model.compiled_decoder(), model.spec
+    if decoder is None or spec.moe or not decoder.usable(model.mode, 1, caches):
+        raise SystemExit(f"{args.model}: its steps do not take the compiled one-token path this script times")
+    times = _time_layers(decoder, spec, caches, args)
+    for name, values in times.items():
+        if name != "neurons":
+            print(f"{name:>34}: {np.median(values) * 1e3:6.3f} ms a layer, x{spec.n_layers} = "
+                  f"{np.median(values) * 1e3 * spec.n_layers:6.1f} ms a token")
+    print(f"{'neurons computed / down rows read':>34}: {np.mean(times['neurons'], axis=0).round(1)} of {spec.d_ff}")
+    x = np.random.default_rng(1).standard_normal((1, spec.d_model)).astype(np.float32)
+    head = _median_seconds(lambda: model.head_backend.matmul(model.output, x), args.repeats)
+    print(f"{'output head':>34}: {head * 1e3:6.3f} ms ({type(model.output).__name__}, {model.output.qtype.name})")
+    step = _median_seconds(lambda: model.forward(np.array([5]), caches, all_logits=False), args.repeats)
+    print(f"{'whole step':>34}: {step * 1e3:6.1f} ms")
+
+
+def _time_layers(decoder, spec, caches, args) -> dict[str, list]:
+    sparse, threads, kind = args.mode == "sparse", nk.use_threads(args.threads), cd._KINDS[spec.ffn]
+    s, x = decoder.scratch, np.random.default_rng(0).standard_normal(spec.d_model).astype(np.float32)
+    pos, half = caches[0].length, spec.head_dim // 2
+    cos, sin = np.ones(half, np.float32), np.zeros(half, np.float32)
+    empty = np.zeros((1, spec.n_kv_heads, spec.head_dim), np.float32)
+    times = {"attention (+ choosing the neurons)": [], "gate/up of the chosen neurons": [], "down projection": [],
+             "neurons": []}
+    for repeat in range(args.repeats + 3):
+        for w, cache in zip(decoder.layers, caches):
+            keys, values = cache.store(0, empty, empty)  # position pos, as a step would fill it
+            residual = x.copy()
+            start = time.perf_counter()
+            n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, sparse,
+                           decoder.fns, threads)
+            chosen = time.perf_counter()
+            rows = _gate_up(w, s, n, sparse, kind, decoder.fns)
+            computed = time.perf_counter()
+            m = _down(residual, w, s, rows, sparse, decoder.fns, threads)
+            done = time.perf_counter()
+            if repeat >= 3:  # the first ones compile or warm up
+                for name, seconds in zip(list(times)[:3], (chosen - start, computed - chosen, done - computed)):
+                    times[name].append(seconds)
+                times["neurons"].append((n, m))
+    return times
+
+
+def _median_seconds(call, repeats: int) -> float:
+    call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
+
+
+if __name__ == "__main__":
+    main()
