@@ -68,30 +68,24 @@ def _check_shape(model: ModelFile, name: str, shape: tuple[int, ...]) -> None:
 def routing_frequencies(model: ModelFile, spec: ModelSpec, layer: int) -> np.ndarray | None:
     """A mixture layer's recorded routing frequency per expert, the share of profiled tokens routed to it
     (None when the file has none), checked to be ``n_experts`` finite shares in [0, 1]."""
-    key = expert_frequency_key(layer)
-    raw = model.get(key)
-    if raw is None:
-        return None
-    try:
-        shares = np.asarray(raw, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise PitoolsError(f"{model.path}: {key} is not an array of numbers") from None
-    if shares.shape != (spec.n_experts,) or not np.all(np.isfinite(shares)) or shares.min() < 0 or shares.max() > 1:
-        raise PitoolsError(f"{model.path}: {key} must hold {spec.n_experts} routing frequencies in [0, 1]")
-    return shares
+    return _probabilities(model, expert_frequency_key(layer), spec.n_experts, "routing frequencies")
 
 
 def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int, expert: int | None = None) -> np.ndarray | None:
     """A layer's (or an expert's) recorded firing probabilities (None when the file has none), checked to
     be ``d_ff`` finite probabilities."""
-    key = neuron_frequency_key(layer, expert)
+    return _probabilities(model, neuron_frequency_key(layer, expert), spec.d_ff, "firing probabilities")
+
+
+def _probabilities(model: ModelFile, key: str, count: int, what: str) -> np.ndarray | None:
+    """The metadata array ``key`` as float64, checked to be ``count`` values in [0, 1]; None when absent."""
     raw = model.get(key)
     if raw is None:
         return None
     try:
-        freq = np.asarray(raw, dtype=np.float64)
+        values = np.asarray(raw, dtype=np.float64)
     except (TypeError, ValueError):
         raise PitoolsError(f"{model.path}: {key} is not an array of numbers") from None
-    if freq.shape != (spec.d_ff,) or not np.all(np.isfinite(freq)) or freq.min() < 0 or freq.max() > 1:
-        raise PitoolsError(f"{model.path}: {key} must hold {spec.d_ff} firing probabilities in [0, 1]")
-    return freq
+    if values.shape != (count,) or not np.all(np.isfinite(values)) or values.min() < 0 or values.max() > 1:
+        raise PitoolsError(f"{model.path}: {key} must hold {count} {what} in [0, 1]")
+    return values

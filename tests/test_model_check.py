@@ -79,3 +79,22 @@ def test_integer_weights_are_refused(small_checkpoint, tmp_path):
     weights.write_bytes(data[:8] + text + data[8 + length :])
     fails("convert", tmp_path / "model", "-o", tmp_path / "m.gguf", "--no-sparsity", "-q",
           match="tensor 'model.norm.weight' is stored as I32; weights must be floating point")
+
+
+@pytest.mark.parametrize("stored, match", [
+    ([0.5, 1.5, 0.0], "must hold 3 routing frequencies in [0, 1]"),
+    ([0.5, 0.5], "must hold 3 routing frequencies"),
+    (["a", "b", "c"], "is not an array of numbers"),
+])
+def test_routing_frequencies_that_are_not_shares_name_the_key(stored, match):
+    """Read by the RAM plan, `pitools solve` and the bench: one checked reader."""
+    from types import SimpleNamespace
+
+    from powerinfer_tools.errors import PitoolsError
+    from powerinfer_tools.formats.model_check import routing_frequencies
+
+    model = SimpleNamespace(path="m.gguf", get={"pitools.blk.0.expert_frequency": stored}.get)
+    with pytest.raises(PitoolsError, match=rf"m.gguf: pitools.blk.0.expert_frequency {match}".replace("[", r"\[")
+                       .replace("]", r"\]")):
+        routing_frequencies(model, SimpleNamespace(n_experts=3), 0)
+    assert routing_frequencies(SimpleNamespace(path="m", get={}.get), SimpleNamespace(n_experts=3), 0) is None
