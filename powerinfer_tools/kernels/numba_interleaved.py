@@ -7,12 +7,13 @@ makes one call per matrix: ggml's routine then streams its groups with nothing i
 
 from __future__ import annotations
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
-from powerinfer_tools.kernels.numba_kernels import ggml_from_float, ggml_interleaved_product
+from powerinfer_tools.kernels.interleaved import ROWS
+from powerinfer_tools.kernels.numba_kernels import BLOCK, ggml_from_float, ggml_interleaved_product
 
-ROWS = 8  # rows per group (kernels.interleaved.ROWS)
-_Q8_0_BLOCK_BYTES, _BLOCK = 34, 32
+_Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # x's encoding for the products
 
 
 @njit(inline="always")
@@ -53,7 +54,7 @@ def gemm(gemm_fn, gemv_fn, quantize4, from_float, packed, x, x_encoded, out, n_t
     Tokens go four at a time through ``gemm`` (x quantized by ``quantize4``), the ``T % 4`` left through
     ``gemv``; ``x_encoded`` holds ``T`` q8_0 rows of scratch."""
     n_tokens, cols = x.shape
-    row_q8 = cols // _BLOCK * _Q8_0_BLOCK_BYTES
+    row_q8 = cols // BLOCK * _Q8_0_BLOCK_BYTES
     in_fours = n_tokens - n_tokens % 4
     xe = x_encoded.ctypes.data
     for f in prange(in_fours // 4):

@@ -641,7 +641,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
     t = d.thresholds
     cats, ffn_in, ffn_down = (NO_THRESHOLD if v is None else np.float32(v)
                               for v in ((t.cats, t.ffn_in, t.ffn_down) if t is not None else (None,) * 3))
-    gemv = kernels.ggml_routines().interleaved.gemv if kernels.ggml_routines().interleaved else 0
+    interleaved = kernels.ggml_routines().interleaved
+    gemv = interleaved.gemv if interleaved else 0  # used by the matrices the loader interleaved
     return LayerWeights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
         int(d.wq.qtype), gemv if isinstance(d.wq, InterleavedQ4) else 0, bq, bk, bv, rope_halves,
