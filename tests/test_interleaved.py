@@ -60,17 +60,22 @@ def test_products_equal_vec_dot_row_by_row(tokens, threads, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-def test_the_fused_qkv_product_splits_across_matrices(threads):
-    """``gemv_fused`` shares the three matrices' groups between threads as one run."""
-    from powerinfer_tools.kernels import numba_interleaved
+@pytest.mark.parametrize("vnni", [False, True])
+def test_the_fused_qkv_product_splits_across_matrices(threads, vnni):
+    """``gemv_fused`` shares the three matrices' groups between threads as one run, through ggml's gemv
+    or (``vnni``, where the CPU has it) ``numba_vnni.interleaved_group``."""
+    from powerinfer_tools.kernels import numba_interleaved, numba_vnni
 
+    if vnni and not numba_vnni.available():
+        pytest.skip("this CPU lacks AVX-512 VNNI/VBMI")
     q, k, v = (interleave(q4_0(rows, 128, seed)) for seed, rows in enumerate((40, 16, 8)))
     x = np.random.default_rng(4).standard_normal(128).astype(np.float32)
     routine = ROUTINES.routines[Q.Q4_0]
     encoded = np.empty((1, routine.encoded_bytes(128)), np.uint8)
     outs = [np.zeros(p.rows, np.float32) for p in (q, k, v)]
     ggml_ops._FROM_FLOAT(routine.from_float)(x.ctypes.data, encoded.ctypes.data, 128)
-    numba_interleaved.gemv_fused(ROUTINES.interleaved.gemv, q.data, k.data, v.data, encoded, 128, *outs, threads)
+    numba_interleaved.gemv_fused(ROUTINES.interleaved.gemv, q.data, k.data, v.data, encoded, 128, *outs, threads,
+                                 vnni)
     for p, out in zip((q, k, v), outs):
         want = kernels.matvec(p.deinterleaved(), x[None])[0]
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -1,5 +1,6 @@
 """Multi-threaded products over q4_0 matrices interleaved eight rows at a time (``kernels.interleaved``),
-through ggml's ``gemv`` and ``gemm`` for that layout (``ggml_ops.InterleavedRoutines``).
+through ggml's ``gemv`` and ``gemm`` for that layout (``ggml_ops.InterleavedRoutines``), or for one
+token with ``vnni`` through ``numba_vnni.interleaved_group`` (1.4-1.7x ggml's gemv from memory).
 
 The threads share a matrix's groups of eight rows, each one contiguous run, so that every thread
 makes one call per matrix: ggml's routine then streams its groups with nothing in between.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
+from powerinfer_tools.kernels import numba_vnni
 from powerinfer_tools.kernels.interleaved import ROWS
 from powerinfer_tools.kernels.numba_kernels import BLOCK, ggml_from_float, ggml_interleaved_product
 
@@ -17,35 +19,48 @@ _Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # x's encodi
 
 
 @njit(inline="always")
-def _groups_gemv(gemv, packed, first, stop, x_encoded, cols, out):
-    """``out[g*8 : stop*8] = W · x`` for the groups ``first .. stop - 1`` of ``packed`` (nothing if empty)."""
-    if stop > first:
+def _groups_gemv(gemv, packed, first, stop, x_encoded, cols, out, sums):
+    """``out[g*8 : stop*8] = W · x`` for the groups ``first .. stop - 1`` of ``packed`` (nothing if empty):
+    with ``numba_vnni`` where ``sums`` (its ``block_sums`` of x) is not empty, else with ggml's ``gemv``."""
+    if stop <= first:
+        return
+    if sums.shape[0]:
+        for g in range(first, stop):
+            numba_vnni.interleaved_group(packed.ctypes.data + g * packed.strides[0], x_encoded.ctypes.data,
+                                         sums.ctypes.data, cols // BLOCK, out.ctypes.data + g * ROWS * 4)
+    else:
         ggml_interleaved_product(gemv, cols, out.ctypes.data + first * ROWS * 4, 0,
                                  packed.ctypes.data + first * packed.strides[0], x_encoded.ctypes.data, 1,
                                  (stop - first) * ROWS)
 
 
+@njit(inline="always")
+def _sums(x_encoded, cols, vnni):
+    return numba_vnni.block_sums(x_encoded, cols // BLOCK if vnni else 0)
+
+
 @njit(parallel=True, nogil=True, cache=True)
-def gemv(fn, packed, x_encoded, cols, out, n_threads):
+def gemv(fn, packed, x_encoded, cols, out, n_threads, vnni):
     """One token: ``out = W · x`` for ``x`` encoded as q8_0 in ``x_encoded``."""
-    groups = packed.shape[0]
+    groups, sums = packed.shape[0], _sums(x_encoded, cols, vnni)
     n_chunks = max(1, min(n_threads, groups))
     for chunk in prange(n_chunks):
-        _groups_gemv(fn, packed, chunk * groups // n_chunks, (chunk + 1) * groups // n_chunks, x_encoded, cols, out)
+        _groups_gemv(fn, packed, chunk * groups // n_chunks, (chunk + 1) * groups // n_chunks, x_encoded, cols, out,
+                     sums)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def gemv_fused(fn, a, b, c, x_encoded, cols, out_a, out_b, out_c, n_threads):
+def gemv_fused(fn, a, b, c, x_encoded, cols, out_a, out_b, out_c, n_threads, vnni):
     """``out_a, out_b, out_c = A·x, B·x, C·x`` (q, k, v; or gate, up and a ``c`` of no groups) in one
     parallel loop: the threads share the three matrices' groups as one run (a share may span two)."""
     na, nb = a.shape[0], b.shape[0]
-    total = na + nb + c.shape[0]
+    total, sums = na + nb + c.shape[0], _sums(x_encoded, cols, vnni)
     n_chunks = max(1, min(n_threads, total))
     for chunk in prange(n_chunks):
         first, stop = chunk * total // n_chunks, (chunk + 1) * total // n_chunks
-        _groups_gemv(fn, a, min(first, na), min(stop, na), x_encoded, cols, out_a)
-        _groups_gemv(fn, b, min(max(first - na, 0), nb), min(max(stop - na, 0), nb), x_encoded, cols, out_b)
-        _groups_gemv(fn, c, max(first - na - nb, 0), max(stop - na - nb, 0), x_encoded, cols, out_c)
+        _groups_gemv(fn, a, min(first, na), min(stop, na), x_encoded, cols, out_a, sums)
+        _groups_gemv(fn, b, min(max(first - na, 0), nb), min(max(stop - na, 0), nb), x_encoded, cols, out_b, sums)
+        _groups_gemv(fn, c, max(first - na - nb, 0), max(stop - na - nb, 0), x_encoded, cols, out_c, sums)
 
 
 @njit(parallel=True, nogil=True, cache=True)
