@@ -119,6 +119,31 @@ def test_kernels_match_reference(qtype, shape, tokens, threads):
 
 
 @pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("cols", [8, 16, 64])
+def test_narrow_f16_rows_dot_float32_x(cols):
+    """``f16_row_dot`` (a predictor's narrow second layer): f16 weights, x rounded to f16 as ggml's f16
+    ``vec_dot`` takes it, within float32 summation order of float64 NumPy; extreme f16 values included."""
+    from numba import njit
+
+    from powerinfer_tools.kernels.numba_kernels import f16_row_dot
+
+    @njit
+    def products(w, x, out):
+        for i in range(w.shape[0]):
+            out[i] = f16_row_dot(w.ctypes.data + i * w.strides[0], x.ctypes.data, x.shape[0])
+
+    rng = np.random.default_rng(cols)
+    w = rng.standard_normal((50, cols)).astype(np.float16)
+    w[0], w[1] = 65504, -6e-8  # the largest f16, a subnormal
+    x = rng.standard_normal(cols).astype(np.float32)
+    out = np.empty(50, np.float32)
+    products(w.view(np.uint8), x, out)  # as the runtime passes weights: their bytes
+    seen = x.astype(np.float16).astype(np.float64)
+    want = w.astype(np.float64) @ seen
+    assert np.all(np.abs(out - want) <= 1e-6 * (np.abs(w.astype(np.float64)) @ np.abs(seen)) + 1e-30)
+
+
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2, 3])

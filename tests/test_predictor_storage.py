@@ -115,11 +115,12 @@ LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_att
 @pytest.fixture(scope="module")
 def q4_0_models(tmp_path_factory):
     """hidden size -> a q4_0 PowerInfer file with random predictors of that size: 32 stores fc2 as q4_0,
-    12 (rows not a whole q4_0 block) as f16."""
+    12 and 16 (rows not a whole q4_0 block) as f16; 16 is narrow f16 rows the compiled path takes without
+    ggml (``numba_kernels.f16_row_dot``)."""
     root = tmp_path_factory.mktemp("predictor-storage")
     make_model(root / "model", "llama", **LLAMA)
     files = {}
-    for hidden in (12, 32):
+    for hidden in (12, 16, 32):
         rng = np.random.default_rng(hidden)
         layers = [(rng.standard_normal((hidden, 64)).astype(np.float32),
                    rng.standard_normal((160, hidden)).astype(np.float32)) for _ in range(2)]
@@ -167,7 +168,7 @@ def test_device_holds_the_predictors_at_their_stored_size(q4_0_models, tmp_path)
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"compiled kernels unavailable: {kernels.unavailable_reason()}")
-@pytest.mark.parametrize("hidden", [12, 32])
+@pytest.mark.parametrize("hidden", [12, 16, 32])
 def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, hidden):
     """Both call ggml's vec_dot on the stored rows with the same encoded inputs; they differ only in the float32
     summation order of the rest of the layer."""
