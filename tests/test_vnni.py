@@ -1,5 +1,5 @@
-"""q4_0 row products with AVX-512 VNNI (kernels/numba_vnni.py): the kernel against a NumPy reference,
-and the runtime's sparse FFN computing with it what it computes with ggml's ``vec_dot``.
+"""q4_0/q8_0 row products with AVX-512 VNNI (kernels/numba_vnni.py): the kernel against a NumPy
+reference, and the runtime computing with it what it computes with ggml's ``vec_dot``.
 
 Skipped, with the reason, on a CPU without AVX-512 VNNI/VBMI (the runtime then never takes this path).
 """
@@ -19,45 +19,47 @@ from powerinfer_tools.benchmarking.synth import Planting, Shape, synthesize
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels import numba_vnni
+from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and numba_vnni.available()),
                                 reason="this CPU lacks AVX-512 VNNI/VBMI (or the compiled kernels are unavailable)")
 
 
-@njit
-def _products(from_float, weights, x, x_q8_0, x_vnni, out):
-    """Every row of ``weights`` (q4_0 bytes) times ``x``, through ggml's q8_0 encoding and ``row_dot``."""
-    cols = x.shape[0]
-    nk.ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
-    numba_vnni.encode(x_q8_0, x_vnni, cols // numba_vnni.GROUP_COLS)
-    for i in range(weights.shape[0]):
-        row = weights.ctypes.data + i * weights.strides[0]
-        out[i] = numba_vnni.row_dot(row, x_vnni.ctypes.data, cols // numba_vnni.GROUP_COLS, row)
-
-
-def _row_dot_all(w_q4_0: np.ndarray, x: np.ndarray) -> np.ndarray:
-    routine = kernels.ggml_routines().routines[Q.Q4_0]
-    out = np.empty(w_q4_0.shape[0], np.float32)
-    _products(routine.from_float, w_q4_0, x, np.zeros(routine.encoded_bytes(len(x)), np.uint8),
-              np.zeros(numba_vnni.encoded_bytes(len(x)), np.uint8), out)
+def _row_dots(qtype: Q, weights: np.ndarray, x: np.ndarray, threads: int = 2) -> np.ndarray:
+    """Every row of ``weights`` (bytes) times ``x`` through ``numba_vnni.dot_rows``."""
+    routine = kernels.ggml_routines().routines[qtype]
+    out = np.empty(weights.shape[0], np.float32)
+    nk.use_threads(threads)
+    numba_vnni.dot_rows(int(qtype), routine.from_float, weights, np.arange(weights.shape[0]), x,
+                        np.zeros(routine.encoded_bytes(len(x)), np.uint8),
+                        np.zeros(numba_vnni.encoded_bytes(int(qtype), len(x)), np.uint8), out)
     return out
 
 
-@pytest.mark.parametrize("cols", [128, 384, 2048])
-def test_row_dot_is_the_product_with_x_as_q8_0(cols):
-    """Against float64 NumPy on gguf's own dequantization of the weights and of x's q8_0 encoding: equal
-    up to float32 summation order. Rows include the extremes: every nibble 0 or 15 with large scales,
-    and a zero row."""
-    rng = np.random.default_rng(cols)
-    w = quantize(rng.standard_normal((37, cols)).astype(np.float32), Q.Q4_0)
-    w[0].reshape(-1, 18)[:, 2:] = 0x00  # nibble 0: weight -8 x scale
-    w[1].reshape(-1, 18)[:, 2:] = 0xFF  # nibble 15: weight 7 x scale
-    w[:2].reshape(2, -1, 18)[:, :, :2] = np.full((2, cols // 32, 1), 3.5, np.float16).view(np.uint8)
+def _extreme_rows(qtype: Q, cols: int, rng) -> np.ndarray:
+    """Random rows, then rows of the smallest and of the largest stored value with large scales, and a zero row."""
+    block_bytes = {Q.Q4_0: 18, Q.Q8_0: 34}[qtype]
+    w = quantize(rng.standard_normal((37, cols)).astype(np.float32), qtype)
+    blocks = w.reshape(37, -1, block_bytes)
+    blocks[0, :, 2:] = 0x00 if qtype is Q.Q4_0 else 0x80  # nibble 0 (-8) / int8 -128
+    blocks[1, :, 2:] = 0xFF if qtype is Q.Q4_0 else 0x7F  # nibble 15 (7) / int8 127
+    blocks[:2, :, :2] = np.full((2, cols // 32, 1), 3.5, np.float16).view(np.uint8)
     w[2] = 0
+    return w
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("cols", [128, 384, 2048])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_row_dot_is_the_product_with_x_as_q8_0(qtype, cols, threads):
+    """Against float64 NumPy on gguf's own dequantization of the weights and of x's q8_0 encoding: equal
+    up to float32 summation order, extreme rows included."""
+    rng = np.random.default_rng(cols)
+    w = _extreme_rows(qtype, cols, rng)
     x = rng.standard_normal(cols).astype(np.float32) * np.where(np.arange(cols) % 97 == 0, 40, 1).astype(np.float32)
-    got = _row_dot_all(w, x)
-    weights = dequantize(w, Q.Q4_0).astype(np.float64)
+    got = _row_dots(qtype, w, x, threads)
+    weights = dequantize(w, qtype).astype(np.float64)
     seen = dequantize(quantize(x[None], Q.Q8_0), Q.Q8_0)[0].astype(np.float64)
     want = weights @ seen
     scale = np.abs(weights) @ np.abs(seen)
@@ -65,9 +67,24 @@ def test_row_dot_is_the_product_with_x_as_q8_0(cols):
     assert got[2] == 0
 
 
-def test_only_q4_0_rows_a_whole_number_of_groups_wide_take_it():
-    assert numba_vnni.usable(128) and numba_vnni.usable(4096)
-    assert not numba_vnni.usable(64) and not numba_vnni.usable(96)
+def test_a_one_token_matvec_takes_it_and_agrees_with_vec_dot(monkeypatch):
+    """``kernels.matvec`` (an output head) on one token: ``dot_rows`` here, ggml's ``vec_dot`` without it."""
+    rng = np.random.default_rng(5)
+    for qtype in (Q.Q4_0, Q.Q8_0):
+        m = QuantMatrix(qtype, quantize(rng.standard_normal((300, 256)).astype(np.float32), qtype))
+        x = rng.standard_normal((1, 256)).astype(np.float32)
+        rows = rng.permutation(300)[:77]
+        got = kernels.matvec(m, x, rows)
+        with monkeypatch.context() as patch:
+            patch.setattr(numba_vnni, "available", lambda: False)
+            want = kernels.matvec(m, x, rows)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_only_rows_a_whole_number_of_groups_wide_take_it():
+    assert numba_vnni.usable(Q.Q4_0, 128) and numba_vnni.usable(Q.Q4_0, 4096) and numba_vnni.usable(Q.Q8_0, 64)
+    assert not numba_vnni.usable(Q.Q4_0, 64) and not numba_vnni.usable(Q.Q8_0, 96)
+    assert not numba_vnni.usable(Q.F16, 128)
 
 
 @pytest.fixture(scope="module")

@@ -1,51 +1,86 @@
-"""q4_0 row products for one token with AVX-512 VNNI, for the sparse FFN's scattered gate and up rows.
+"""q4_0 and q8_0 products for one token with AVX-512 VNNI: a sparse FFN's scattered gate and up rows,
+an output head, and (below) matrices interleaved eight rows at a time.
 
 Reading the active rows is not what bounds a sparse FFN here: a 2-core VM reads scattered 1152-byte
 rows at 15-21 GB/s, but ggml's ``vec_dot_q4_0_q8_0`` (one block of 32 weights per step, 256-bit)
-computes 7 GB/s on one core even from L1, and a matrix of them from memory at ~5 GB/s on two
-(``examples/bench_kernels.py --only-vnni``). ``row_dot`` takes a row four blocks (72 bytes) at a time:
-two 64-byte loads and one byte permute gather the four blocks' 64 bytes of nibbles, one word permute
-their four f16 scales, and two ``vpdpbusd`` multiply the nibbles (unsigned) with the input's int8
-values (signed) and sum them in 32-bit lanes, four lanes per block; the lanes are scaled in float and
-summed once per row.
+computes 7 GB/s on one core even from L1, and a matrix of them from memory at ~5 GB/s on two.
+``row_dot`` takes a row a group of blocks at a time (four q4_0 blocks, 72 bytes; two q8_0 blocks, 68
+bytes): two 64-byte loads and one byte permute gather the group's 64 bytes of quants, one word
+permute its f16 scales, and ``vpdpbusd`` multiplies the weights, as unsigned bytes, with the input's
+int8 values and sums them in 32-bit lanes, 16 / (blocks per group) lanes per block; the lanes are
+scaled in float and summed once per row. q4_0 gives two operands per group (low nibbles: values 0-15
+of each block; high: 16-31), each weight ``nibble - 8``; q8_0 one (its int8 XOR 0x80: ``byte - 128``).
 
 The input is ggml's own q8_0 encoding of x (what ``vec_dot`` takes), rearranged once per token by
-``encode`` into 256 bytes per group of four blocks:
-
-* 64 int8: elements 0-15 of each block (the values the low nibbles multiply), block after block;
-* 64 int8: elements 16-31 of each (the high nibbles');
-* 16 float32: block k's scale in lanes 4k..4k+3;
-* 16 int32: -8 × the sum of block k's values in lane 4k, zeros elsewhere: q4_0 weights are
-  ``scale × (nibble - 8)``, so the dot product starts from that offset.
-
-With ggml's rounding of x kept, a row's product is ggml's up to float32 summation order. Needs a
-CPU with AVX-512 F/BW/VBMI/VNNI (``available``); the runtime uses ggml's ``vec_dot`` elsewhere.
+``encode`` into, per group: the x values each operand meets (64 int8 an operand), 16 float32 (block
+k's scale in its lanes) and 16 int32 (-zero × the sum of block k's values in its first lane, zeros
+elsewhere, zero being 8 or 128: the dot product starts from that offset). With ggml's rounding of x
+kept, a row's product is ggml's up to float32 summation order. Needs a CPU with AVX-512
+F/BW/VBMI/VNNI (``available``); the runtime uses ggml's ``vec_dot`` elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import llvmlite.binding
 import numpy as np
 import numba
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from powerinfer_tools.kernels.numba_kernels import BLOCK, prefetch
+from powerinfer_tools.kernels.numba_kernels import BLOCK, Q4_0, Q8_0, ggml_from_float, prefetch
 
-GROUP_BLOCKS = 4  # q4_0 blocks a step of row_dot takes
-GROUP_COLS = GROUP_BLOCKS * BLOCK
-Q4_0_GROUP_BYTES = GROUP_BLOCKS * GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1]  # f16 scale + 16 bytes each
 Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # f16 scale + 32 int8
-ENCODED_GROUP_BYTES = 256  # see the module doc
 _FEATURES = ("avx512f", "avx512bw", "avx512vbmi", "avx512vnni")
+_LANES = 16  # int32 / float32 lanes of a 512-bit register
 
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _HALF = ir.HalfType()
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """How ``row_dot`` reads one weight type: ``blocks`` blocks a group, each ``block_bytes`` long (an
+    f16 scale, then ``quant_bytes`` of quants); weights are stored ``zero`` above their value."""
+
+    qtype: int
+    blocks: int
+    block_bytes: int
+    quant_bytes: int
+    zero: int
+
+    @property
+    def group_bytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    @property
+    def group_cols(self) -> int:
+        return self.blocks * BLOCK
+
+    @property
+    def operands(self) -> int:  # 64-byte operands a group gives: its 64 bytes of quants hold them all
+        return self.blocks * BLOCK // 64
+
+    @property
+    def encoded_group_bytes(self) -> int:
+        return 64 * self.operands + 8 * _LANES  # the x values, then float32 scales and int32 offsets
+
+
+_Q4_0_ROWS = _Rows(Q4_0, 4, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1], 16, 8)
+_Q8_0_ROWS = _Rows(Q8_0, 2, Q8_0_BLOCK_BYTES, 32, 128)
+_ROWS = {rows.qtype: rows for rows in (_Q4_0_ROWS, _Q8_0_ROWS)}
+GROUP_COLS = _Q4_0_ROWS.group_cols  # the compiled decoder's gate/up rows: q4_0
+# the same, as plain constants for the compiled code
+_Q4_0_GROUP_COLS, _Q4_0_X_BYTES = _Q4_0_ROWS.group_cols, _Q4_0_ROWS.encoded_group_bytes
+_Q8_0_GROUP_COLS, _Q8_0_X_BYTES = _Q8_0_ROWS.group_cols, _Q8_0_ROWS.encoded_group_bytes
+
+
+@functools.cache
 def available() -> bool:
     """Whether numba compiles for a CPU with the instructions ``row_dot`` uses (the host, unless
     NUMBA_CPU_NAME names another)."""
@@ -55,13 +90,14 @@ def available() -> bool:
     return all(features.get(name, False) for name in _FEATURES)
 
 
-def usable(cols: int) -> bool:
-    """Whether rows of ``cols`` q4_0 weights can take ``row_dot`` here."""
-    return cols % GROUP_COLS == 0 and available()
+def usable(qtype: int, cols: int) -> bool:
+    """Whether rows of ``cols`` weights of ggml type ``qtype`` can take ``row_dot`` here."""
+    return qtype in _ROWS and cols % _ROWS[qtype].group_cols == 0 and available()
 
 
-def encoded_bytes(cols: int) -> int:
-    return cols // GROUP_COLS * ENCODED_GROUP_BYTES
+def encoded_bytes(qtype: int, cols: int) -> int:
+    rows = _ROWS[qtype]
+    return cols // rows.group_cols * rows.encoded_group_bytes
 
 
 def _vec(t, n):
@@ -87,29 +123,37 @@ def _at(builder, addr, offset):
 def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
     """``acc`` (16 int32) plus, per lane, the sum of four products of unsigned and signed bytes. The
     intrinsic is declared with int32 operands, the form LLVM before 21 takes and newer ones upgrade."""
-    i32x16 = _vec(_I32, 16)
+    i32x16 = _vec(_I32, _LANES)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x16, [i32x16] * 3),
                                         "llvm.x86.avx512.vpdpbusd.512")
     return builder.call(fn, [acc, builder.bitcast(unsigned_bytes, i32x16), builder.bitcast(signed_bytes, i32x16)])
 
 
-def _group_product(builder, row_group, x_group):
+def _weight_operands(builder, fmt: _Rows, quants):
+    """The group's weights as unsigned bytes, one 64-byte operand each (see the module doc)."""
+    if fmt.qtype == Q4_0:
+        return [builder.and_(quants, _const(_I8, 64, [0x0F] * 64)), builder.lshr(quants, _const(_I8, 64, [4] * 64))]
+    return [builder.xor(quants, _const(_I8, 64, [0x80] * 64))]
+
+
+def _group_product(builder, fmt: _Rows, row_group, x_group):
     """16 float lanes whose sum is one group's share of the dot product (see the module doc)."""
     first = _load(builder, row_group, _vec(_I8, 64))
-    second = _load(builder, _at(builder, row_group, 8), _vec(_I8, 64))  # ends where the group ends
-    # block k's nibbles are bytes 18k+2 .. 18k+17 of the group: in `first` below 64, else in `second`
-    where = [18 * k + 2 + j for k in range(GROUP_BLOCKS) for j in range(16)]
-    packed = builder.shuffle_vector(first, second, _const(_I32, 64, [p if p < 64 else 56 + p for p in where]))
-    low = builder.and_(packed, _const(_I8, 64, [0x0F] * 64))
-    high = builder.lshr(packed, _const(_I8, 64, [4] * 64))
-    sums = _load(builder, _at(builder, x_group, 192), _vec(_I32, 16))  # starts at the -8 offsets
-    sums = _vpdpbusd(builder, sums, low, _load(builder, x_group, _vec(_I8, 64)))
-    sums = _vpdpbusd(builder, sums, high, _load(builder, _at(builder, x_group, 64), _vec(_I8, 64)))
-    words = builder.bitcast(first, _vec(_I16, 32))  # block k's scale is word 9k
-    scales = builder.shuffle_vector(words, words, _const(_I32, 16, [9 * (lane // 4) for lane in range(16)]))
-    scales = builder.fpext(builder.bitcast(scales, _vec(_HALF, 16)), _vec(_F32, 16))
-    scales = builder.fmul(scales, _load(builder, _at(builder, x_group, 128), _vec(_F32, 16)))
-    return builder.fmul(builder.sitofp(sums, _vec(_F32, 16)), scales, flags=("contract",))
+    tail = fmt.group_bytes - 64  # the second load ends where the group ends
+    second = _load(builder, _at(builder, row_group, tail), _vec(_I8, 64))
+    where = [fmt.block_bytes * k + 2 + j for k in range(fmt.blocks) for j in range(fmt.quant_bytes)]
+    quants = builder.shuffle_vector(first, second, _const(_I32, 64, [p if p < 64 else 64 + p - tail for p in where]))
+    operands = 64 * fmt.operands
+    sums = _load(builder, _at(builder, x_group, operands + 4 * _LANES), _vec(_I32, _LANES))  # the offsets
+    for i, weights in enumerate(_weight_operands(builder, fmt, quants)):
+        sums = _vpdpbusd(builder, sums, weights, _load(builder, _at(builder, x_group, 64 * i), _vec(_I8, 64)))
+    lanes = _LANES // fmt.blocks
+    words = builder.bitcast(first, _vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
+    scales = builder.shuffle_vector(words, words, _const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
+                                                                         for lane in range(_LANES)]))
+    scales = builder.fpext(builder.bitcast(scales, _vec(_HALF, _LANES)), _vec(_F32, _LANES))
+    scales = builder.fmul(scales, _load(builder, _at(builder, x_group, operands), _vec(_F32, _LANES)))
+    return builder.fmul(builder.sitofp(sums, _vec(_F32, _LANES)), scales, flags=("contract",))
 
 
 def _lane_sum(builder, lanes):
@@ -122,55 +166,68 @@ def _lane_sum(builder, lanes):
     return builder.extract_element(lanes, ir.Constant(_I32, 0))
 
 
-@intrinsic
-def row_dot(typingctx, row, x, n_groups, ahead):
-    """The dot product of the q4_0 row at address ``row`` (``n_groups`` groups of four blocks) with the
-    input ``encode`` wrote at address ``x``, as a float32. Each group also asks the cache for the same
-    group of the row at ``ahead`` (the next-but-one the caller reads; ``row`` itself when none):
-    spread over the work like this, the requests kept scattered rows coming at 11.5 GB/s on two
-    threads, against 9.4 GB/s for the whole row's lines asked for up front (``prefetch_span``)."""
-    sig = types.float32(types.intp, types.intp, types.intp, types.intp)
+def _row_dot(fmt: _Rows):
+    @intrinsic
+    def row_dot(typingctx, row, x, n_groups, ahead):
+        sig = types.float32(types.intp, types.intp, types.intp, types.intp)
 
-    def codegen(context, builder, signature, args):
-        row_, x_, n_groups_, ahead_ = args
-        total = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), [0.0] * 16))
-        with cgutils.for_range(builder, n_groups_) as loop:
-            offset = builder.mul(loop.index, ir.Constant(_I64, Q4_0_GROUP_BYTES))
-            for last_byte in (0, Q4_0_GROUP_BYTES - 1):  # the group's 72 bytes span two cache lines at most
-                prefetch(builder, builder.add(ahead_, builder.add(offset, ir.Constant(_I64, last_byte))))
-            product = _group_product(builder, builder.add(row_, offset),
-                                     builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, ENCODED_GROUP_BYTES))))
-            builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
-        return _lane_sum(builder, builder.load(total))
+        def codegen(context, builder, signature, args):
+            row_, x_, n_groups_, ahead_ = args
+            total = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES))
+            with cgutils.for_range(builder, n_groups_) as loop:
+                offset = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
+                for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
+                    prefetch(builder, builder.add(ahead_, builder.add(offset, ir.Constant(_I64, last_byte))))
+                x_group = builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
+                product = _group_product(builder, fmt, builder.add(row_, offset), x_group)
+                builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
+            return _lane_sum(builder, builder.load(total))
 
-    return sig, codegen
+        return sig, codegen
+
+    return row_dot
 
 
-@intrinsic
-def _encode_group(typingctx, blocks, out):
-    """Rearrange four q8_0 blocks at address ``blocks`` into one encoded group at ``out``."""
-    sig = types.void(types.intp, types.intp)
+# The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at
+# address ``x``, as a float32. Each group also asks the cache for the same group of the row at ``ahead``
+# (the next-but-one the caller reads; ``row`` itself when none): spread over the work like this, the
+# requests kept scattered q4_0 rows coming at 11.5 GB/s on two threads, against 9.4 GB/s for the whole
+# row's lines asked for up front (``numba_kernels.prefetch_span``).
+row_dot_q4_0, row_dot_q8_0 = _row_dot(_Q4_0_ROWS), _row_dot(_Q8_0_ROWS)
 
-    def codegen(context, builder, signature, args):
-        blocks_, out_ = args
-        scales, offsets = [], []
-        for k in range(GROUP_BLOCKS):
-            block = _at(builder, blocks_, k * Q8_0_BLOCK_BYTES)
-            values = _load(builder, _at(builder, block, 2), _vec(_I8, BLOCK))
-            for half in range(2):
-                part = builder.shuffle_vector(values, values, _const(_I32, 16, range(16 * half, 16 * half + 16)))
-                _store(builder, part, _at(builder, out_, 64 * half + 16 * k))
-            scales.append(builder.fpext(_load(builder, block, _HALF), _F32))
-            total = _lane_sum_int(builder, builder.sext(values, _vec(_I32, BLOCK)))
-            offsets.append(builder.mul(total, ir.Constant(_I32, -8)))
-        for k in range(GROUP_BLOCKS):
-            for lane in range(4):
-                _store(builder, scales[k], _at(builder, out_, 128 + 4 * (4 * k + lane)))
-                offset = offsets[k] if lane == 0 else ir.Constant(_I32, 0)
-                _store(builder, offset, _at(builder, out_, 192 + 4 * (4 * k + lane)))
-        return context.get_dummy_value()
 
-    return sig, codegen
+def _encode_group(fmt: _Rows):
+    @intrinsic
+    def encode_group(typingctx, blocks, out):
+        """Rearrange a group's q8_0 blocks of x at address ``blocks`` into one encoded group at ``out``."""
+        sig = types.void(types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            blocks_, out_ = args
+            lanes, operands = _LANES // fmt.blocks, 64 * fmt.operands
+            for k in range(fmt.blocks):
+                block = _at(builder, blocks_, k * Q8_0_BLOCK_BYTES)
+                values = _load(builder, _at(builder, block, 2), _vec(_I8, BLOCK))
+                for o in range(fmt.operands):  # operand o meets values o*q .. of each block, q = quant bytes
+                    q = fmt.quant_bytes
+                    part = builder.shuffle_vector(values, values, _const(_I32, q, range(o * q, o * q + q)))
+                    _store(builder, part, _at(builder, out_, 64 * o + q * k))
+                scale = builder.fpext(_load(builder, block, _HALF), _F32)
+                total = _lane_sum_int(builder, builder.sext(values, _vec(_I32, BLOCK)))
+                offset = builder.mul(total, ir.Constant(_I32, -fmt.zero))
+                for lane in range(lanes):
+                    at = 4 * (lanes * k + lane)
+                    _store(builder, scale, _at(builder, out_, operands + at))
+                    _store(builder, offset if lane == 0 else ir.Constant(_I32, 0),
+                           _at(builder, out_, operands + 4 * _LANES + at))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return encode_group
+
+
+_encode_q4_0, _encode_q8_0 = _encode_group(_Q4_0_ROWS), _encode_group(_Q8_0_ROWS)
 
 
 def _lane_sum_int(builder, lanes):
@@ -180,10 +237,36 @@ def _lane_sum_int(builder, lanes):
 
 
 @njit(nogil=True, cache=True)
-def encode(x_q8_0, out, n_groups):
-    """ggml's q8_0 encoding of an input (``n_groups`` × 4 blocks, bytes) rearranged for ``row_dot`` into ``out``."""
-    for g in range(n_groups):
-        _encode_group(x_q8_0.ctypes.data + g * GROUP_BLOCKS * Q8_0_BLOCK_BYTES, out.ctypes.data + g * ENCODED_GROUP_BYTES)
+def encode(qtype, x_q8_0, out, cols):
+    """ggml's q8_0 encoding of an input of ``cols`` values (bytes) rearranged for ``qtype`` rows into ``out``."""
+    x, dst = x_q8_0.ctypes.data, out.ctypes.data
+    if qtype == Q4_0:
+        for g in range(cols // _Q4_0_GROUP_COLS):
+            _encode_q4_0(x + g * _Q4_0_GROUP_COLS // BLOCK * Q8_0_BLOCK_BYTES, dst + g * _Q4_0_X_BYTES)
+    else:
+        for g in range(cols // _Q8_0_GROUP_COLS):
+            _encode_q8_0(x + g * _Q8_0_GROUP_COLS // BLOCK * Q8_0_BLOCK_BYTES, dst + g * _Q8_0_X_BYTES)
+
+
+@njit(inline="always")
+def row_dot(qtype, row, x, cols, ahead):
+    """``row_dot_q4_0`` or ``row_dot_q8_0`` for a row of ``cols`` weights of ``qtype``."""
+    if qtype == Q4_0:
+        return row_dot_q4_0(row, x, cols // _Q4_0_GROUP_COLS, ahead)
+    return row_dot_q8_0(row, x, cols // _Q8_0_GROUP_COLS, ahead)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
+    """One token: ``out[i] = weights[rows[i]] · x`` (q4_0 or q8_0 rows, ``usable``; x float32, encoded into
+    the scratch ``x_q8_0`` and ``x_encoded``), the threads sharing the rows."""
+    cols, n = x.shape[0], rows.shape[0]
+    ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
+    encode(qtype, x_q8_0, x_encoded, cols)
+    w, row_bytes = weights.ctypes.data, weights.strides[0]
+    for i in prange(n):
+        out[i] = row_dot(qtype, w + rows[i] * row_bytes, x_encoded.ctypes.data, cols,
+                         w + rows[min(i + 2, n - 1)] * row_bytes)
 
 
 # --- whole matrices interleaved eight rows at a time (kernels.interleaved, ggml's block_q4_0x8) ----------

@@ -159,7 +159,7 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
     one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
     ``CATS_GATE_GIVEN`` the gate products are ``gate_given[row]`` and only the up rows are read. A
     non-empty ``x_vnni`` (the input as ``numba_vnni.encode`` writes it) takes q4_0 rows through
-    ``numba_vnni.row_dot`` instead of ggml's ``vec_dot``."""
+    ``numba_vnni.row_dot_q4_0`` instead of ggml's ``vec_dot``."""
     # gate and up rows are alike, unless the gate is given (then it may be interleaved: never read here)
     n, row_bytes, xe = rows.shape[0], up.strides[0], x_encoded.ctypes.data
     vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
@@ -182,7 +182,7 @@ def _row_product(vec_dot, cols, out, j, matrix, row, ahead, xe, x_vnni, vnni_gro
     """``out[j]`` = the row at byte ``row`` of ``matrix`` (an address) times the input (see ``_gate_up``);
     ``row_dot`` also asks for the row at byte ``ahead``."""
     if vnni_groups:
-        out[j] = numba_vnni.row_dot(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
+        out[j] = numba_vnni.row_dot_q4_0(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
     else:
         ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * j, matrix + row, xe)
 
@@ -399,7 +399,7 @@ def gate_up(w, s, rows, at, kind, fns):
     rows_vnni = w.vnni and w.ffn_type == nk.Q4_0 and d_model % numba_vnni.GROUP_COLS == 0  # up is never interleaved here
     x_vnni = s.x_vnni if rows_vnni else s.x_vnni[:0]
     if rows_vnni:
-        numba_vnni.encode(s.x_encoded, x_vnni, d_model // numba_vnni.GROUP_COLS)
+        numba_vnni.encode(nk.Q4_0, s.x_encoded, x_vnni, d_model)
     _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, d_model, kind, s.gate_out, s.up_out,
              s.act, s.predicted, x_vnni)
 
@@ -552,7 +552,7 @@ class CompiledDecoder:
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
-            np.zeros(s.d_ff, np.intp), np.zeros(numba_vnni.encoded_bytes(s.d_model), np.uint8),  # down_rows x_vnni
+            np.zeros(s.d_ff, np.intp), np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8),  # down_rows x_vnni
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
