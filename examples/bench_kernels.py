@@ -1,7 +1,7 @@
 """Time the compiled CPU kernels against the NumPy reference on FFN-shaped matrices.
 
     python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
-                                     [--shapes tinyllama,llama7b]
+                                     [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni]
 
 For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
 random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
@@ -14,8 +14,11 @@ decodes; a NumPy streaming read of the same pool gives the machine's memory spee
 A table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
 the kernels. The reference's BLAS uses its own thread count throughout. The last table compares, for
 a dense q4_0 matrix, ggml's products over rows interleaved eight at a time (``kernels.interleaved``)
-with ``vec_dot`` row by row (one token) and with the runtime's prompt path, dequantize + BLAS shared
-out to the kernel threads (``runtime.backends._BlockProducts``).
+with ``matvec`` (one token: ``vec_dot`` row by row, or ``numba_vnni.row_dot`` on a CPU with AVX-512
+VNNI) and with the runtime's prompt path, dequantize + BLAS shared out to the kernel threads
+(``runtime.backends._BlockProducts``). Where the CPU has AVX-512 VNNI, a last table times one token
+from memory through ggml's products and through ``numba_vnni``'s: scattered q4_0 rows (10%, 22%, all),
+the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048).
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import argparse
 import time
 
 import numpy as np
+from numba import njit, prange
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from powerinfer_tools import kernels
+from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.interleaved import interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.backends import CpuBackend
@@ -146,22 +151,86 @@ def bench_interleaved(args, rng):
                 print(f"{shape:>9} T={tokens:>3} {threads} thr: " + "   ".join(line))
 
 
+@njit(parallel=True, nogil=True)
+def _read_rows(weights, rows, out):
+    """Only read the rows (every 8-byte word, prefetching two rows ahead): the memory's ceiling for a kernel."""
+    n, data = rows.shape[0], weights.view(np.uint64)
+    for i in prange(n):
+        if i + 2 < n:
+            nk.prefetch_span(weights.ctypes.data + rows[i + 2] * weights.strides[0], weights.shape[1])
+        acc = np.uint64(0)
+        for word in data[rows[i]]:
+            acc ^= word
+        out[i] = acc
+
+
+def bench_vnni(args, rng):
+    """One token from memory, 1 and 2 threads: ggml's products against ``numba_vnni``'s (AVX-512 VNNI)."""
+    from powerinfer_tools.kernels import numba_interleaved, numba_vnni
+
+    if not numba_vnni.available():
+        print("\nAVX-512 VNNI products: this CPU lacks AVX-512 VNNI/VBMI")
+        return
+    ggml = kernels.ggml_routines()
+    print("\none token from memory, GB/s of weights: ggml's vec_dot row by row / numba_vnni.row_dot (scattered "
+          "rows) [only reading the rows], ggml's gemv / numba_vnni.interleaved_group (interleaved, whole)")
+    for shape, qtype in [(s, Q.Q4_0) for s in args.shapes.split(",")] + [("head", Q.Q8_0)]:
+        n_rows, n_cols = SHAPES[shape] if shape in SHAPES else (32000, 2048)
+        first = random_matrix(qtype, n_rows, n_cols, rng)
+        pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
+                          for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+        routine = ggml.routines[qtype]
+        x = rng.standard_normal(n_cols, dtype=np.float32)
+        x_q8_0 = np.empty(routine.encoded_bytes(n_cols), np.uint8)
+        scratch = np.empty(numba_vnni.encoded_bytes(int(qtype), n_cols), np.uint8)
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            nk.use_threads(threads)
+            for density in (0.1, 0.22, 1.0):
+                rows = row_sets(n_rows, density, args.repeats, rng)
+                rows = [np.arange(n_rows) if r is None else r.astype(np.intp) for r in rows]
+                out = np.empty(len(rows[0]), np.float32)
+                inputs = list(rows)
+                a = seconds(lambda m, r: nk.dot_rows(routine.from_float, routine.vec_dot, m.data, r, x[None],
+                                                     x_q8_0[None], out[None]), pool, inputs, args.repeats)
+                b = seconds(lambda m, r: numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, r, x, x_q8_0,
+                                                             scratch, out), pool, inputs, args.repeats)
+                words = np.empty(len(rows[0]), np.uint64)
+                c = seconds(lambda m, r: _read_rows(m.data, r, words), pool, inputs, args.repeats)
+                nbytes = len(rows[0]) * first.row_bytes
+                print(f"{shape:>9} {qtype.name} {density:>4.0%} {threads} thr: rows {gbps(nbytes, a)} / {gbps(nbytes, b)}"
+                      f" ({np.median(a) / np.median(b):4.2f}x) [{gbps(nbytes, c)}]")
+            if qtype is Q.Q4_0 and ggml.interleaved is not None:
+                packed = {id(m): interleave(m).data for m in pool}
+                out = np.empty(n_rows, np.float32)
+                encoded = x_q8_0[None]
+                a, b = (seconds(lambda m, _: numba_interleaved.gemv(ggml.interleaved.gemv, packed[id(m)], encoded,
+                                                                      n_cols, out, threads, vnni), pool, [0],
+                                args.repeats) for vnni in (False, True))
+                print(f"{shape:>9} {qtype.name} whole {threads} thr: interleaved {gbps(first.nbytes, a)} / "
+                      f"{gbps(first.nbytes, b)} ({np.median(a) / np.median(b):4.2f}x)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per kernel measurement")
     parser.add_argument("--ref-repeats", type=int, default=7, help="timed calls per reference measurement")
     parser.add_argument("--pool-mb", type=int, default=1024, help="weights cycled through, to defeat the caches")
     parser.add_argument("--shapes", default="tinyllama,llama7b")
-    parser.add_argument("--only-interleaved", action="store_true", help="just the last table")
+    parser.add_argument("--only-interleaved", action="store_true", help="just the interleaved table")
+    parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
     print(kernels.describe())
     rng = np.random.default_rng(0)
-    if not args.only_interleaved:
+    if not (args.only_interleaved or args.only_vnni):
         bench_shapes(args, rng)
         bench_tokens(args, rng)
-    bench_interleaved(args, rng)
+    if not args.only_vnni:
+        bench_interleaved(args, rng)
+    if not args.only_interleaved:
+        bench_vnni(args, rng)
 
 
 if __name__ == "__main__":

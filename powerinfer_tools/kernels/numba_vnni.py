@@ -1,9 +1,10 @@
 """q4_0 and q8_0 products for one token with AVX-512 VNNI: a sparse FFN's scattered gate and up rows,
 an output head, and (below) matrices interleaved eight rows at a time.
 
-Reading the active rows is not what bounds a sparse FFN here: a 2-core VM reads scattered 1152-byte
-rows at 15-21 GB/s, but ggml's ``vec_dot_q4_0_q8_0`` (one block of 32 weights per step, 256-bit)
-computes 7 GB/s on one core even from L1, and a matrix of them from memory at ~5 GB/s on two.
+Reading the active rows is not what bounds a sparse FFN here: two threads of a 2-core VM read
+scattered 1152-byte q4_0 rows at 11-13 GB/s, but ggml's ``vec_dot_q4_0_q8_0`` (one block of 32
+weights per step, 256-bit) computes them at 6-9 GB/s; ``row_dot`` at 13-15
+(``examples/bench_kernels.py --only-vnni``; docs/kernels.md).
 ``row_dot`` takes a row a group of blocks at a time (four q4_0 blocks, 72 bytes; two q8_0 blocks, 68
 bytes): two 64-byte loads and one byte permute gather the group's 64 bytes of quants, one word
 permute its f16 scales, and ``vpdpbusd`` multiplies the weights, as unsigned bytes, with the input's
@@ -191,8 +192,9 @@ def _row_dot(fmt: _Rows):
 # The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at
 # address ``x``, as a float32. Each group also asks the cache for the same group of the row at ``ahead``
 # (the next-but-one the caller reads; ``row`` itself when none): spread over the work like this, the
-# requests kept scattered q4_0 rows coming at 11.5 GB/s on two threads, against 9.4 GB/s for the whole
-# row's lines asked for up front (``numba_kernels.prefetch_span``).
+# requests kept scattered q4_0 rows coming ~20% faster than the whole row's lines asked for up front
+# (``numba_kernels.prefetch_span``; a one-off comparison while writing it: 11.5 against 9.4 GB/s, two
+# threads), whose burst of 18 requests fills the core's line fill buffers and stalls the loads behind.
 row_dot_q4_0, row_dot_q8_0 = _row_dot(_Q4_0_ROWS), _row_dot(_Q8_0_ROWS)
 
 
@@ -279,8 +281,9 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
 # is ggml's q8_0 encoding as it is, plus two floats per block from ``block_sums``.
 
 _INTERLEAVED_ROWS = 8
-# Each block asks the cache for the bytes 16 blocks on: 2 threads read a 2048 x 2048 matrix from memory
-# at ~17 GB/s so, ~15 GB/s without (8 blocks on did no better; the hardware prefetcher alone trails).
+# Each block asks the cache for the bytes 16 blocks on: the hardware prefetcher alone trails (a one-off
+# comparison while writing it, 2048 x 2048 from memory, 2 threads: ~17 GB/s so, ~15 without; 4 or 8
+# blocks on did no better).
 _AHEAD_BYTES = 2304
 _INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1]
 
