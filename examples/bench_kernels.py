@@ -198,8 +198,8 @@ def bench_vnni(args, rng):
                 words = np.empty(len(rows[0]), np.uint64)
                 c = seconds(lambda m, r: _read_rows(m.data, r, words), pool, inputs, args.repeats)
                 nbytes = len(rows[0]) * first.row_bytes
-                print(f"{shape:>9} {qtype.name} {density:>4.0%} {threads} thr: rows {gbps(nbytes, a)} / {gbps(nbytes, b)}"
-                      f" ({np.median(a) / np.median(b):4.2f}x) [{gbps(nbytes, c)}]")
+                print(f"{shape:>9} {qtype.name} {density:>4.0%} {threads} thr: rows {gbps(nbytes, a)} / "
+                      f"{gbps(nbytes, b)} ({np.median(a) / np.median(b):4.2f}x) [{gbps(nbytes, c)}]")
             if qtype is Q.Q4_0 and ggml.interleaved is not None:
                 packed = {id(m): interleave(m).data for m in pool}
                 out = np.empty(n_rows, np.float32)

@@ -126,3 +126,62 @@ def test_the_runtime_computes_with_it_what_it_computes_with_vec_dot(wide_tiny, m
     (steps, stats), (want, want_stats) = decoded(True), decoded(False)
     assert stats == want_stats
     np.testing.assert_allclose(steps, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+_WITHOUT_VNNI = """
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+from powerinfer_tools import kernels
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels import numba_vnni
+from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.loader import load_runtime_model
+
+assert not numba_vnni.available()
+rng = np.random.default_rng(0)
+for qtype in (Q.Q4_0, Q.Q8_0):  # the plain-IR spelling of vpdpbusd computes the same products
+    m = QuantMatrix(qtype, quantize(rng.standard_normal((64, 256)).astype(np.float32), qtype))
+    x = rng.standard_normal(256).astype(np.float32)
+    routine = kernels.ggml_routines().routines[qtype]
+    out = np.empty(64, np.float32)
+    numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, np.arange(64), x,
+                        np.zeros(routine.encoded_bytes(256), np.uint8),
+                        np.zeros(numba_vnni.encoded_bytes(int(qtype), 256), np.uint8), out)
+    want = kernels.matvec(m, x[None])[0]
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max(), qtype
+model = load_runtime_model(sys.argv[1])
+model.mode = FFNMode.SPARSE
+assert model.compiled_decoder() is not None
+caches = model.new_cache()
+np.save(sys.argv[2], np.concatenate([model.forward(np.array([t]), caches) for t in (5, 77, 1234)]))
+"""
+
+
+# Haswell's features (AVX2, FMA, F16C; no AVX-512): numba takes the host's unless told, whatever the CPU name.
+_HASWELL = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+mmx,+pclmul,+popcnt,+sse,+sse2,"
+            "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave")
+
+
+@pytest.mark.slow
+def test_the_kernels_compile_and_run_for_a_cpu_without_avx512(wide_tiny, tmp_path, monkeypatch):
+    """Compiled for Haswell (AVX2, no AVX-512; numba's own cache kept apart): the functions that hold the
+    VNNI kernels still compile (with the intrinsic LLVM aborts there, "Do not know how to split the
+    result of this operator": they spell it in plain IR), that spelling computes the same products,
+    and the runtime decodes through ggml's kernels as this process does with the VNNI ones off."""
+    import subprocess
+    import sys
+
+    logits = tmp_path / "logits.npy"
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=_HASWELL,
+               NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_VNNI, str(wide_tiny), str(logits)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    monkeypatch.setattr(numba_vnni, "available", lambda: False)
+    model = load_runtime_model(wide_tiny)
+    model.mode = FFNMode.SPARSE
+    caches = model.new_cache()
+    want = np.concatenate([model.forward(np.array([t]), caches) for t in (5, 77, 1234)])
+    np.testing.assert_allclose(np.load(logits), want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -29,7 +29,8 @@ from numba.extending import intrinsic
 F16, Q4_0, Q8_0 = 1, 2, 8  # ggml type ids (gguf's GGMLQuantizationType values); F32 is 0
 BLOCK = 32  # elements per q4_0/q8_0 block; axpy_rows also walks f32/f16 rows 32 at a time
 # The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the one-token axpy spread over its
-# work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one. Measured on the busy 2-core machine, 1 thread,
+# work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
+# Measured on the busy 2-core machine, 1 thread,
 # q4_0 5632x2048 cycling through 260 MB of copies, median GB/s without -> with: 10% of rows 2.9 -> 8.4
 # (matvec), 2.7 -> 5.9 (axpy); all rows 3.7-7.3 -> 8.7-10 (matvec). 1, 4 or 8 rows ahead, or
 # prefetching to L2 only, did no better.

@@ -83,8 +83,11 @@ _Q8_0_GROUP_COLS, _Q8_0_X_BYTES = _Q8_0_ROWS.group_cols, _Q8_0_ROWS.encoded_grou
 
 @functools.cache
 def available() -> bool:
-    """Whether numba compiles for a CPU with the instructions ``row_dot`` uses (the host, unless
-    NUMBA_CPU_NAME names another)."""
+    """Whether numba compiles for a CPU with the instructions ``row_dot`` uses: the host's features,
+    or those NUMBA_CPU_FEATURES lists (NUMBA_CPU_NAME naming another CPU without them: no)."""
+    if numba.config.CPU_FEATURES is not None:
+        listed = set(numba.config.CPU_FEATURES.split(","))
+        return all(f"+{name}" in listed for name in _FEATURES)
     if numba.config.CPU_NAME not in (None, "host"):
         return False
     features = llvmlite.binding.get_host_cpu_features()
@@ -123,8 +126,16 @@ def _at(builder, addr, offset):
 
 def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
     """``acc`` (16 int32) plus, per lane, the sum of four products of unsigned and signed bytes. The
-    intrinsic is declared with int32 operands, the form LLVM before 21 takes and newer ones upgrade."""
+    intrinsic is declared with int32 operands, the form LLVM before 21 takes and newer ones upgrade.
+    For a CPU without it the same sum is spelled in plain vector IR: the functions that hold these
+    kernels are compiled everywhere (the choice between them and ggml's is made at run time), and
+    LLVM cannot compile the intrinsic for a CPU that lacks it."""
     i32x16 = _vec(_I32, _LANES)
+    if not available():
+        products = builder.mul(builder.zext(unsigned_bytes, _vec(_I32, 64)), builder.sext(signed_bytes, _vec(_I32, 64)))
+        for k in range(4):
+            acc = builder.add(acc, builder.shuffle_vector(products, products, _const(_I32, _LANES, range(k, 64, 4))))
+        return acc
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x16, [i32x16] * 3),
                                         "llvm.x86.avx512.vpdpbusd.512")
     return builder.call(fn, [acc, builder.bitcast(unsigned_bytes, i32x16), builder.bitcast(signed_bytes, i32x16)])

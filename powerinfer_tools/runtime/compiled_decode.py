@@ -258,7 +258,7 @@ NARROW_F16_COLS = 64
 @njit(nogil=True, cache=True)
 def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
     """``out = W · x`` with ``w`` in its stored type: x encoded for ``vec_dot``, rows as the weights' are
-    (narrow f16 rows: x as it is)."""
+    (narrow f16 rows: ``nk.f16_row_dot``, which rounds x to f16 itself, as ggml's encoding would)."""
     cols = x.shape[0]
     if w_type == nk.F16 and cols <= NARROW_F16_COLS and cols % nk.F16_CHUNK == 0:
         for i in range(w.shape[0]):
@@ -396,7 +396,8 @@ def gate_up(w, s, rows, at, kind, fns):
     """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up (the input encoded
     in ``s.x_encoded``)."""
     d_model = s.h.shape[0]
-    rows_vnni = w.vnni and w.ffn_type == nk.Q4_0 and d_model % numba_vnni.GROUP_COLS == 0  # up is never interleaved here
+    # up is never interleaved here: its rows are q4_0 as stored when ffn_type says q4_0
+    rows_vnni = w.vnni and w.ffn_type == nk.Q4_0 and d_model % numba_vnni.GROUP_COLS == 0
     x_vnni = s.x_vnni if rows_vnni else s.x_vnni[:0]
     if rows_vnni:
         numba_vnni.encode(nk.Q4_0, s.x_encoded, x_vnni, d_model)
@@ -552,7 +553,8 @@ class CompiledDecoder:
             np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
-            np.zeros(s.d_ff, np.intp), np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8),  # down_rows x_vnni
+            np.zeros(s.d_ff, np.intp),  # down_rows
+            np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8),  # x_vnni
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
