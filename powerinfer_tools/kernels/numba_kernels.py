@@ -102,6 +102,35 @@ def ggml_interleaved_product(typingctx, fn, n, s, bs, vx, vy, nr, nc):
     return sig, codegen
 
 
+# --- IR helpers, shared with numba_vnni: addresses are integers, loads unaligned ----------------
+
+def load(builder, addr, ty):
+    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
+
+
+def splat(builder, value, n):
+    """``value`` in each of ``n`` lanes."""
+    vec = ir.VectorType(value.type, n)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def offset(builder, addr, n):
+    return builder.add(addr, ir.Constant(addr.type, n))
+
+
+def lane_sum(builder, lanes):
+    """The sum of a float vector's lanes (a power of two of them), halves added pairwise."""
+    width = lanes.type.count
+    while width > 1:
+        width //= 2
+        lanes = builder.fadd(
+            builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(_I32, width), list(range(width)))),
+            builder.shuffle_vector(lanes, lanes,
+                                   ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width)))))
+    return builder.extract_element(lanes, ir.Constant(_I32, 0))
+
+
 def prefetch(builder, addr):
     """Emit a hint to bring the cache line at ``addr`` (an integer) into all cache levels for reading."""
     fnty = ir.FunctionType(ir.VoidType(), [_PTR, _I32, _I32, _I32])
@@ -138,25 +167,21 @@ def f16_row_dot(typingctx, row, x, n):
         chunk = ir.VectorType(_FLOAT, F16_CHUNK)
         total = cgutils.alloca_once_value(builder, ir.Constant(chunk, [0.0] * F16_CHUNK))
         with cgutils.for_range(builder, builder.udiv(n_, ir.Constant(n_.type, F16_CHUNK))) as loop:
-            weights = _load(builder, builder.add(row_, builder.mul(loop.index, ir.Constant(_I64, 2 * F16_CHUNK))),
+            weights = load(builder, builder.add(row_, builder.mul(loop.index, ir.Constant(_I64, 2 * F16_CHUNK))),
                             ir.VectorType(ir.HalfType(), F16_CHUNK))
-            values = _load(builder, builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, 4 * F16_CHUNK))), chunk)
+            values = load(builder, builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, 4 * F16_CHUNK))), chunk)
             values = builder.fpext(builder.fptrunc(values, ir.VectorType(ir.HalfType(), F16_CHUNK)), chunk)
             product = builder.fmul(builder.fpext(weights, chunk), values, flags=("contract",))
             builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
-        lanes = builder.load(total)
-        result = builder.extract_element(lanes, ir.Constant(_I32, 0))
-        for lane in range(1, F16_CHUNK):
-            result = builder.fadd(result, builder.extract_element(lanes, ir.Constant(_I32, lane)))
-        return result
+        return lane_sum(builder, builder.load(total))
 
     return sig, codegen
 
 
 @njit(inline="always")
 def prefetch_span(addr, nbytes):
-    for offset in range(0, nbytes, 64):
-        _prefetch(addr + offset)
+    for at in range(0, nbytes, 64):
+        _prefetch(addr + at)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -179,36 +204,23 @@ def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
 
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
 
-def _load(builder, addr, ty):
-    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
-
-
-def _splat(builder, value, n):
-    vec = ir.VectorType(value.type, n)
-    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-
-def _offset(builder, addr, n):
-    return builder.add(addr, ir.Constant(addr.type, n))
-
 
 def _scale(builder, block):
     """A block's leading f16 scale, as a float."""
-    return builder.fpext(_load(builder, block, ir.HalfType()), _FLOAT)
+    return builder.fpext(load(builder, block, ir.HalfType()), _FLOAT)
 
 
 # Each decoder returns a block's 32 values as floats and the scale they are to be multiplied by (None
 # when they need none), so that a caller can fold its own factor into the scale.
 
 def _decode_q8_0(builder, block):  # f16 scale, then 32 int8
-    ints = _load(builder, _offset(builder, block, 2), ir.VectorType(_I8, BLOCK))
+    ints = load(builder, offset(builder, block, 2), ir.VectorType(_I8, BLOCK))
     return builder.sitofp(ints, ir.VectorType(_FLOAT, BLOCK)), _scale(builder, block)
 
 
 def _decode_q4_0(builder, block):  # f16 scale, then 16 bytes: low nibbles are elements 0-15, high 16-31
     # widened to 32 bits first: one zero-extending load, then the nibbles' and/shift in 32-bit lanes
-    packed = builder.zext(_load(builder, _offset(builder, block, 2), ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
+    packed = builder.zext(load(builder, offset(builder, block, 2), ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
     low = builder.and_(packed, ir.Constant(ir.VectorType(_I32, 16), [0x0F] * 16))
     high = builder.lshr(packed, ir.Constant(ir.VectorType(_I32, 16), [4] * 16))
     nibbles = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, BLOCK), list(range(BLOCK))))
@@ -217,16 +229,16 @@ def _decode_q4_0(builder, block):  # f16 scale, then 16 bytes: low nibbles are e
 
 
 def _decode_f16(builder, block):
-    return builder.fpext(_load(builder, block, ir.VectorType(ir.HalfType(), BLOCK)), ir.VectorType(_FLOAT, BLOCK)), None
+    return builder.fpext(load(builder, block, ir.VectorType(ir.HalfType(), BLOCK)), ir.VectorType(_FLOAT, BLOCK)), None
 
 
 def _decode_f32(builder, block):
-    return _load(builder, block, ir.VectorType(_FLOAT, BLOCK)), None
+    return load(builder, block, ir.VectorType(_FLOAT, BLOCK)), None
 
 
 def _times(builder, values, factor):
     """``values`` (32 floats) times the scalar ``factor`` (None: unchanged)."""
-    return values if factor is None else builder.fmul(values, _splat(builder, factor, BLOCK), flags=("contract",))
+    return values if factor is None else builder.fmul(values, splat(builder, factor, BLOCK), flags=("contract",))
 
 
 def _block_axpy(decode):
@@ -246,7 +258,7 @@ def _block_axpy(decode):
             def add_to_each(token_of):
                 with cgutils.for_range(builder, n_tokens_) as loop:
                     token = token_of(loop.index)
-                    coeff = _load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
+                    coeff = load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
                     target = builder.inttoptr(builder.add(out_, builder.mul(token, out_stride_)),
                                               ir.VectorType(_FLOAT, BLOCK).as_pointer())
                     total = builder.fadd(builder.load(target, align=4), _times(builder, values, coeff),
@@ -256,7 +268,7 @@ def _block_axpy(decode):
             listed = builder.icmp_unsigned("!=", tokens_, ir.Constant(tokens_.type, 0))
             with builder.if_else(listed) as (from_list, in_order):
                 with from_list:
-                    add_to_each(lambda i: _load(builder, builder.add(tokens_, builder.mul(i, ir.Constant(_I64, 8))),
+                    add_to_each(lambda i: load(builder, builder.add(tokens_, builder.mul(i, ir.Constant(_I64, 8))),
                                                 _I64))
                 with in_order:
                     add_to_each(lambda i: i)
@@ -282,9 +294,9 @@ def _row_axpy(decode):
         def codegen(context, builder, signature, args):
             out_, row_, coeff_, n_blocks_, block_bytes_, ahead_ = args
             with cgutils.for_range(builder, n_blocks_) as loop:
-                offset = builder.mul(loop.index, block_bytes_)
-                prefetch(builder, builder.add(ahead_, offset))
-                values, scale = decode(builder, builder.add(row_, offset))
+                at = builder.mul(loop.index, block_bytes_)
+                prefetch(builder, builder.add(ahead_, at))
+                values, scale = decode(builder, builder.add(row_, at))
                 factor = coeff_ if scale is None else builder.fmul(scale, coeff_)
                 target = builder.inttoptr(builder.add(out_, builder.mul(loop.index, ir.Constant(_I64, 4 * BLOCK))),
                                           ir.VectorType(_FLOAT, BLOCK).as_pointer())

@@ -34,7 +34,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from powerinfer_tools.kernels.numba_kernels import BLOCK, Q4_0, Q8_0, ggml_from_float, prefetch
+from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, ggml_from_float, lane_sum, load, offset,
+                                                     prefetch, splat)
 
 Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # f16 scale + 32 int8
 _FEATURES = ("avx512f", "avx512bw", "avx512vbmi", "avx512vnni")
@@ -112,16 +113,8 @@ def _const(t, n, values):
     return ir.Constant(_vec(t, n), list(values))
 
 
-def _load(builder, addr, ty):
-    return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
-
-
 def _store(builder, value, addr):
     builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
-
-
-def _at(builder, addr, offset):
-    return builder.add(addr, ir.Constant(_I64, offset))
 
 
 def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
@@ -150,32 +143,22 @@ def _weight_operands(builder, fmt: _Rows, quants):
 
 def _group_product(builder, fmt: _Rows, row_group, x_group):
     """16 float lanes whose sum is one group's share of the dot product (see the module doc)."""
-    first = _load(builder, row_group, _vec(_I8, 64))
+    first = load(builder, row_group, _vec(_I8, 64))
     tail = fmt.group_bytes - 64  # the second load ends where the group ends
-    second = _load(builder, _at(builder, row_group, tail), _vec(_I8, 64))
+    second = load(builder, offset(builder, row_group, tail), _vec(_I8, 64))
     where = [fmt.block_bytes * k + 2 + j for k in range(fmt.blocks) for j in range(fmt.quant_bytes)]
     quants = builder.shuffle_vector(first, second, _const(_I32, 64, [p if p < 64 else 64 + p - tail for p in where]))
     operands = 64 * fmt.operands
-    sums = _load(builder, _at(builder, x_group, operands + 4 * _LANES), _vec(_I32, _LANES))  # the offsets
+    sums = load(builder, offset(builder, x_group, operands + 4 * _LANES), _vec(_I32, _LANES))  # the offsets
     for i, weights in enumerate(_weight_operands(builder, fmt, quants)):
-        sums = _vpdpbusd(builder, sums, weights, _load(builder, _at(builder, x_group, 64 * i), _vec(_I8, 64)))
+        sums = _vpdpbusd(builder, sums, weights, load(builder, offset(builder, x_group, 64 * i), _vec(_I8, 64)))
     lanes = _LANES // fmt.blocks
     words = builder.bitcast(first, _vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
     scales = builder.shuffle_vector(words, words, _const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
                                                                          for lane in range(_LANES)]))
     scales = builder.fpext(builder.bitcast(scales, _vec(_HALF, _LANES)), _vec(_F32, _LANES))
-    scales = builder.fmul(scales, _load(builder, _at(builder, x_group, operands), _vec(_F32, _LANES)))
+    scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), _vec(_F32, _LANES)))
     return builder.fmul(builder.sitofp(sums, _vec(_F32, _LANES)), scales, flags=("contract",))
-
-
-def _lane_sum(builder, lanes):
-    """The sum of a float vector's lanes, halves added pairwise."""
-    width = lanes.type.count
-    while width > 1:
-        width //= 2
-        lanes = builder.fadd(builder.shuffle_vector(lanes, lanes, _const(_I32, width, range(width))),
-                             builder.shuffle_vector(lanes, lanes, _const(_I32, width, range(width, 2 * width))))
-    return builder.extract_element(lanes, ir.Constant(_I32, 0))
 
 
 def _row_dot(fmt: _Rows):
@@ -187,13 +170,13 @@ def _row_dot(fmt: _Rows):
             row_, x_, n_groups_, ahead_ = args
             total = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES))
             with cgutils.for_range(builder, n_groups_) as loop:
-                offset = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
+                at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
                 for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
-                    prefetch(builder, builder.add(ahead_, builder.add(offset, ir.Constant(_I64, last_byte))))
+                    prefetch(builder, builder.add(ahead_, builder.add(at, ir.Constant(_I64, last_byte))))
                 x_group = builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
-                product = _group_product(builder, fmt, builder.add(row_, offset), x_group)
+                product = _group_product(builder, fmt, builder.add(row_, at), x_group)
                 builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
-            return _lane_sum(builder, builder.load(total))
+            return lane_sum(builder, builder.load(total))
 
         return sig, codegen
 
@@ -219,20 +202,20 @@ def _encode_group(fmt: _Rows):
             blocks_, out_ = args
             lanes, operands = _LANES // fmt.blocks, 64 * fmt.operands
             for k in range(fmt.blocks):
-                block = _at(builder, blocks_, k * Q8_0_BLOCK_BYTES)
-                values = _load(builder, _at(builder, block, 2), _vec(_I8, BLOCK))
+                block = offset(builder, blocks_, k * Q8_0_BLOCK_BYTES)
+                values = load(builder, offset(builder, block, 2), _vec(_I8, BLOCK))
                 for o in range(fmt.operands):  # operand o meets values o*q .. of each block, q = quant bytes
                     q = fmt.quant_bytes
                     part = builder.shuffle_vector(values, values, _const(_I32, q, range(o * q, o * q + q)))
-                    _store(builder, part, _at(builder, out_, 64 * o + q * k))
-                scale = builder.fpext(_load(builder, block, _HALF), _F32)
+                    _store(builder, part, offset(builder, out_, 64 * o + q * k))
+                scale = builder.fpext(load(builder, block, _HALF), _F32)
                 total = _lane_sum_int(builder, builder.sext(values, _vec(_I32, BLOCK)))
-                offset = builder.mul(total, ir.Constant(_I32, -fmt.zero))
+                start = builder.mul(total, ir.Constant(_I32, -fmt.zero))
                 for lane in range(lanes):
                     at = 4 * (lanes * k + lane)
-                    _store(builder, scale, _at(builder, out_, operands + at))
-                    _store(builder, offset if lane == 0 else ir.Constant(_I32, 0),
-                           _at(builder, out_, operands + 4 * _LANES + at))
+                    _store(builder, scale, offset(builder, out_, operands + at))
+                    _store(builder, start if lane == 0 else ir.Constant(_I32, 0),
+                           offset(builder, out_, operands + 4 * _LANES + at))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -301,7 +284,7 @@ _INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * GGML_QUANT_SIZES[GGMLQuantization
 
 def _splat_bytes(builder, addr):
     """The 8 bytes at ``addr`` repeated eight times, as 64 int8."""
-    one = _load(builder, addr, _I64)
+    one = load(builder, addr, _I64)
     lanes = builder.insert_element(ir.Constant(_vec(_I64, 8), ir.Undefined), one, ir.Constant(_I32, 0))
     lanes = builder.shuffle_vector(lanes, lanes, _const(_I32, 8, [0] * 8))
     return builder.bitcast(lanes, _vec(_I8, 64))
@@ -311,25 +294,20 @@ def _interleaved_block(builder, block, x_block, sums):
     """16 float lanes whose pairs (2r, 2r + 1) sum to row r's share of one 32-column block."""
     nibbles = []
     for half in range(2):  # ggml stores each nibble XOR 8, a signed 4-bit value: undo it
-        quants = _load(builder, _at(builder, block, 16 + 64 * half), _vec(_I8, 64))
+        quants = load(builder, offset(builder, block, 16 + 64 * half), _vec(_I8, 64))
         for shift in (0, 4):
             part = builder.lshr(quants, _const(_I8, 64, [shift] * 64)) if shift else quants
             nibbles.append(builder.xor(builder.and_(part, _const(_I8, 64, [0x0F] * 64)), _const(_I8, 64, [8] * 64)))
     low_first, high_first, low_second, high_second = nibbles  # values 0-7, 16-23, 8-15, 24-31 of each row
     acc = ir.Constant(_vec(_I32, 16), [0] * 16)
-    for values, x_offset in ((low_first, 0), (low_second, 8), (high_first, 16), (high_second, 24)):
-        acc = _vpdpbusd(builder, acc, values, _splat_bytes(builder, _at(builder, x_block, 2 + x_offset)))
-    halves = _load(builder, block, _vec(_HALF, _INTERLEAVED_ROWS))
+    for values, first_value in ((low_first, 0), (low_second, 8), (high_first, 16), (high_second, 24)):
+        acc = _vpdpbusd(builder, acc, values, _splat_bytes(builder, offset(builder, x_block, 2 + first_value)))
+    halves = load(builder, block, _vec(_HALF, _INTERLEAVED_ROWS))
     scales = builder.fpext(builder.shuffle_vector(halves, halves, _const(_I32, 16, [lane // 2 for lane in range(16)])),
                            _vec(_F32, 16))
-    x_scale, offset = (_splat_float(builder, _load(builder, _at(builder, sums, 4 * k), _F32)) for k in range(2))
+    x_scale, x_offset = (splat(builder, load(builder, offset(builder, sums, 4 * k), _F32), _LANES) for k in range(2))
     product = builder.fmul(builder.sitofp(acc, _vec(_F32, 16)), builder.fmul(scales, x_scale), flags=("contract",))
-    return builder.fadd(product, builder.fmul(scales, offset, flags=("contract",)), flags=("contract",))
-
-
-def _splat_float(builder, value):
-    lanes = builder.insert_element(ir.Constant(_vec(_F32, 16), ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(lanes, lanes, _const(_I32, 16, [0] * 16))
+    return builder.fadd(product, builder.fmul(scales, x_offset, flags=("contract",)), flags=("contract",))
 
 
 @intrinsic
@@ -368,12 +346,12 @@ def _block_sums(typingctx, block, out):
 
     def codegen(context, builder, signature, args):
         block_, out_ = args
-        d = builder.fpext(_load(builder, block_, _HALF), _F32)
-        total = _lane_sum_int(builder, builder.sext(_load(builder, _at(builder, block_, 2), _vec(_I8, BLOCK)),
+        d = builder.fpext(load(builder, block_, _HALF), _F32)
+        total = _lane_sum_int(builder, builder.sext(load(builder, offset(builder, block_, 2), _vec(_I8, BLOCK)),
                                                    _vec(_I32, BLOCK)))
         _store(builder, d, out_)
         _store(builder, builder.fmul(builder.fmul(d, ir.Constant(_F32, -4.0)), builder.sitofp(total, _F32)),
-               _at(builder, out_, 4))
+               offset(builder, out_, 4))
         return context.get_dummy_value()
 
     return sig, codegen
