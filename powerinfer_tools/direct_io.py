@@ -43,6 +43,11 @@ class DirectReader:
             self.direct = False
         self.size = os.fstat(self._fd).st_size
 
+    @property
+    def fileno(self) -> int:
+        """The descriptor, for compiled readers (``kernels.row_reads``)."""
+        return self._fd
+
     def read_into(self, buffer, offset: int) -> int:
         """Fill ``buffer`` (from ``aligned_buffer``; its length a multiple of ``ALIGNMENT``) from
         ``offset`` (a multiple of ``ALIGNMENT``); the byte count read, short at the end of the file."""

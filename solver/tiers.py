@@ -9,9 +9,8 @@ neurons), as the runtime sizes them (``runtime/ram_budget.py``). Without a GPU t
 Memory model, RAM. Everything the runtime keeps in host memory counts against the budget:
 
 * ``ram_reserve`` (``--ram-reserve``; 0 by default: the budget is the model's data);
-* the token embeddings, the whole matrix: the file is memory-mapped and each token reads one row at
-  random, so over a generation every page is touched (when the output matrix is the embedding matrix,
-  tied, it is counted once);
+* the token embeddings only when the output matrix is the embedding matrix (tied; counted once, with the
+  head): otherwise the runtime reads a token's row from the file when the token comes;
 * the output head (output norm and matrix) when it runs on the CPU;
 * per layer whose dense block is not on the GPU: attention weights, norms, predictor and KV cache;
 * the rows of RAM-resident neurons, and each layer's cache slots (one neuron's rows a slot).
@@ -87,8 +86,9 @@ class TieredProblem:
         return self.base.layers
 
     def head_ram(self, on_gpu: bool) -> int:
-        """The head's and the embeddings' bytes in RAM."""
-        embeddings = 0 if self.embedding_in_head and not on_gpu else self.embedding_bytes
+        """The head's and the embeddings' bytes in RAM (a tied embedding stays when the head is on the GPU:
+        the tokens are still looked up on the CPU)."""
+        embeddings = self.embedding_bytes if self.embedding_in_head and on_gpu else 0
         return embeddings + (0 if on_gpu else self.base.head_bytes)
 
     def disk_seconds(self, layer: Layer, misses: np.ndarray | float) -> np.ndarray:

@@ -169,6 +169,31 @@ def test_one_token_axpy_with_threads_sharing_rows_matches_reference(qtype, shape
 
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_token_axpy_in_consecutive_parts_sums_exactly_as_whole(qtype, threads):
+    """A neuron cache streams a step's rows in ranges (``runtime.neuron_cache.stream_in_order``): the parts'
+    partial sums must end bit for bit where the whole product does."""
+    from powerinfer_tools.kernels.numba_kernels import (add_partials, axpy_rows_one_token, axpy_rows_one_token_part,
+                                                         one_token_partials)
+
+    m = make(qtype, 301, 256, seed=5)
+    rng = np.random.default_rng([threads, 6])
+    rows = np.sort(rng.choice(m.rows, 97, replace=False)).astype(np.intp)
+    coeffs = rng.standard_normal((1, len(rows))).astype(np.float32)
+    start = rng.standard_normal((1, m.cols)).astype(np.float32)
+    whole, parted = start.copy(), start.copy()
+    axpy_rows_one_token(int(m.qtype), kernels.weight_bytes(m), rows, coeffs, whole, threads)
+    partial = one_token_partials(len(rows), m.cols, threads)
+    for first, stop in [(0, 5), (5, 40), (40, 41), (41, 97)]:  # parts that cut the threads' runs anywhere
+        part_coeffs = np.ascontiguousarray(coeffs[:, first:stop])
+        axpy_rows_one_token_part(int(m.qtype), kernels.weight_bytes(m), rows[first:stop], part_coeffs, partial,
+                                 first, len(rows))
+    add_partials(partial, parted)
+    assert np.array_equal(whole, parted)
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_thread_count_does_not_change_results(qtype):
     # each output is computed by one thread in a fixed order, so results are bit-identical
     m = make(qtype, 301, 256, seed=3)

@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 from cli_checks import fails, invoke
+from gguf import MODEL_TENSOR
 
 from powerinfer_tools.benchmarking.synth import Planting, Shape, synthesize
 from powerinfer_tools.commands.inspect import describe
@@ -24,7 +25,8 @@ from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
-from powerinfer_tools.runtime.neuron_cache import NeuronCache, NeuronFile, RowSource, read_runs
+from powerinfer_tools.kernels.row_reads import plan_reads
+from powerinfer_tools.runtime.neuron_cache import MAX_READ_BYTES, NeuronCache, NeuronFile, RowSource, stream_in_order
 
 # --- the cache on a file whose rows say who they are --------------------------------------------------
 
@@ -97,13 +99,60 @@ def test_a_step_never_evicts_what_it_uses(row_file):
         cache.load(np.array([7, 8]))
 
 
+def test_a_step_larger_than_the_cache_streams_through_it_in_order(row_file):
+    cache = _cache(row_file, capacity=4, pinned=[0, 1])
+    _step(cache, [7])  # one slot holds a neuron already
+    neurons = np.array([0, 1, 3, 5, 6, 7, 9, 12, 20, 21, 30, 40, 41, 50])
+    ranges, misses_at_yield = [], []
+    for first, stop in stream_in_order(cache, neurons):
+        assert all(_holds(cache, n) for n in neurons[first:stop])
+        assert np.count_nonzero(~cache.pinned(neurons[first:stop])) <= 2  # half the slots: the rest are read meanwhile
+        ranges.append((first, stop))
+        misses_at_yield.append(cache.counters.misses)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(neurons)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and len(ranges) > 2
+    # while a range is computed, the next one's misses are already being read
+    assert all(m == 1 + np.count_nonzero(~np.isin(neurons[: ranges[i + 1][1]], [0, 1, 7]))
+               for i, m in enumerate(misses_at_yield[:-1]))
+    assert cache.counters.hits == 1  # neuron 7, from its slot
+
+
+def test_a_step_that_fits_the_cache_is_one_range(row_file):
+    cache = _cache(row_file, capacity=4, pinned=[0, 1])
+    assert list(stream_in_order(cache, np.array([0, 1, 3, 5, 6, 9]))) == [(0, 6)]
+
+
+def _runs(neurons, source, max_bytes=MAX_READ_BYTES):
+    """The reads ``plan_reads`` makes for ``neurons`` as (index of the first, count) of the rows each brings."""
+    plan = plan_reads(np.array(neurons), [source], np.arange(len(neurons)), max_bytes)
+    counts = np.diff(plan.copy_start) // len(source.parts)
+    return list(zip((np.cumsum(counts) - counts).tolist(), counts.tolist()))
+
+
 def test_neighbouring_rows_share_a_read():
     source = RowSource(0, 1000, 1000, ((0, 0, 1000),))
-    assert read_runs(np.array([1, 2, 3, 40, 41]), source) == [(0, 3), (3, 2)]
+    assert _runs([1, 2, 3, 40, 41], source) == [(0, 3), (3, 2)]
     bundled = RowSource(0, ALIGNMENT, 3000, ((0, 0, 3000),))  # aligned rows: neighbours touch, far ones do not
-    assert read_runs(np.array([0, 1, 5]), bundled) == [(0, 2), (2, 1)]
+    assert _runs([0, 1, 5], bundled) == [(0, 2), (2, 1)]
     small = RowSource(0, 256, 216, ((0, 0, 216),))  # 16 rows to a block: one read for the block's rows
-    assert read_runs(np.array([0, 3, 15, 16]), small) == [(0, 4)]
+    assert _runs([0, 3, 15, 16], small) == [(0, 4)]
+    assert _runs(list(range(40)), bundled, max_bytes=8 * ALIGNMENT) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+
+
+def test_a_read_plan_is_aligned_and_copies_every_part_of_every_row():
+    source = RowSource(100, 700, 650, ((0, 0, 300), (1, 300, 350)))  # rows not aligned, two parts each
+    neurons, slots = np.array([0, 1, 9, 30, 31, 200]), np.array([5, 4, 3, 2, 1, 0])
+    plan = plan_reads(neurons, [source], slots, MAX_READ_BYTES)
+    assert (plan.reads[:, 0] % ALIGNMENT == 0).all() and (plan.reads[:, 1] % ALIGNMENT == 0).all()
+    assert plan.total == plan.reads[:, 1].sum()
+    for k, (offset, length, at, needed) in enumerate(plan.reads):
+        assert needed <= length
+        for src, matrix, slot, nbytes in plan.copies[plan.copy_start[k] : plan.copy_start[k + 1]]:
+            neuron = neurons[slots == slot][0]
+            part_offset = source.parts[matrix][1]
+            assert src - at == 100 + neuron * 700 + part_offset - offset  # where the part lies in the read
+            assert nbytes == source.parts[matrix][2] and src - at + nbytes <= needed
+    assert sorted(map(tuple, plan.copies[:, 1:3].tolist())) == sorted((m, s) for s in slots for m in (0, 1))
 
 
 def test_a_truncated_file_is_one_clear_error(row_file):
@@ -153,6 +202,10 @@ def test_half_the_file_in_memory_computes_what_the_whole_file_does(wide_model, l
     assert model.compiled_decoder() is not None  # the one-token steps take the compiled path, cache and all
     np.testing.assert_allclose(_logits(model, tokens, 16), _logits(reference, tokens, 16), rtol=0, atol=1e-5)
     assert model.ram.resident_bytes <= budget
+    held = {name: t.nbytes for name, t in open_model_file(path).tensors.items()
+            if not any(f".{kind}" in name for kind in ("ffn_gate", "ffn_up", "ffn_down", "ffn_bundle"))}
+    del held[tensor_name(MODEL_TENSOR.TOKEN_EMBD)]  # read a row a token instead
+    assert model.ram.plan.dense_bytes == sum(held.values())
     stats = model.stats
     assert stats.cache_misses > 0 and stats.cache_hits > 0 and stats.disk_bytes > 0
     assert max(model.ram.plan.capacity) > 0 and min(len(p) for p in model.ram.plan.pinned) < WIDE.d_ff

@@ -129,7 +129,9 @@ def test_a_layer_by_hand():
     assert layer.base.ffn_cpu_s == pytest.approx((0.5 + 0.2 + 0.1) * 1000 / 10e9)
     assert layer.total_s == pytest.approx(layer.base.dense_s + max(0.9e3 / 100e9, layer.ffn_cpu_s) + layer.base.sync_s)
     assert layer.disk_read_bytes == pytest.approx(misses * 4096)
-    assert (layer.ram, cost.head_ram) == (1000 + 1000, 2000 + 700)  # a RAM neuron, a slot; head and embeddings
+    assert (layer.ram, cost.head_ram) == (1000 + 1000, 2000)  # a RAM neuron, a slot; the head (embedding rows: read)
+    tied = dataclasses.replace(problem, embedding_in_head=True)
+    assert (tied.head_ram(False), tied.head_ram(True)) == (2000, 700)  # the head's matrix; the rows looked up
     assert cost.vram == 4000 + 1000 + 1000
     assert cost.cache_hit_rate == pytest.approx(1 - misses / 0.3)
     assert bundle_bytes(4096) == 4096 and bundle_bytes(4097) == 8192
@@ -227,8 +229,8 @@ def test_a_ram_budget_below_the_minimum_says_what_the_minimum_is():
     blocks = sum(l.block_bytes for l in problem.layers)
     caches = sum(16 * l.neuron_bytes for l in problem.layers)
     minimum = blocks + caches + problem.head_ram(False)
-    with pytest.raises(PitoolsError, match=r"RAM budget .* is below the minimum, .*: the token embeddings and "
-                                           r"output head .* neuron caches of 16 neurons per layer"):
+    with pytest.raises(PitoolsError, match=r"RAM budget .* is below the minimum, .*: the output head and a "
+                                           r"tied embedding .* neuron caches of 16 neurons per layer"):
         solve_tiers(dataclasses.replace(problem, ram_budget=minimum - 1), batch=8)
     report = solve_tiers(dataclasses.replace(problem, ram_budget=minimum), batch=8)
     assert report.prediction.ram == minimum and report.placement.ram_neurons == (0, 0, 0)
@@ -236,6 +238,7 @@ def test_a_ram_budget_below_the_minimum_says_what_the_minimum_is():
 
 def test_with_a_gpu_the_minimum_counts_what_the_gpu_takes():
     problem = random_tiered(np.random.default_rng(6), n_layers=3, n_ff=8, has_gpu=True, min_gpu_share=0.0)
+    problem = dataclasses.replace(problem, embedding_in_head=True)  # its embeddings stay in RAM for the lookups
     everything = sum(l.block_bytes + l.n_neurons * l.neuron_bytes for l in problem.layers) + problem.base.head_bytes
     whole_gpu = dataclasses.replace(problem, base=dataclasses.replace(problem.base, budget_bytes=10**9),
                                     ram_budget=problem.head_ram(True))  # the embeddings alone

@@ -45,9 +45,10 @@ def ram_options(f):
     """--ram/--cache-policy, shared by `run`, `perplexity` and `bench`."""
     options = [
         click.option("--ram", default=None, metavar="SIZE",
-                     help="Memory the model's weights may occupy (4GB, 800MiB, ...): attention, embeddings, head "
-                          "and predictors are loaded, the hottest FFN neurons pinned, and the rest read from the "
-                          "file (direct I/O) into a neuron cache when the predictor selects them. The budget is "
+                     help="Memory the model's weights may occupy (4GB, 800MiB, ...): attention, head and "
+                          "predictors are loaded, the hottest FFN neurons pinned, and the rest read from the "
+                          "file (direct I/O) into a neuron cache when the predictor selects them, as are the "
+                          "token embedding's rows (unless the head is the embedding). The budget is "
                           "kept: nothing is read through the page cache. A PowerInfer file; one written by "
                           "`pitools bundle` reads each neuron in one request [default: the whole file, mapped]."),
         click.option("--cache-policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,

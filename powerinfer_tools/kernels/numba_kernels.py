@@ -382,22 +382,49 @@ def axpy_rows_one_token(qtype, weights, rows, coeffs, out, n_threads):
     and the partials are added to ``out`` in thread order. Splitting a 1152-byte q4_0 row between two
     threads made two threads slower than one (examples/bench_kernels.py: 3.5 against 4.4 GB/s); a
     decoded token has one output row, so the partials cost one row per thread. Columns a multiple of 32."""
-    n_rows, cols = rows.shape[0], out.shape[1]
+    partial = one_token_partials(rows.shape[0], out.shape[1], n_threads)
+    _one_token_rows(qtype, weights, rows, coeffs, partial, 0, rows.shape[0])
+    add_partials(partial, out)
+
+
+@njit(nogil=True, cache=True)
+def axpy_rows_one_token_part(qtype, weights, rows, coeffs, partial, first, total):
+    """The rows at positions ``first ..`` of an ``axpy_rows_one_token`` over ``total`` rows, into its
+    ``partial`` (``one_token_partials``): a product whose rows come in consecutive parts (a neuron cache
+    streaming them) sums exactly as the whole one does once ``add_partials`` ends it. One thread does
+    every partial's share in turn (the same sums): a part is small, and its caller's disk reads keep
+    the other cores busy, so a parallel region per part waited on threads descheduled by them."""
+    _one_token_rows(qtype, weights, rows, coeffs, partial, first, total)
+
+
+@njit(nogil=True, cache=True)
+def one_token_partials(total, cols, n_threads):
+    return np.zeros((max(1, min(n_threads, total)), cols), np.float32)
+
+
+@njit(nogil=True, cache=True)
+def add_partials(partial, out):
+    for chunk in range(partial.shape[0]):
+        for c in range(out.shape[1]):
+            out[0, c] += partial[chunk, c]
+
+
+@njit(inline="always")
+def _one_token_rows(qtype, weights, rows, coeffs, partial, first, total):
+    """Rows ``rows`` (positions ``first ..`` of ``total``), times ``coeffs[0]``, each added to the partial
+    of the thread whose run of the ``total`` positions holds it."""
+    n_chunks, cols = partial.shape
     n_blocks = cols // BLOCK
     block_bytes = weights.shape[1] // n_blocks
-    n_chunks = max(1, min(n_threads, n_rows))
-    partial = np.zeros((n_chunks, cols), np.float32)
     w_addr, row_stride = weights.ctypes.data, weights.strides[0]
     p_addr, p_stride = partial.ctypes.data, partial.strides[0]
+    end = first + rows.shape[0]
     for chunk in prange(n_chunks):
-        first, stop = chunk * n_rows // n_chunks, (chunk + 1) * n_rows // n_chunks
-        for j in range(first, stop):
+        start, stop = max(first, chunk * total // n_chunks) - first, min(end, (chunk + 1) * total // n_chunks) - first
+        for j in range(start, stop):
             ahead = w_addr + rows[min(j + PREFETCH_ROWS, stop - 1)] * row_stride
             _one_token_row(qtype, p_addr + chunk * p_stride, w_addr + rows[j] * row_stride, coeffs[0, j], n_blocks,
                            block_bytes, ahead)
-    for chunk in range(n_chunks):
-        for c in range(cols):
-            out[0, c] += partial[chunk, c]
 
 
 @njit(parallel=True, nogil=True, cache=True)

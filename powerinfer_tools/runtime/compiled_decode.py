@@ -39,7 +39,7 @@ from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache, route
-from powerinfer_tools.runtime.neuron_cache import NeuronCache, compute_cached
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 
 # FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
 # already computed for every neuron (in the scratch's ``predicted``, by row).
@@ -484,14 +484,18 @@ def _interleaved_ffn(x, w, s, kind, fns, n_threads):
 
 
 def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
-    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons: gate and
-    up of the resident ones run while the misses are read, then the misses', then one down projection
-    over all, in neuron order, so the sum is the same as without the cache. A step needing more misses
-    than the cache has free slots loads and computes them in chunks."""
+    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons: gate and up of the
+    resident ones run while the misses are read, then the misses', then one down projection over all,
+    in neuron order. A step needing more misses than the cache has free slots streams them through it
+    (``stream_in_order``), range by range in neuron order, each range's down rows into the partial sums
+    of one down projection: either way the sum is the one computed without the cache."""
     resident = cache.resident(active)
     missing = np.flatnonzero(~resident)
     if len(missing) > cache.capacity - np.count_nonzero(cache.row_of[active[resident]] >= cache.n_pinned):
-        compute_cached(cache, active, lambda chosen: _rows_ffn(x, w, s, cache, active[chosen], kind, fns, n_threads))
+        partial = nk.one_token_partials(len(active), x.shape[0], n_threads)
+        for first, stop in stream_in_order(cache, active):
+            _range_ffn(w, s, cache.row_of[active[first:stop]], first, len(active), partial, kind, fns)
+        nk.add_partials(partial, x.reshape((1, -1)))
         return
     cache.new_step(active[resident])
     wait = cache.load(active[missing])
@@ -502,10 +506,16 @@ def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, 
     down(x, w, s, cache.row_of[active], fns, n_threads)
 
 
-def _rows_ffn(x, w, s, cache: NeuronCache, neurons: np.ndarray, kind: int, fns, n_threads: int) -> None:
-    rows = cache.row_of[neurons]
-    gate_up(w, s, rows, np.arange(len(rows)), kind, fns)
-    down(x, w, s, rows, fns, n_threads)
+@njit(nogil=True, cache=True)
+def _range_ffn(w, s, rows, first, total, partial, kind, fns):
+    """Gate, up and the down product of the neurons at positions ``first ..`` of ``total`` (their rows
+    ``rows``), the down rows into the partial sums of the whole down projection (``ffn_down_t``: a
+    neuron cache holds transposed rows)."""
+    n = rows.shape[0]
+    at = np.arange(first, first + n)
+    gate_up(w, s, rows, at, kind, fns)
+    nk.axpy_rows_one_token_part(w.down_type, w.down, rows, s.act[first : first + n].reshape((1, n)), partial, first,
+                                total)
 
 
 @dataclass

@@ -74,6 +74,17 @@ class _Tensors:
             raise PitoolsError(f"{self.model.path}: tensor {name} is stored as {qtype.name}, which the runtime "
                                f"cannot compute with (supported: {supported})")
 
+    def embeddings(self, tied: bool) -> QuantMatrix | FileRows:
+        """The token embedding: under a RAM budget, when the head does not multiply it (``tied``), rows read
+        from the file as tokens come (one row a token: the table would take the memory of thousands of
+        neurons, ~74 MB on the 7B shape at q4_0)."""
+        name = tensor_name(T.TOKEN_EMBD)
+        if self.reader is None or tied:
+            return self.matrix(name)
+        t = self.model[name]
+        self.check_type(name, t.qtype)
+        return FileRows(self.reader, t.qtype, t.offset, t.data.dtype, t.data.shape)
+
     def matrix(self, name: str, backend=None) -> QuantMatrix:
         t = self.model[name]
         self.check_type(name, t.qtype)
@@ -141,6 +152,24 @@ class _Tensors:
     def norm(self, tensor: TensorKind, layer: int | None, backend) -> Norm:
         weight, bias = (self.array(tensor_name(tensor, layer, part), backend) for part in ("weight", "bias"))
         return Norm(weight, bias)
+
+
+@dataclass(frozen=True)
+class FileRows:
+    """A matrix whose rows are read from the file with direct I/O when they are looked up (the token
+    embedding under a RAM budget): ``dequantize_rows`` as ``QuantMatrix``'s."""
+
+    reader: DirectReader
+    qtype: GGMLQuantizationType
+    offset: int  # of the first row in the file
+    dtype: np.dtype  # of the stored rows
+    shape: tuple[int, ...]  # stored
+
+    def dequantize_rows(self, rows: np.ndarray) -> np.ndarray:
+        row_bytes = int(np.prod(self.shape[1:])) * np.dtype(self.dtype).itemsize
+        stored = [np.frombuffer(self.reader.read_range(self.offset + int(r) * row_bytes, row_bytes), self.dtype)
+                  for r in np.asarray(rows).reshape(-1)]
+        return QuantMatrix(self.qtype, np.stack(stored).reshape(-1, *self.shape[1:])).dequantize_rows()
 
 
 def _release_file_pages(data: np.ndarray) -> None:
@@ -259,7 +288,9 @@ def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: 
         raise PitoolsError(f"{path}: --ram needs a PowerInfer file (neuron-major {block_part(DOWN_T)}); "
                            "this one is dense")
     ffn = {tensor_name(t, u.layer, expert=u.expert) for t in (T.FFN_GATE, T.FFN_UP, DOWN_T, PowerInferTensor.FFN_BUNDLE)
-           for u in units}
+           for u in units}  # and below, what else is not held in memory
+    if tensor_name(T.OUTPUT) in model:  # an untied embedding is read a row a token (``_Tensors.embeddings``)
+        ffn.add(tensor_name(T.TOKEN_EMBD))
     dense_bytes = sum(t.nbytes for name, t in model.tensors.items() if name not in ffn)
     neuron_bytes = sum(tensors.ffn_format(t, 0, first.expert)[1] for t in (T.FFN_GATE, T.FFN_UP, DOWN_T)
                        if tensors.has_ffn(t, 0, first.expert))
@@ -488,14 +519,15 @@ def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | 
     # state crosses PCIe instead of the logits being computed from host memory.
     head = device_backend if gpu_split is not None and gpu_split.output_on_gpu else host
     output_name = tensor_name(T.OUTPUT)
-    if output_name in model:
+    tied = output_name not in model
+    if not tied:
         output = tensors.whole_matrix(output_name) if head is host else tensors.matrix(output_name, head)
-    else:  # tied: the embedding, whose rows are also looked up one by one
+    else:  # the embedding, whose rows are also looked up one by one
         output = tensors.matrix(tensor_name(T.TOKEN_EMBD), None if head is host else head)
     return RuntimeModel(
         spec,
         layers,
-        token_embd=tensors.matrix(tensor_name(T.TOKEN_EMBD)),
+        token_embd=tensors.embeddings(tied),
         output_norm=tensors.norm(T.OUTPUT_NORM, None, head) if tensor_name(T.OUTPUT_NORM) in model else None,
         output=output,
         positions=tensors.array(tensor_name(T.POS_EMBD)),

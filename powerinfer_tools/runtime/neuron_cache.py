@@ -11,7 +11,8 @@ neurons coalesced into one read, the reads issued from a thread pool so that sev
 
 Eviction (``POLICIES``): ``lru`` evicts the slot used longest ago (PowerInfer-2's choice); ``lfu``
 the slot used least often since it was filled, ties to the older (the default, ``DEFAULT_POLICY``). Slots of the neurons being computed
-are never evicted: a step needing more cold neurons than there are slots loads them in chunks.
+are never evicted: a step needing more cold neurons than there are slots streams them through the cache
+in order (``stream_in_order``), reading the next range while the current one is computed.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerinfer_tools.direct_io import ALIGNMENT, DirectReader, aligned_buffer
+from powerinfer_tools.direct_io import DirectReader, aligned_buffer
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.kernels.row_reads import PREAD, plan_reads, read_rows
 
 POLICIES = ("lru", "lfu")
 # The default: on the same token trace LFU read 2-6% fewer bytes from disk than LRU at every cache share
@@ -84,65 +86,39 @@ class NeuronFile:
     def read(self, neurons: np.ndarray, sources: list[RowSource], targets: list[np.ndarray],
              slots: np.ndarray) -> Callable[[], int]:
         """Start reading sorted ``neurons``' rows into ``targets[matrix][slots[i]]``; returns the wait, which
-        copies the rows into place and returns the bytes read (and re-raises a failed read)."""
-        reads, copies, total = [], [], 0  # reads: (file offset, bytes, where in the staging buffer)
-        for source in sources:
-            starts = source.base + neurons.astype(np.int64) * source.stride
-            at = np.empty(len(neurons), dtype=np.int64)  # each row's place in the staging buffer
-            for first, count in read_runs(neurons, source):
-                aligned = int(starts[first]) // ALIGNMENT * ALIGNMENT
-                end = int(starts[first + count - 1]) + source.nbytes
-                length = -(-(end - aligned) // ALIGNMENT) * ALIGNMENT
-                reads.append((aligned, length, total, end - aligned))
-                at[first : first + count] = total + starts[first : first + count] - aligned
-                total += length
-            copies.append((source, at))
-        buffer = self._staging(total)
-        groups = [reads[i :: self.threads] for i in range(min(self.threads, len(reads)))]
-        futures = [self.pool.submit(self._read_group, group, buffer) for group in groups]
+        returns the bytes read once every row is in place (and raises on a failed or short read)."""
+        plan = plan_reads(neurons, sources, slots, MAX_READ_BYTES)
+        buffer = self._staging(plan.total)
+        got = np.zeros(len(plan), dtype=np.int64)
+        targets = tuple(targets)
+        futures = [self.pool.submit(read_rows, PREAD, self.reader.fileno, buffer, plan.reads, plan.copies,
+                                    plan.copy_start, targets, got, first, self.threads)
+                   for first in range(min(self.threads, len(plan)))]
 
         def wait() -> int:
             for f in futures:
                 f.result()
-            for source, at in copies:
-                for matrix, offset, nbytes in source.parts:
-                    targets[matrix][slots] = buffer[at[:, None] + (offset + np.arange(nbytes))]
-            return total
+            short = np.flatnonzero(got < plan.reads[:, 3])
+            if len(short):
+                self._raise_for(plan.reads[short[0]], int(got[short[0]]))
+            return plan.total
 
         return wait
 
-    def _read_group(self, group: list, buffer: np.ndarray) -> None:
-        view = memoryview(buffer)
-        for offset, length, at, needed in group:
-            got = self.reader.read_into(view[at : at + length], offset)
-            if got < needed:
-                raise PitoolsError(f"{self.reader.path}: the file ends at byte {offset + got}, before the neuron "
-                                   f"rows it should hold (to byte {offset + needed}): truncated or changed while "
-                                   "in use")
-
+    def _raise_for(self, read: np.ndarray, got: int) -> None:
+        """The error for a read that failed (``got`` -1: read again here for the system's reason) or came
+        back short."""
+        offset, length, at, needed = (int(v) for v in read)
+        if got < 0:
+            self.reader.read_into(memoryview(self._buffer)[at : at + length], offset)
+            raise PitoolsError(f"{self.reader.path}: a read of {length} bytes at {offset} failed")
+        raise PitoolsError(f"{self.reader.path}: the file ends at byte {offset + got}, before the neuron rows it "
+                           f"should hold (to byte {offset + needed}): truncated or changed while in use")
 
 
 def _release(pool: ThreadPoolExecutor, reader: DirectReader) -> None:
     pool.shutdown(wait=True)
     reader.close()
-
-
-def read_runs(neurons: np.ndarray, source: RowSource) -> list[tuple[int, int]]:
-    """Sorted ``neurons`` as ``(index of the first, count)`` runs read together: rows whose aligned blocks
-    touch or overlap (no whole block read in vain), up to ``MAX_READ_BYTES`` a run."""
-    starts = source.base + neurons.astype(np.int64) * source.stride
-    first_block, last_block = starts // ALIGNMENT, (starts + source.nbytes - 1) // ALIGNMENT
-    bounds = np.concatenate(([0], np.flatnonzero(first_block[1:] > last_block[:-1] + 1) + 1, [len(neurons)]))
-    runs, limit = [], MAX_READ_BYTES // ALIGNMENT
-    first_block, last_block = first_block.tolist(), last_block.tolist()
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        start = a
-        for i in range(a, b):  # split a run where it would pass MAX_READ_BYTES
-            if i > start and last_block[i] - first_block[start] >= limit:
-                runs.append((start, i - start))
-                start = i
-        runs.append((start, b - start))
-    return runs
 
 
 class NeuronCache:
@@ -185,6 +161,17 @@ class NeuronCache:
         self.uses[slots] += 1
         self.counters.hits += len(slots)
 
+    def pinned(self, neurons: np.ndarray) -> np.ndarray:
+        """Mask over ``neurons``: pinned (in memory for the whole run, outside the slots)."""
+        rows = self.row_of[neurons]
+        return (rows >= 0) & (rows < self.n_pinned)
+
+    def keep(self, neurons: np.ndarray) -> None:
+        """Protect the slots of resident ``neurons`` from eviction this step without counting a use (rows
+        that a later part of the step computes)."""
+        slots = self.row_of[neurons] - self.n_pinned
+        self.last_use[slots[slots >= 0]] = self.clock
+
     def free_slots(self) -> int:
         """Slots that a load may refill now: those not used this step."""
         return int(np.count_nonzero(self.last_use < self.clock))
@@ -226,29 +213,48 @@ class NeuronCache:
 
 
 def compute_cached(cache: NeuronCache, neurons: np.ndarray, compute: Callable[[np.ndarray], object]):
-    """The sum of ``compute(selection)`` over selections of ``neurons`` (index arrays into it) that
-    together cover them all, each computed once its rows are in memory. The resident ones are computed
-    while the first misses are read; misses beyond the free slots are loaded and computed in chunks."""
-    pending = np.flatnonzero(cache.resident(neurons))
-    cache.new_step(neurons[pending])
-    missing = np.flatnonzero(~cache.resident(neurons))
-    out = compute(pending) if len(missing) == 0 else None
-    while len(missing):
-        free = cache.free_slots()
-        take, missing = missing[:free], missing[free:]
-        wait = cache.load(neurons[take])
-        if len(pending):
-            out = _add(out, compute(pending))
-        wait()
-        pending = take
-        if len(missing):
-            if len(pending):
-                out = _add(out, compute(pending))
-            pending = take[:0]
-            cache.new_step(neurons[:0])  # what was computed may be evicted now
-        elif len(pending):
-            out = _add(out, compute(pending))
+    """The sum of ``compute(selection)`` over consecutive selections of ``neurons`` (index ranges into it,
+    from ``stream_in_order``) that together cover them all, each computed once its rows are in memory.
+    The ranges fill the cache, read and computed in turn: ``compute`` is the general path's (a prompt's
+    tokens, or dense mode), whose cost per call outweighs what overlapping it with the reads would save."""
+    out = None
+    for first, stop in stream_in_order(cache, neurons, overlap=False):
+        out = _add(out, compute(np.arange(first, stop)))
     return out
+
+
+def stream_in_order(cache: NeuronCache, neurons: np.ndarray, overlap: bool = True):
+    """Consecutive ranges ``(first, stop)`` of ``neurons``, in order, whose rows are in memory when each is
+    yielded, for one step. When the step's cold neurons fit in the cache it is one range. Otherwise, with
+    ``overlap``, each range needs at most half the slots, and the next range's misses are read while the
+    caller computes the current one, so that the disk always has work; without it (or with one slot) the
+    ranges fill the cache and are read and computed in turn."""
+    cache.new_step(neurons[cache.resident(neurons)])  # the hits, counted
+    cache.new_step(neurons[:0])  # any slot may be refilled now; each range protects its own
+    slotted = np.flatnonzero(~cache.pinned(neurons))  # pinned neurons never need a slot
+    overlap = overlap and cache.capacity >= 2
+    per_range = cache.capacity // 2 if overlap and len(slotted) > cache.capacity else max(cache.capacity, 1)
+    bounds = [0, *slotted[per_range::per_range].tolist(), len(neurons)]
+    wait = _start_range(cache, neurons[: bounds[1]])
+    for first, stop, after in zip(bounds, bounds[1:], bounds[2:] + [None]):
+        wait()
+        if after is None:
+            yield first, stop
+            return
+        cache.new_step(neurons[:0])
+        if overlap:
+            cache.keep(neurons[first:stop])  # computed while the next range is read
+            wait = _start_range(cache, neurons[stop:after])
+            yield first, stop
+        else:
+            yield first, stop
+            wait = _start_range(cache, neurons[stop:after])
+
+
+def _start_range(cache: NeuronCache, chosen: np.ndarray) -> Callable[[], None]:
+    """Protect the cached of ``chosen`` and start reading the rest; the wait for them."""
+    cache.keep(chosen)
+    return cache.load(chosen[~cache.resident(chosen)])
 
 
 def _add(total, part):

@@ -1,14 +1,14 @@
 """What a RAM budget (``pitools run --ram``) keeps in memory: the plan the loader builds the neuron caches by.
 
-The budget is for the model's weights. Everything but the FFN rows (attention, norms, embeddings, the
-output head, predictors, biases) is read every token, or at random rows, and is loaded whole. What is
-left holds FFN rows, shared equally by the layers: per layer the hottest CPU neurons are pinned and
-``cache_share`` of the rows are cache slots for the rest (``neuron_cache``). A split file solved with
-``pitools solve --ram`` says which neurons to pin and how large the cache is; without one, the file's
-profiled frequencies say which neurons are hottest (in file order when it has none). A mixture's layer
-shares its rows among its experts by how often each neuron is read per token: its firing frequency
-over the tokens routed to its expert times the expert's routing frequency; so are its cache slots, by
-routing frequency.
+The budget is for the model's weights. Everything but the FFN rows (attention, norms, the output head,
+predictors, biases) is read every token and is loaded whole, but for the token embedding, whose rows are
+read from the file as tokens come unless the head multiplies it too (tied). What is left holds FFN rows,
+shared equally by the layers: per layer the hottest CPU neurons are pinned and ``cache_share`` of the rows
+are cache slots for the rest (``neuron_cache``). A split file solved with ``pitools solve --ram`` says
+which neurons to pin and how large the cache is; without one, the file's profiled frequencies say which
+neurons are hottest (in file order when it has none). A mixture's layer shares its rows among its experts
+by how often each neuron is read per token: its firing frequency over the tokens routed to its expert
+times the expert's routing frequency; so are its cache slots, by routing frequency.
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ def plan_ram(budget: int, dense_bytes: int, neuron_bytes: int, cpu_neurons: list
     n_units = len(cpu_neurons)
     minimum = _minimum(dense_bytes, neuron_bytes, n_units)
     if budget < minimum:
-        raise PitoolsError(f"--ram {format_size(budget)} is too small for this model: its attention, embeddings, "
-                           f"head and predictors take {format_size(dense_bytes)}, and a neuron cache of {MIN_SLOTS} "
-                           f"neurons per layer {format_size(minimum - dense_bytes)} more: give at least "
-                           f"{format_size(minimum)}")
+        raise PitoolsError(f"--ram {format_size(budget)} is too small for this model: its attention, head and "
+                           f"predictors take {format_size(dense_bytes)}, and a neuron cache of {MIN_SLOTS} neurons "
+                           f"per layer {format_size(minimum - dense_bytes)} more: give at least {format_size(minimum)}")
     rows = (budget - dense_bytes) // (n_units * neuron_bytes)  # per FFN; a layer's experts share theirs
     pinned, capacity = [], []
     for first in range(0, n_units, experts):
