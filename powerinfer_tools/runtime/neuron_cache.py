@@ -7,7 +7,8 @@ arrays per matrix (``rows``; pinned first), and ``row_of[n]`` is neuron n's row 
 sparse kernels index them exactly as they index the memory-mapped file. Misses are read with direct
 I/O (``direct_io``: the page cache would hold a second copy outside the budget), runs of neighbouring
 neurons coalesced into one read, the reads issued from a thread pool so that several are in flight
-(a disk serves small reads at depth several times faster than one at a time: `pitools probe --disk`).
+(a disk serves small reads at depth several times faster than one at a time: `pitools probe --disk`),
+each thread reading and copying rows into their slots in compiled code (``kernels.row_reads``).
 
 Eviction (``POLICIES``): ``lru`` evicts the slot used longest ago (PowerInfer-2's choice); ``lfu``
 the slot used least often since it was filled, ties to the older (the default, ``DEFAULT_POLICY``). Slots of the neurons being computed
