@@ -34,7 +34,7 @@ def main() -> None:
         shape, path = item.split("=", 1)
         reports[shape] = json.loads(Path(path).read_text())
     shapes = list(reports)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4.2))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(max(5, 1.6 * len(shapes)) * len(PANELS), 4.6))
     width = 0.8 / len(ENGINES)
     for ax, (key, title) in zip(axes, PANELS.items()):
         everything = []
@@ -52,10 +52,10 @@ def main() -> None:
         ax.set_xticks(range(len(shapes)), [f"{s}\n{_settings(reports[s])}" for s in shapes], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(ENGINES), fontsize=8)
     fig.suptitle(f"q4_0, {reports[shapes[0]]['settings']['threads']} threads: tokens/s by engine and model shape",
                  fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))  # room for the legend below the panels
     fig.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")
 
