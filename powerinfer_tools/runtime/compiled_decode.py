@@ -1,19 +1,19 @@
 """The compiled one-token decode path: one token on the CPU, a whole layer per compiled call.
 
-The runtime's one specialization of the layer math that both engines share (``models.layers``):
-the general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel
-calls: for a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development
-machine, against 0.7 ms (one thread) for this path (docs/benchmarks.md). For the common case --
-one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either pair order, gated
-FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each layer
-as one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its
-``gemv`` over matrices the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN,
-a CATS gate); on a CPU with AVX-512 VNNI, ``numba_vnni``'s products replace both for q4_0 (1.4-2x
-their speed from memory), fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
-output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over ``ffn_down_t``;
-the predictor's two products, on its stored rows, add one each only when the matrix is large), and
-the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is compiled
-loops.
+The runtime's one specialization of the layer math that both engines share (``models.layers``): the
+general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel calls: for
+a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development machine, against
+0.7 ms (one thread) for this path (docs/benchmarks-history.md, "Per-token overhead"). For the common
+case -- one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either pair order,
+gated FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each
+layer as one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its
+``gemv`` over matrices the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN, a
+CATS gate); on a CPU with AVX-512 VNNI, ``numba_vnni``'s products replace both for q4_0 (1.4-2x their
+speed from memory), fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
+output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over
+``ffn_down_t``; the predictor's two products, on its stored rows, add one each only when the matrix is
+large), and the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is
+compiled loops.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
