@@ -165,9 +165,9 @@ def _add_extra(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"split file key {key}: cannot store {value!r}")
 
 
-def write_gpu_split(path: str | Path, split: GpuSplit) -> None:
+def write_gpu_split(path: str | Path, split: GpuSplit, overwrite: bool = True) -> None:
     """Write ``split`` atomically: a crash never leaves a half-written file for the runtime."""
-    with atomic_output(path) as tmp:
+    with atomic_output(path, overwrite=overwrite) as tmp:
         writer = gguf.GGUFWriter(tmp, GPU_INDEX_ARCHITECTURE)
         for layer, mask in enumerate(split.masks):
             writer.add_tensor(_idx_name(layer), mask.astype(np.int32))

@@ -80,7 +80,7 @@ class PredictorFolder:
 
     def save(self, folder: Path) -> None:
         # Weights first: predictors.json, written last, is what says which layers are finished.
-        with atomic_output(folder / WEIGHTS_FILE) as tmp:
+        with atomic_output(folder / WEIGHTS_FILE, overwrite=True) as tmp:
             tensors = {name: np.ascontiguousarray(self.tensors[name]) for name in self.tensors}
             save_file(tensors, str(tmp), metadata={"format": FORMAT})
         write_json(folder / META_FILE, self.meta)

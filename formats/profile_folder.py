@@ -100,7 +100,7 @@ class FiringStats:
             tensors[f"blk.{i}.abs_sum"] = self.abs_sum[i]
             if self.routed is not None:
                 tensors[f"blk.{i}.routed"] = self.routed[i]
-        with atomic_output(path) as tmp:
+        with atomic_output(path, overwrite=True) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
 
     @classmethod

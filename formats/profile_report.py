@@ -10,7 +10,7 @@ import numpy as np
 from powerinfer_tools.formats.profile_folder import PLOT_FILE, REPORT_JSON, FiringStats, load_profile
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.fileio import atomic_output, write_json
+from powerinfer_tools.fileio import atomic_output, check_output_folder, write_json
 
 # The share of all firings whose carrying neurons PowerInfer's paper counts (its "hot" neurons).
 HOT_SHARE = 0.8
@@ -98,7 +98,7 @@ def plot_firing_cdf(stats: FiringStats, path: Path, title: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    with atomic_output(path, suffix=".png") as tmp:
+    with atomic_output(path, overwrite=True, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return True
@@ -132,11 +132,12 @@ def export_powerinfer_activations(stats: FiringStats, out: Path) -> list[Path]:
     except ImportError:
         raise PitoolsError("exporting PowerInfer's activation_N.pt files needs torch (pip install torch)") from None
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out)
+    out.mkdir(exist_ok=True)
     paths = []
     for i, counts in enumerate(stats.fire_count):
         path = out / f"activation_{i}.pt"
-        with atomic_output(path, suffix=".pt") as tmp:
+        with atomic_output(path, overwrite=True, suffix=".pt") as tmp:
             torch.save(torch.from_numpy(counts.copy()), tmp)
         paths.append(path)
     return paths

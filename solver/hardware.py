@@ -113,15 +113,16 @@ def _profile_from_dict(data: object, path: Path) -> HardwareProfile:
     return HardwareProfile(**data)
 
 
-def save_profile(profile: HardwareProfile, path: str | Path) -> None:
-    """Write ``profile`` as JSON if ``path`` ends in ``.json``, else as TOML (figures not measured left out)."""
+def save_profile(profile: HardwareProfile, path: str | Path, overwrite: bool = True) -> None:
+    """Write ``profile`` as JSON if ``path`` ends in ``.json``, else as TOML (figures not measured left out);
+    a file there is replaced only with ``overwrite``."""
     data = {key: value for key, value in dataclasses.asdict(profile).items() if value is not None}
     if Path(path).suffix == ".json":
         text = json.dumps(data, indent=2) + "\n"
     else:
         # A flat table: JSON's string and number literals are valid TOML values.
         text = "".join(f"{key} = {json.dumps(value)}\n" for key, value in data.items())
-    with atomic_output(path) as tmp:
+    with atomic_output(path, overwrite=overwrite) as tmp:
         tmp.write_text(text)
 
 

@@ -98,10 +98,12 @@ def tiered_split_file(problem: TieredProblem, placement: TieredPlacement, finger
     )
 
 
-def solve_tiers_into(problem: TieredProblem, split_path: Path, fingerprint: str | None, **ilp_options) -> TierSolveReport:
-    """Solve the three-tier ``problem`` and write its split to ``split_path``, naming the model by ``fingerprint``."""
+def solve_tiers_into(problem: TieredProblem, split_path: Path, fingerprint: str | None, overwrite: bool = True,
+                     **ilp_options) -> TierSolveReport:
+    """Solve the three-tier ``problem`` and write its split to ``split_path`` (replacing a file there only with
+    ``overwrite``), naming the model by ``fingerprint``."""
     report = solve_tiers(problem, **ilp_options)
-    write_gpu_split(split_path, tiered_split_file(problem, report.placement, fingerprint))
+    write_gpu_split(split_path, tiered_split_file(problem, report.placement, fingerprint), overwrite)
     return report
 
 
@@ -142,10 +144,11 @@ def ensure_split(model_path: Path, split_path: Path, budget_bytes: int, hardware
 
 
 def solve_into(problem: PlacementProblem, split_path: Path, fingerprint: str | None, objective: str = "latency",
-               **ilp_options) -> SolveReport:
-    """Solve ``problem`` and write its split to ``split_path``, naming the model by ``fingerprint``."""
+               overwrite: bool = True, **ilp_options) -> SolveReport:
+    """Solve ``problem`` and write its split to ``split_path`` (replacing a file there only with ``overwrite``),
+    naming the model by ``fingerprint``."""
     report = ilp.solve(problem, objective, **ilp_options)
-    write_gpu_split(split_path, split_file(problem, report.placement, report.objective, fingerprint))
+    write_gpu_split(split_path, split_file(problem, report.placement, report.objective, fingerprint), overwrite)
     return report
 
 

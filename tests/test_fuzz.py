@@ -18,6 +18,7 @@ import os
 import random
 import resource
 import shutil
+import stat
 import struct
 import traceback
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from powerinfer_tools.conversion.convert import convert
 
 SEED = 20_240_000
 DEFAULT_CASES = 400
-FAMILIES = {"config": 3, "safetensors": 3, "gguf": 5, "options": 1}  # relative frequencies
+FAMILIES = {"config": 3, "safetensors": 3, "gguf": 5, "options": 1, "outputs": 1}  # relative frequencies
 # Memory the fuzzed commands may allocate beyond what the process holds: a dimension mutated to 2**40
 # must be refused, not exhaust a shared machine's memory. Past it NumPy raises MemoryError: a traceback.
 MEMORY_HEADROOM = 4 << 30
@@ -523,6 +524,81 @@ def options_case(rng: random.Random, base: Base, tmp: Path) -> tuple[str, list[s
     return "options", check(command, inputs, out)[1]
 
 
+# --- output paths that are not regular files --------------------------------------------------------
+
+OUTPUT_KINDS = ["fifo", "character device", "link to a character device", "folder", "missing folder",
+                "existing file", "input"]
+
+
+def make_output(kind: str, folder: Path, command_input: Path | None) -> tuple[Path, str]:
+    """An output path of ``kind`` in ``folder`` (made there now) and what it is, as the case's description says
+    it. A character device is a private node made here (the null device's numbers), never a real one; where
+    this process may not make one, a FIFO stands in."""
+    path = folder / "target"
+    if kind in ("character device", "link to a character device"):
+        try:
+            os.mknod(folder / "node", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        except OSError:
+            os.mkfifo(folder / "node")
+            kind += " (a FIFO: no device node may be made here)"
+        if kind.startswith("link"):
+            path.symlink_to(folder / "node")
+        else:
+            path = folder / "node"
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "missing folder":
+        path = folder / "missing" / "target"
+    elif kind == "existing file":
+        path.write_bytes(b"an earlier output")
+    else:
+        path = command_input
+    return path, kind
+
+
+def file_kinds(folder: Path) -> dict[str, tuple[int, int]]:
+    """What each entry of ``folder`` is (its type bits and device numbers), links not followed."""
+    return {p.name: (stat.S_IFMT(p.lstat().st_mode), p.lstat().st_rdev) for p in folder.iterdir()}
+
+
+def outputs_case(rng: random.Random, base: Base, tmp: Path) -> tuple[str, list[str]]:
+    """Every command that writes a file, pointed at something that is not a regular file (or at its input, or
+    into a missing folder), with and without --force: a refusal in one line that leaves everything as it was.
+    Only an ordinary earlier output may be replaced, and only with --force."""
+    inputs, special = folders(tmp, "in", "special")
+    checkpoint, model = inputs / "ckpt", inputs / "fuzzed.powerinfer.gguf"
+    shutil.copytree(base.checkpoint, checkpoint)
+    shutil.copyfile(base.powerinfer, model)
+    commands = {
+        "convert": (["convert", checkpoint, "--dense", "-q"], checkpoint / "model.safetensors"),
+        "solve": (["solve", model, "--vram", "1MB", "--reserve", "0B", "--time-limit", "2"], model),
+        "bundle": (["bundle", model, "-q"], model),
+        "probe": (["probe", "--size", "4MiB", "--repeats", "1"], None),
+    }
+    args, command_input = commands[rng.choice(sorted(commands))]
+    kind = rng.choice([k for k in OUTPUT_KINDS if k != "input" or command_input is not None])
+    force = rng.choice([[], ["--force"]])
+    target, kind = make_output(kind, special, command_input)
+    args = args + ["-o", target] + force
+    before, kinds = snapshot(inputs), file_kinds(special)
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    replaces = kind == "existing file" and force
+    uncaught = _uncaught(result)
+    if uncaught is not None:
+        problems = ["uncaught exception: " + uncaught.splitlines()[-1]]
+    elif replaces:
+        problems = [] if result.exit_code == 0 else [f"--force did not replace an earlier output: {result.stderr!r}"]
+    else:
+        problems = _refusal_problems(result, Command(args, names=(target.name,))) if result.exit_code else ["exit 0"]
+    if file_kinds(special) != kinds:  # an earlier output replaced is a regular file still
+        problems.append(f"the folder of the output changed: {kinds} -> {file_kinds(special)}")
+    if snapshot(inputs) != before:
+        problems.append(f"an input changed: {_changed(before, snapshot(inputs))}")
+    return f"{args[0]} -o {kind} {' '.join(force)}", [f"{Command(args)}: {p}" for p in problems]
+
+
 @pytest.fixture(scope="module")
 def layouts(base, tmp_path_factory) -> dict[Path, Layout]:
     tmp = tmp_path_factory.mktemp("layouts")
@@ -570,7 +646,9 @@ def test_fuzz_case(case_index, base, layouts, tmp_path):
         change, problems = checkpoint_case(rng, base, tmp_path, mutate_safetensors)
     elif family == "gguf":
         change, problems = gguf_case(rng, base, layouts, tmp_path)
-    else:
+    elif family == "options":
         change, problems = options_case(rng, base, tmp_path)
+    else:
+        change, problems = outputs_case(rng, base, tmp_path)
     if problems:  # the case and what went wrong, without pytest's dump of the fixtures
         pytest.fail(f"fuzz case {case_index} (seed {seed}), {family}: {change}\n" + "\n".join(problems), pytrace=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from cli_checks import fails, invoke
 from gguf_fixtures import SMALL, make_model
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.fileio import atomic_output
+from powerinfer_tools.fileio import atomic_output, remove_stale_temporaries
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,12 @@ def test_an_input_reached_through_a_symlink_is_still_an_input(model_file, tmp_pa
 def test_an_output_folder_that_cannot_be_written_is_one_error_line(small_checkpoint, tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
-    fails("convert", small_checkpoint, "-o", not_a_folder / "m.gguf", "--no-sparsity", "-q", match="cannot write output")
+    fails("convert", small_checkpoint, "-o", not_a_folder / "m.gguf", "--no-sparsity", "-q", match="is not a folder")
     stats = tmp_path / "stats.npz"
     np.savez(stats, freqs=np.full((2, 64), 0.1), neuron_bytes=96, dense_bytes=4096, predictor_bytes=0,
              kv_bytes_per_token=128, head_bytes=8192, hidden_bytes=128)
     fails("solve", "--stats", stats, "--vram", "1MB", "--reserve", "0B", "-o", not_a_folder / "m.gpuidx",
-          match="cannot write output")
+          match="is not a folder")
 
 
 def test_a_denied_temporary_file_is_one_error(tmp_path, monkeypatch):
@@ -71,7 +72,7 @@ def test_a_denied_temporary_file_is_one_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "open", denied)
     with pytest.raises(PitoolsError, match="cannot write output: Permission denied"):
-        with atomic_output(tmp_path / "out.bin"):
+        with atomic_output(tmp_path / "out.bin", overwrite=False):
             pass
 
 
@@ -79,7 +80,7 @@ def test_a_denied_temporary_file_is_one_error(tmp_path, monkeypatch):
 def test_outputs_get_the_permissions_of_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        with atomic_output(tmp_path / "out.bin") as tmp:
+        with atomic_output(tmp_path / "out.bin", overwrite=False) as tmp:
             tmp.write_bytes(b"x")
     finally:
         os.umask(old)
@@ -98,16 +99,23 @@ def test_an_interrupt_just_after_the_temporary_file_is_made_removes_it(tmp_path,
 
     monkeypatch.setattr(os, "open", open_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        with atomic_output(tmp_path / "out.bin") as tmp:
+        with atomic_output(tmp_path / "out.bin", overwrite=False) as tmp:
             tmp.write_bytes(b"x")
     assert list(tmp_path.iterdir()) == []
+
+
+def _default_signals() -> None:
+    """In the child, before Python starts: Ctrl-C as a terminal delivers it. A suite run in the background
+    (``pytest &`` in a script, nohup) has SIGINT ignored, the child inherits that, and Python then installs
+    no KeyboardInterrupt handler: the signal would do nothing, as the shell meant for background jobs."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _pitools(*args: str, cwd: Path) -> subprocess.Popen:
     code = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
     # Bytes, not text: text mode would translate the carriage returns a progress bar writes.
     return subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_default_signals)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -150,3 +158,114 @@ def test_profiling_and_training_on_a_pipe_print_lines_not_bars(small_checkpoint,
         stderr = _pitools(*step, cwd=tmp_path).communicate(timeout=300)[1].decode()
         assert "\r" not in stderr, stderr
         assert stderr.splitlines()[0].startswith(stage), stderr
+
+
+# --- outputs that are not regular files, missing folders, races, stale temporary files ---------------
+
+
+def _private_device(folder: Path) -> Path:
+    """A character device node of the test's own (the null device's numbers), never a real one; a FIFO where
+    this process may not make device nodes (not root)."""
+    node = folder / "node"
+    try:
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        os.mkfifo(node)
+    return node
+
+
+def _special_outputs(tmp_path: Path) -> dict[str, Path]:
+    fifo, link = tmp_path / "fifo", tmp_path / "link"
+    os.mkfifo(fifo)
+    device = _private_device(tmp_path)
+    link.symlink_to(device)
+    return {"fifo": fifo, "device": device, "link to a device": link}
+
+
+def _kind(path: Path) -> tuple[int, int]:
+    return stat.S_IFMT(path.lstat().st_mode), path.lstat().st_rdev
+
+
+@pytest.mark.parametrize("which", ["fifo", "device", "link to a device"])  # a folder is click's usage error
+def test_no_command_replaces_an_output_that_is_not_a_regular_file(model_file, small_checkpoint, tmp_path, which):
+    target = _special_outputs(tmp_path)[which]
+    before = _kind(target)
+    commands = [("convert", small_checkpoint, "--dense", "-q"), ("solve", model_file, "--vram", "1MB", "--reserve", "0B"),
+                ("probe", "--size", "4MiB", "--repeats", "1")]
+    for command in commands:
+        fails(*command, "-o", target, "--force", match="not a regular file", names=target)
+        assert _kind(target) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_final_move_never_replaces_a_special_file_made_during_the_work(tmp_path, overwrite):
+    """The output path was free when the command checked it, and became a FIFO while it worked."""
+    out = tmp_path / "out.bin"
+    with pytest.raises(PitoolsError, match="not a regular file" if overwrite else "output exists"):
+        with atomic_output(out, overwrite=overwrite) as tmp:
+            tmp.write_bytes(b"x")
+            os.mkfifo(out)
+    assert stat.S_ISFIFO(out.lstat().st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_an_output_in_a_missing_folder_is_refused_and_no_folder_made(model_file, small_checkpoint, tmp_path):
+    missing = tmp_path / "missing" / "deeper"
+    fails("convert", small_checkpoint, "--dense", "-q", "-o", missing / "m.gguf", match="does not exist", names=missing)
+    fails("solve", model_file, "--vram", "1MB", "--reserve", "0B", "-o", missing / "m.gpuidx", match="does not exist")
+    fails("profile", small_checkpoint, "-o", missing / "profile", match="does not exist")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_folder_that_is_a_special_file_is_refused(small_checkpoint, tmp_path):
+    taken = tmp_path / "profile"
+    os.mkfifo(taken)  # (a regular file is click's usage error: '-o' is a folder option)
+    fails("profile", small_checkpoint, "-o", taken, match="not a folder", names=taken)
+    fails("train-predictors", tmp_path, "-o", taken, match="not a folder", names=taken)
+
+
+def test_of_two_runs_writing_one_new_output_the_second_fails_rather_than_replace_the_first(tmp_path):
+    out = tmp_path / "out.bin"
+    with pytest.raises(PitoolsError, match="output exists"):
+        with atomic_output(out, overwrite=False) as first:
+            first.write_bytes(b"first run")
+            with atomic_output(out, overwrite=False) as second:  # a second run, started later, ends first
+                second.write_bytes(b"second run")
+    assert out.read_bytes() == b"second run"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def _writer_killed_while_writing(out: Path) -> Path:
+    """A process that writes ``out`` through atomic_output, killed with SIGKILL midway; its temporary file."""
+    code = ("import sys, time; from pathlib import Path; from powerinfer_tools.fileio import atomic_output\n"
+            "with atomic_output(Path(sys.argv[1]), overwrite=False) as tmp:\n"
+            "    tmp.write_bytes(b'half'); print(tmp, flush=True); time.sleep(600)\n")
+    writer = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
+    tmp = Path(writer.stdout.readline().strip())
+    writer.kill()
+    writer.wait(timeout=60)
+    writer.stdout.close()
+    return tmp
+
+
+def test_a_temporary_file_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
+    out = tmp_path / "out.bin"
+    stale = _writer_killed_while_writing(out)
+    assert stale.parent == tmp_path and stale.read_bytes() == b"half"
+    old = time.time() - 60
+    os.utime(stale, (old, old))
+    with atomic_output(out, overwrite=False) as tmp:
+        tmp.write_bytes(b"done")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_a_temporary_file_being_written_is_left_alone(tmp_path):
+    out = tmp_path / "out.bin"
+    with atomic_output(out, overwrite=False) as live:  # held by this run, however old it looks
+        live.write_bytes(b"half")
+        old = time.time() - 60
+        os.utime(live, (old, old))
+        assert remove_stale_temporaries(out) == []
+        assert live.exists()
+    assert out.read_bytes() == b"half"

@@ -886,7 +886,6 @@ def _outputs(shape_name: str, shape: Shape, output: Path, outtype: str, profile_
     for path in (output, dense):
         check_writable_output(path, force)
     work = Path(work) if work is not None else work_folder(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     _check_disk(shape_name, shape, outtype, profile_tokens, output.parent)
     return output, dense, work
 

@@ -10,6 +10,7 @@ import click
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import corpus_options
 from powerinfer_tools.errors import Interrupted, PitoolsError
+from powerinfer_tools.fileio import check_output_folder
 from powerinfer_tools.formats.profile_folder import load_profile
 from powerinfer_tools.formats.profile_report import export_powerinfer_activations, write_report
 from powerinfer_tools.profiling.corpus import load_model_and_corpus
@@ -57,6 +58,7 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
     if report_dir is None:
         if output is None:
             raise PitoolsError("give -o DIR to profile into, or --report DIR to report on an existing profile")
+        check_output_folder(output)
         loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
         settings = ProfileSettings(seq_len=loaded.seq_len, pairs_mib=pairs_mib, seed=seed)
         profiler = Profiler(loaded.model, str(loaded.folder), loaded.tokens, loaded.source.describe(), output,

@@ -144,12 +144,12 @@ def solve(model: Path | None, vram: str | None, ram: str | None, ram_reserve: st
     fingerprint = model_fingerprint(model) if model is not None and model.is_file() else None
     options = {"batch": batch, "solver": solver, "gap_rel": gap, "time_limit": time_limit}
     if ram_bytes is None:
-        report = solve_into(problem, output, fingerprint, objective, **options)
+        report = solve_into(problem, output, fingerprint, objective, overwrite=force, **options)
         summary, text = summary_dict(problem, report), summary_text
     else:
         tiered = tiered_problem(problem, ram_bytes, has_gpu=vram is not None, ram_reserve=ram_reserve_bytes,
                                 **(embedding if stats else read_embedding_stats(model)))
-        summary = tier_summary_dict(tiered, solve_tiers_into(tiered, output, fingerprint, **options))
+        summary = tier_summary_dict(tiered, solve_tiers_into(tiered, output, fingerprint, overwrite=force, **options))
         text = tier_summary_text
     summary["output"] = str(output)
     click.echo(json.dumps(summary, indent=2) if as_json else f"{text(summary)}\nwrote {output}")
@@ -181,6 +181,6 @@ def probe(output: Path, base: str, size: str, repeats: int, disk: Path | None, f
         click.echo(f"reading {disk} with direct I/O ...", err=True)
     click.echo(f"streaming {format_size(nbytes)} x {repeats} ...", err=True)
     profile = probe_profile(PRESETS[base], nbytes, repeats, disk)
-    save_profile(profile, output)
+    save_profile(profile, output, overwrite=force)
     click.echo(f"CPU {profile.cpu_bandwidth_gbs:g} GB/s, GPU {profile.gpu_bandwidth_gbs:g} GB/s "
                f"({profile.source})\nwrote {output}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.errors import Interrupted, PitoolsError
+from powerinfer_tools.fileio import check_output_folder
 from powerinfer_tools.formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
 from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.predictors.trainer import TrainSettings
@@ -69,6 +70,7 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
     if report_dir is None:
         if profile_dir is None or output is None:
             raise PitoolsError("give a profile DIR and -o PRED to train, or --report PRED to report on predictors")
+        check_output_folder(output)
         settings = TrainSettings(recall=recall, budget=budget, min_precision=min_precision, epochs=epochs, seed=seed)
         try:
             meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,

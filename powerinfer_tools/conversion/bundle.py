@@ -76,7 +76,7 @@ def bundle_model(source: str | Path, output: str | Path, force: bool = False, pr
         elif replaced[name] not in done:
             done.add(replaced[name])
             tensors.append(_bundle_tensor(model, layout, replaced[name], spec.d_ff))
-    with atomic_output(output) as tmp:
+    with atomic_output(output, overwrite=force) as tmp:
         writer = ModelFileWriter(tmp, model.architecture, model.powerinfer)
         copy_metadata(model, writer.gguf)
         layout.add_to(writer.gguf)

@@ -227,9 +227,10 @@ def _add_metadata(writer: GGUFWriter, plan: ConversionPlan) -> None:
     plan.vocab.add_to(writer)
 
 
-def write_model(plan: ConversionPlan, path: str | Path, progress: bool = True) -> None:
-    """Write ``plan`` to ``path`` atomically: a temporary file beside it, renamed at the end."""
-    with atomic_output(path) as tmp:
+def write_model(plan: ConversionPlan, path: str | Path, progress: bool = True, overwrite: bool = True) -> None:
+    """Write ``plan`` to ``path`` atomically: a temporary file beside it, moved there at the end (replacing
+    a file there only with ``overwrite``)."""
+    with atomic_output(path, overwrite=overwrite) as tmp:
         writer = ModelFileWriter(tmp, plan.architecture, plan.powerinfer)
         _add_metadata(writer.gguf, plan)
         writer.write(plan.tensors, progress)
@@ -301,7 +302,7 @@ def convert(
             predictors = sparsity.predictors
         predictor_folder = read_predictors(predictors, spec) if predictors is not None else None
         plan = plan_conversion(checkpoint, name, outtype, dense, predictor_folder, sparsity, allow_nonfinite)
-        write_model(plan, path, progress)
+        write_model(plan, path, progress, overwrite=force)
     except NonFiniteTensor as exc:
         raise NonFiniteTensor(f"{exc}; {_NONFINITE_HINTS[allow_nonfinite]}") from None
     return path, plan

@@ -209,6 +209,7 @@ class Profiler:
                 return stats, self._windows_done(metadata)
         # Fresh start: the identity is written first, so a run interrupted before
         # its first checkpoint is still recognised (and restarted) next time.
+        self.folder.mkdir(parents=True, exist_ok=True)  # a work folder's parents are ours; -o DIR's were checked
         for name in (STATS_FILE, REPORT_JSON, PLOT_FILE):
             (self.folder / name).unlink(missing_ok=True)
         shutil.rmtree(self.folder / PAIRS_DIR, ignore_errors=True)
