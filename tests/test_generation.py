@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerinfer_tools.runtime.generation import Sampler, SamplingConfig, generate, stream_text
+from powerinfer_tools.runtime.generation import NonFiniteLogits, Sampler, SamplingConfig, generate, stream_text
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.3, 0.1, 0.05]))
 
@@ -106,3 +106,40 @@ def test_stream_text_flushes_an_unfinished_character_at_the_end():
     data = "a".encode() + "€".encode()[:2]
     pieces = list(stream_text(list(data), lambda ids: bytes(ids).decode("utf-8", errors="replace")))
     assert "".join(pieces) == "a\ufffd"
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-300, 1e-30])
+def test_a_tiny_temperature_samples_the_likeliest_token(temperature):
+    # Logits divided by a subnormal temperature overflow to infinity; inf - inf is NaN. Scaling the
+    # differences from the largest logit instead keeps every probability finite.
+    sampler = Sampler(SamplingConfig(temperature=temperature, top_k=0, top_p=0.95, seed=0))
+    assert {sampler(LOGITS) for _ in range(20)} == {1}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_nan_or_infinite_logits_are_one_clear_error(bad, temperature):
+    logits = LOGITS.copy()
+    logits[3] = bad
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        Sampler(SamplingConfig(temperature=temperature, seed=0))(logits)
+
+
+def test_a_logit_of_minus_infinity_is_a_token_never_sampled():
+    logits = LOGITS.copy()
+    logits[1] = -np.inf
+    drawn = {Sampler(SamplingConfig(temperature=1, top_k=0, top_p=1, seed=s))(logits) for s in range(200)}
+    assert drawn == {0, 2, 3, 4}
+    with pytest.raises(NonFiniteLogits):
+        Sampler(SamplingConfig(temperature=1))(np.full(5, -np.inf))
+
+
+def test_a_model_whose_logits_turn_nan_is_one_error_line_naming_it(small_checkpoint, tmp_path):
+    from cli_checks import fails, invoke
+    from gguf import GGUFReader
+
+    model = tmp_path / "m.gguf"
+    assert invoke("convert", small_checkpoint, "--dense", "--outtype", "f32", "-q", "-o", model).exit_code == 0
+    embedding = next(t for t in GGUFReader(model, "r+").tensors if t.name == "token_embd.weight")
+    embedding.data[:] = np.nan  # damaged weights: every token's row
+    fails("run", model, "-p", "def ", "-n", "4", "--temp", "0.5", match="not finite", names=model)

@@ -54,6 +54,11 @@ class SamplingConfig:
                  "a whole number from 0 to 2^64 - 1", seed)
 
 
+class NonFiniteLogits(PitoolsError):
+    """The model produced a NaN or infinite logit: its weights are damaged (or were changed under a
+    run that reads them from the file), and no token can be sampled from it."""
+
+
 class Sampler:
     """Picks the next token from a logits vector; reproducible for a given seed."""
 
@@ -63,11 +68,16 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         c = self.config
+        _check_finite(logits)
         if c.temperature == 0:
             return int(np.argmax(logits))
-        logits = logits.astype(np.float64) / c.temperature
+        logits = logits.astype(np.float64)
         order = _likeliest(logits, c.top_k)
-        probs = np.exp(logits[order] - logits[order[0]])
+        # The differences from the largest logit are scaled, not the logits: divided by a subnormal
+        # temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN. A
+        # difference overflowing to -infinity is a probability of 0, as it should be.
+        with np.errstate(over="ignore"):
+            probs = np.exp((logits[order] - logits[order[0]]) / c.temperature)
         probs /= probs.sum()
         if c.top_p < 1:
             # Keep the smallest head of the sorted distribution whose mass reaches top_p.
@@ -75,6 +85,14 @@ class Sampler:
             probs = probs[:keep] / probs[:keep].sum()
             order = order[:keep]
         return int(order[self.rng.choice(len(order), p=probs)])
+
+
+def _check_finite(logits: np.ndarray) -> None:
+    """NaN, +infinity, or no finite logit at all: nothing can be sampled. A -infinity logit is a token
+    with probability 0."""
+    if np.isnan(logits).any() or not np.isfinite(logits.max()):
+        raise NonFiniteLogits("the model's logits are not finite (NaN or infinity): its weights are damaged, "
+                              "or the model file changed while it was being read")
 
 
 def _likeliest(logits: np.ndarray, top_k: int) -> np.ndarray:

@@ -25,6 +25,7 @@ from powerinfer_tools.runtime.backends import require_cupy
 from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
 from powerinfer_tools.runtime.generation import (
     Generation,
+    NonFiniteLogits,
     Sampler,
     SamplingConfig,
     SettingError,
@@ -70,8 +71,9 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 
 class LLM:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, description: str, context_size: int):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, description: str, context_size: int, source: str = ""):
         self.engine = engine
+        self.source = source  # the model's file or folder, named by errors about it
         self.tokenizer = tokenizer
         self.description = description
         self.context_size = context_size  # positions for prompt and generated tokens together
@@ -106,7 +108,8 @@ class LLM:
                 raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split "
                                    "or RAM budget: convert it first (pitools convert)")
             engine, tokenizer = load_model_and_tokenizer(path)
-            return cls(engine, tokenizer, "reference engine (NumPy)", context_window(engine.spec.max_positions, ctx_size))
+            return cls(engine, tokenizer, "reference engine (NumPy)", context_window(engine.spec.max_positions, ctx_size),
+                       str(path))
         solved = ""
         if vram is not None:
             if device == "cpu" or not use_split:
@@ -129,7 +132,8 @@ class LLM:
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
         if model.ram is not None:
             where += f", --ram {format_size(ram)} ({cache_policy} cache)"
-        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}", model.context_size)
+        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
+                   str(path))
 
     @property
     def mode(self) -> str:
@@ -167,6 +171,8 @@ class LLM:
     def _stream(self, tokens: Generation, stats: GenerationStats) -> Iterator[str]:
         try:
             yield from stream_text(tokens, self.tokenizer.decode)
+        except NonFiniteLogits as exc:
+            raise NonFiniteLogits(f"{self.source}: {exc}") from None
         finally:  # also when the caller stops early (a stop string, a client gone)
             stats.generated_tokens = tokens.sampled
             stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
