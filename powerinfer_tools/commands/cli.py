@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -9,19 +10,27 @@ import sys
 import click
 
 from powerinfer_tools import __version__
-from powerinfer_tools.commands.bench import bench
-from powerinfer_tools.commands.bundle import bundle
-from powerinfer_tools.commands.convert import convert
-from powerinfer_tools.commands.inspect import inspect
-from powerinfer_tools.commands.perplexity import perplexity
-from powerinfer_tools.commands.profile import profile
-from powerinfer_tools.commands.pull import pull
-from powerinfer_tools.commands.run import run
-from powerinfer_tools.commands.serve import serve
-from powerinfer_tools.commands.solve import probe, solve
-from powerinfer_tools.commands.synth import synth
-from powerinfer_tools.commands.train_predictors import train_predictors
 from powerinfer_tools.errors import Interrupted, PitoolsError
+
+
+# Each subcommand: its module in commands/ and the click command there. A module is imported only when
+# its command runs (or --help lists them all): `pitools run` does not pay for the imports of bench and
+# synth (scipy, the reference engine's trainers), ~0.7 s of a warm start.
+COMMANDS = {
+    "pull": ("pull", "pull"),
+    "convert": ("convert", "convert"),
+    "bundle": ("bundle", "bundle"),
+    "inspect": ("inspect", "inspect"),
+    "profile": ("profile", "profile"),
+    "train-predictors": ("train_predictors", "train_predictors"),
+    "perplexity": ("perplexity", "perplexity"),
+    "solve": ("solve", "solve"),
+    "probe": ("solve", "probe"),
+    "run": ("run", "run"),
+    "serve": ("serve", "serve"),
+    "synth": ("synth", "synth"),
+    "bench": ("bench", "bench"),
+}
 
 
 def _interrupt_on_sigterm(signum, frame) -> None:
@@ -31,7 +40,16 @@ def _interrupt_on_sigterm(signum, frame) -> None:
 class _Group(click.Group):
     """Every failure is one ``pitools: error:`` line on stderr: a PitoolsError (exit status 1), a
     usage error that click would print as a usage block (exit 2), an interruption by Ctrl-C or
-    SIGTERM (the shell's 128 + signal number)."""
+    SIGTERM (the shell's 128 + signal number). Subcommands are loaded as they are asked for (``COMMANDS``)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attribute = COMMANDS[name]
+        return getattr(importlib.import_module(f"powerinfer_tools.commands.{module}"), attribute)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -88,7 +106,3 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     cli(prog_name="pitools")
 
-
-for command in (pull, convert, bundle, inspect, profile, train_predictors, perplexity, solve, probe, run, serve, synth,
-                bench):
-    cli.add_command(command)
