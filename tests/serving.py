@@ -18,13 +18,21 @@ STARTUP_SECONDS = 180  # loading a model and compiling the kernels, on a busy 2-
 @contextlib.contextmanager
 def serving(model: Path, log: Path, *options: str, env: dict | None = None):
     """``pitools serve MODEL --port 0 OPTIONS`` running; yields its base URL (``http://127.0.0.1:PORT``)."""
-    command = [sys.executable, "-c", "from powerinfer_tools.commands.cli import main; main()",
+    with serving_process(model, log, *options, env=env) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def serving_process(model: Path, log: Path, *options: str, env: dict | None = None, prelude: str = ""):
+    """As ``serving``, yielding the process too (to signal it), with ``prelude`` (Python lines ending in a
+    newline: a test's changes to the model, say) run in it before the command."""
+    command = [sys.executable, "-c", prelude + "from powerinfer_tools.commands.cli import main; main()",
                "serve", str(model), "--port", "0", *options]
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr,
                                    env={**os.environ, **(env or {})})
     try:
-        yield _wait_until_up(process, log)
+        yield process, _wait_until_up(process, log)
     finally:
         process.terminate()
         try:

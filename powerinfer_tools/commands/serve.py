@@ -27,14 +27,25 @@ API_KEY_VARIABLE = "PITOOLS_API_KEY"
               help="Require 'Authorization: Bearer KEY' on every route but /health. Prefer the variable: "
                    "other users of the machine can read a command line.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for the model while one generates; more are answered 503 with "
-                   "Retry-After.")
+              help="Requests that may wait (their prompt being rendered and tokenized, or queued for the "
+                   "model) while one generates; more are answered 503 with Retry-After. 0: one request at a "
+                   "time, none waiting.")
 @click.option("--max-body", default="1MiB", show_default=True, help="Largest request body accepted (413 above it).")
+@click.option("--template-timeout", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
+              metavar="SECONDS", help="Longest a chat template may take to render one request's messages "
+                                      "(a 400 past it).")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              metavar="SECONDS", help="Longest a client may take to send a request's line and headers (a 408 "
+                                      "past it; a connection that sent nothing is closed).")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              metavar="SECONDS", help="Longest a client may take to send a request's body once its headers "
+                                      "are in (a 408 past it).")
 @click.option("--model-name", default=None,
               help="The model's id in the API (the 'model' clients send) [default: MODEL's file or folder name].")
 @runtime_options
 def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int, max_body: str,
-          model_name: str | None, **runtime) -> None:
+          template_timeout: float, header_timeout: float, body_timeout: float, model_name: str | None,
+          **runtime) -> None:
     """Serve MODEL over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
     (streaming too), /v1/models, /health and /metrics (Prometheus).
 
@@ -52,16 +63,18 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
            -d '{"model": "tiny-relu-llama", "prompt": "import os", "max_tokens": 16, "temperature": 0}'
     """
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the extra's HTTP server, looked for even if serving/ is loaded already
 
         from powerinfer_tools.serving.app import ServeSettings, create_app
+        from powerinfer_tools.serving.uvicorn_server import http_server
     except ImportError as exc:
         raise PitoolsError(f"pitools serve needs the serve extra ({exc.name} is missing): "
                            "pip install 'powerinfer-tools[serve]'") from None
     if api_key is not None and not api_key.strip():
         raise PitoolsError("--api-key: empty (unset the variable or give a key)")
     settings = ServeSettings(model_id=model_name or model.name, api_key=api_key, max_queue=max_queue,
-                             max_body_bytes=parse_size(max_body, "--max-body"))
+                             max_body_bytes=parse_size(max_body, "--max-body"), template_seconds=template_timeout,
+                             header_timeout=header_timeout, body_timeout=body_timeout)
     listener = _listen(host, port)  # before loading: a port in use is found out at once
     llm = load_llm(model, **runtime)
     where = listener.getsockname()
@@ -71,8 +84,7 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
     if api_key is None and not _is_loopback(host):
         click.echo(f"pitools: warning: listening on {host} without --api-key: anyone who reaches this port can "
                    "use the model", err=True)
-    config = uvicorn.Config(create_app(llm, settings), log_level="info", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[listener])
+    http_server(create_app(llm, settings)).run(sockets=[listener])
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -1,5 +1,6 @@
 """The HTTP side of ``pitools serve``: OpenAI's routes on Starlette, with authentication, bounded bodies
-and OpenAI-style JSON errors for everything a client can get wrong (never a traceback)."""
+and OpenAI-style JSON errors for everything a client can get wrong (never a traceback). The HTTP/1.1
+server under it, with its read timeouts, is ``uvicorn_server.py``."""
 
 from __future__ import annotations
 
@@ -10,19 +11,20 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from powerinfer_tools.runtime.generation import PromptTooLong, SettingError
 from powerinfer_tools.runtime.llm import LLM
-from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError
+from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError, RendererClosed
+from powerinfer_tools.serving.json_body import read_json_object
 from powerinfer_tools.serving.metrics import ServerMetrics
 from powerinfer_tools.serving.protocol import (
     ChatCompletionRequest,
@@ -32,18 +34,25 @@ from powerinfer_tools.serving.protocol import (
     error_body,
     usage,
 )
-from powerinfer_tools.serving.scheduler import Job, QueueFull, Scheduler, Ticket
+from powerinfer_tools.serving.scheduler import Job, QueueFull, Scheduler, ShuttingDown, Ticket
 
 log = logging.getLogger("pitools.serve")
 PUBLIC_ROUTES = ("/health",)  # answered without the API key: a load balancer's probe carries none
+# A prompt's text averages 3-5 characters a token; one longer than this many characters per token of the
+# context window cannot fit it in practice, and is refused before it is tokenized (a megabyte of text takes
+# seconds to tokenize) or, from a chat template, as soon as the template has written that much.
+CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     model_id: str  # the name clients give as "model"
     api_key: Optional[str] = None
-    max_queue: int = 64  # requests waiting for the model beyond the one running
+    max_queue: int = 64  # requests admitted beyond the one running: preparing their prompt, or queued
     max_body_bytes: int = 1 << 20
+    template_seconds: float = 2.0  # a chat template's render of one request's messages
+    header_timeout: float = 10.0  # for a request's line and headers to arrive (uvicorn_server.py)
+    body_timeout: float = 30.0  # for its body to arrive, once its headers have
 
 
 class _BodyTooLarge(Exception):
@@ -78,15 +87,17 @@ class _Guard:
             self.metrics.record_response(route, status)
 
     def _refusal(self, scope) -> Optional[Response]:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = dict(scope["headers"])  # raw bytes, names in lower case
         key = self.settings.api_key
         if key is not None and scope["path"] not in PUBLIC_ROUTES:
-            given = headers.get("authorization", "")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode("utf-8", "replace"), key.encode("utf-8")):
+            # Compared as the bytes sent: a key with non-ASCII characters is sent as UTF-8 by the clients
+            # that can send it at all (HTTP gives header bytes no encoding; a text decoding would not match).
+            given = headers.get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, key.encode("utf-8")):
                 return _error(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
                               "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        length = headers.get("content-length", "0")
+        length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.settings.max_body_bytes:
             return _too_large(self.settings.max_body_bytes)
         return None
@@ -116,21 +127,6 @@ def _too_large(limit: int) -> JSONResponse:
     return _error(413, f"request body over the server's {limit} bytes (--max-body)", code="request_too_large")
 
 
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(400, f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(400, "the request body must be a JSON object")
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ProtocolError(400, "the request contains text that is not valid Unicode (an unpaired surrogate)") from None
-    return data
-
-
 def _validated(model: type[pydantic.BaseModel], data: dict):
     try:
         return model.model_validate(data)
@@ -145,7 +141,8 @@ class Server:
 
     def __init__(self, llm: LLM, settings: ServeSettings):
         self.llm, self.settings = llm, settings
-        self.chat_template = ChatTemplate(llm.tokenizer)
+        self.max_prompt_chars = CHARS_PER_TOKEN * llm.context_size
+        self.chat_template = ChatTemplate(llm.tokenizer, settings.template_seconds, self.max_prompt_chars)
         self.metrics = ServerMetrics(ram_budget=getattr(llm.engine, "ram", None) is not None)
         self.scheduler: Optional[Scheduler] = None  # made on the event loop, at startup
         self.created = int(time.time())
@@ -176,6 +173,10 @@ class Server:
     async def _completion_job(self, request: CompletionRequest) -> Job:
         prompt = request.prompt[0] if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) \
             else request.prompt
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ProtocolError(400, f"the prompt is longer than {self.max_prompt_chars:,} characters: more than the "
+                                f"model's context window of {self.llm.context_size} tokens can hold",
+                                code="context_length_exceeded", param="prompt")
         return await self._job(prompt, request.max_tokens, request)
 
     async def _chat_job(self, request: ChatCompletionRequest) -> Job:
@@ -183,24 +184,33 @@ class Server:
         try:
             ids = await asyncio.to_thread(self.chat_template.prompt_ids, messages)
         except ChatTemplateError as exc:
-            raise ProtocolError(400, str(exc), param="messages") from None
+            raise ProtocolError(400, str(exc), code=exc.code, param="messages") from None
+        except RendererClosed:
+            raise ShuttingDown() from None
         limit = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         return await self._job(ids, limit, request)
 
     # -- routes ----------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body = _validated(CompletionRequest, await _json_body(request))
+        body = _validated(CompletionRequest, read_json_object(await request.body()))
         self._check(body)
-        return await self._respond(request, body, await self._completion_job(body), Reply(False, self.settings.model_id))
+        return await self._respond(request, body, self._completion_job, Reply(False, self.settings.model_id))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = _validated(ChatCompletionRequest, await _json_body(request))
+        body = _validated(ChatCompletionRequest, read_json_object(await request.body()))
         self._check(body)
-        return await self._respond(request, body, await self._chat_job(body), Reply(True, self.settings.model_id))
+        return await self._respond(request, body, self._chat_job, Reply(True, self.settings.model_id))
 
-    async def _respond(self, request: Request, body, job: Job, reply: Reply) -> Response:
-        ticket = self.scheduler.admit()  # QueueFull (503) now, before any response has started
+    async def _respond(self, request: Request, body, make_job: Callable[..., Awaitable[Job]], reply: Reply) -> Response:
+        # QueueFull (503) now: before the prompt is rendered and tokenized, so that --max-queue bounds that
+        # work too, and before any response has started.
+        ticket = self.scheduler.admit()
+        try:
+            job = await make_job(body)
+        except BaseException:
+            ticket.leave()
+            raise
         if body.stream:
             return _EventStream(self._events(job, ticket, reply, body.include_usage()), on_close=ticket.leave)
         try:
@@ -232,6 +242,8 @@ class Server:
             yield _sse(reply.chunk("", job.finish_reason, with_usage=with_usage))
             if with_usage:
                 yield _sse(reply.usage_chunk(self._usage(job)))
+        except ShuttingDown as exc:
+            yield _sse(error_body(str(exc), "server_error", "server_shutting_down"))
         except Exception as exc:
             log.exception("generation failed")
             yield _sse(error_body(f"generation failed: {type(exc).__name__}", "server_error"))
@@ -257,6 +269,18 @@ class Server:
         s = self.scheduler
         return PlainTextResponse(self.metrics.exposition(s.waiting, s.running),
                                  media_type="text/plain; version=0.0.4")
+
+    # -- stopping ----------------------------------------------------------------
+
+    def shut_down(self) -> None:
+        """The server has begun to stop (uvicorn_server.py calls this first): streams end with an error
+        event and ``[DONE]``, requests still waiting or being rendered get a 503."""
+        self.scheduler.shut_down()
+        self.chat_template.close()
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.chat_template.close()
 
 
 class _EventStream(StreamingResponse):
@@ -314,6 +338,8 @@ def create_app(llm: LLM, settings: ServeSettings) -> Starlette:
         ProtocolError: lambda _, exc: _error(exc.status, exc.message, exc.kind, exc.code, exc.param, exc.headers),
         QueueFull: lambda _, exc: _error(503, str(exc), "server_error", "queue_full",
                                          headers={"Retry-After": str(exc.retry_after)}),
+        ShuttingDown: lambda _, exc: _error(503, str(exc), "server_error", "server_shutting_down"),
+        ClientDisconnect: lambda _, exc: Response(status_code=499),  # gone while sending its body: nobody to answer
         _BodyTooLarge: lambda _, exc: _too_large(settings.max_body_bytes),
         HTTPException: lambda _, exc: _error(exc.status_code, _HTTP_MESSAGES.get(exc.status_code, exc.detail),
                                              code="not_found" if exc.status_code == 404 else None),
@@ -326,7 +352,7 @@ def create_app(llm: LLM, settings: ServeSettings) -> Starlette:
         try:
             yield
         finally:
-            server.scheduler.close()
+            server.close()
 
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
                     middleware=[Middleware(_Guard, settings=settings, metrics=server.metrics,

@@ -64,7 +64,8 @@ class ServerMetrics:
                [("", self.generation_seconds)])
         metric("generation_tokens_per_second", "gauge", "Tokens per second of generation (one-token forward passes), over all requests.",
                [("", rate)])
-        metric("queue_length", "gauge", "Requests waiting for the model.", [("", waiting)])
+        metric("queue_length", "gauge", "Requests admitted and waiting for the model (their prompt being prepared, "
+               "or queued).", [("", waiting)])
         metric("requests_running", "gauge", "Requests generating now (at most 1).", [("", running)])
         metric("ffn_density", "gauge", "Mean fraction of FFN neurons computed per token (NaN before any).",
                [("", self.ffn.density)])

@@ -6,9 +6,12 @@ one pass over 4-16 tokens gains at most ~1.3x over as many one-token passes (doc
 and its compiled kernels are not re-entrant; the kernels use every core already), and each request's
 pieces of text travel back to the event loop as they are produced.
 
-A place in the queue is taken at admission (``admit``), before any response starts, so that a full
-queue can still answer 503. A request whose client has gone sets its job's ``cancelled`` flag; the
-worker checks it before every token, so a disconnected stream frees the model within one token.
+A place in the queue is taken at admission (``admit``), before the request's prompt is rendered and
+tokenized and before any response starts, so that ``max_queue`` bounds that work too and a full queue
+can still answer 503. A request whose client has gone sets its job's ``cancelled`` flag; the worker
+checks it before every token, so a disconnected stream frees the model within one token. At shutdown
+(``shut_down``) the running generation is cancelled the same way and every request still holding a
+place ends with ShuttingDown, so that a stream can tell its client why it ends.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ class QueueFull(Exception):
     def __init__(self, retry_after: int):
         super().__init__(f"the server's queue is full; retry in {retry_after} s")
         self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    def __init__(self):
+        super().__init__("the server is shutting down; send the request again once it is back (or to another)")
 
 
 @dataclass
@@ -63,15 +71,18 @@ class Ticket:
 class Scheduler:
     def __init__(self, llm: LLM, max_queue: int, metrics: ServerMetrics):
         self.llm, self.max_queue, self.metrics = llm, max_queue, metrics
-        self.waiting = 0  # admitted, not yet running
+        self.waiting = 0  # admitted, not yet running (its prompt being prepared, or queued)
         self.running = 0
+        self.closing = False
         self._current: Optional[Job] = None  # the job on the model
         self._slot = asyncio.Lock()  # FIFO: waiters get it in the order they asked
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pitools-generate")
 
     def admit(self) -> Ticket:
-        """A place in the queue, or QueueFull with a guess of when to retry."""
-        if self.waiting >= self.max_queue:
+        """A place in the queue, or QueueFull with a guess of when to retry (ShuttingDown once stopping)."""
+        if self.closing:
+            raise ShuttingDown()
+        if self.waiting + self.running > self.max_queue:  # one on the model, max_queue behind it
             per_request = self.metrics.mean_request_seconds() or 1.0
             raise QueueFull(max(1, math.ceil(per_request * (self.waiting + self.running))))
         self.waiting += 1
@@ -84,6 +95,9 @@ class Scheduler:
             await self._slot.acquire()
         finally:
             ticket.leave()
+        if self.closing:  # its turn came after the server began to stop
+            self._slot.release()
+            raise ShuttingDown()
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         self.running += 1
@@ -97,6 +111,8 @@ class Scheduler:
             await future  # the worker's exception, if it raised one
         finally:
             job.cancelled.set()
+        if job.finish_reason is None and self.closing:  # cut short by shut_down
+            raise ShuttingDown()
 
     def _finished(self, job: Job) -> None:
         """On the event loop once the worker has let go of the model: the next job may start."""
@@ -127,8 +143,14 @@ class Scheduler:
         finally:
             emit(_END)
 
-    def close(self) -> None:
-        """At shutdown: stop the running generation at its next token rather than let it finish."""
+    def shut_down(self) -> None:
+        """The server is stopping: refuse new requests, stop the running generation at its next token
+        rather than let it finish, and end those waiting before they start."""
+        self.closing = True
         if self._current is not None:
             self._current.cancelled.set()
+
+    def close(self) -> None:
+        """Once the server has stopped serving: no generation runs any more."""
+        self.shut_down()
         self._worker.shutdown(wait=False, cancel_futures=True)
