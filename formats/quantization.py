@@ -1,8 +1,8 @@
 """Which GGML type each tensor is stored as, and the reference (de)quantizers behind them.
 
-The output types are the four the runtime computes with: f32, f16, q8_0 and
-q4_0. Quantization and dequantization are gguf-py's reference implementations
-(``gguf.quants``), which reproduce ggml's bit for bit.
+The output types are those of ``formats/weight_types.py`` that record a llama.cpp file
+type: f32, f16, q8_0 and q4_0. Quantization and dequantization are gguf-py's reference
+implementations (``gguf.quants``), which reproduce ggml's bit for bit.
 
 The per-tensor policy follows llama.cpp (``convert_hf_to_gguf.py`` and
 ``llama-quant.cpp``) so that a file we write is what llama.cpp would have made:
@@ -13,8 +13,8 @@ The per-tensor policy follows llama.cpp (``convert_hf_to_gguf.py`` and
   tensors whose rows are not fall back to f16;
 * with q4_0 the output projection (the token embedding when there is no
   separate output tensor, as in OPT) is kept at q8_0: llama-quantize keeps it
-  at q6_K, a type we do not write, because the logits are the most
-  quantization-sensitive product of the model.
+  at q6_K (which the runtime reads but we do not write), because the logits
+  are the most quantization-sensitive product of the model.
 
 Predictors (``blk.N.fc1`` / ``blk.N.fc2``) have their own types, ``PREDICTOR_TYPES``.
 """
@@ -25,15 +25,11 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
-from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, LlamaFileType
+from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from powerinfer_tools.formats.constants import POWERINFER_TENSOR_NAMES, PowerInferTensor
-
-F32 = GGMLQuantizationType.F32
-F16 = GGMLQuantizationType.F16
-Q8_0 = GGMLQuantizationType.Q8_0
-Q4_0 = GGMLQuantizationType.Q4_0
+from powerinfer_tools.formats.weight_types import F16, F32, Q4_0, Q8_0, WEIGHT_TYPES
 
 
 @dataclass(frozen=True)
@@ -45,24 +41,18 @@ class OutType:
     file_type: LlamaFileType
 
 
-OUTTYPES = {
-    t.name: t
-    for t in (
-        OutType("f32", F32, LlamaFileType.ALL_F32),
-        OutType("f16", F16, LlamaFileType.MOSTLY_F16),
-        OutType("q8_0", Q8_0, LlamaFileType.MOSTLY_Q8_0),
-        OutType("q4_0", Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    )
-}
+OUTTYPES = {t.name: OutType(t.name, t.qtype, t.file_type)
+            for t in WEIGHT_TYPES.values() if t.file_type is not None}  # f32, f16, q8_0, q4_0
 
 
 # The types of the predictors (fc1, fc2) by the file's weight type. PowerInfer's quantizer stores both
-# as q4_0 in a q4_0 model and q5_0 otherwise; the kernels have no q5_0, and q8_0 keeps held-out recall
-# within 0.1 points of float32 at 53% of f16's bytes (docs/kernels.md, "Predictors"). In a q4_0 file
-# fc1 is q4_0 too, but fc2 stays q8_0: a q4_0 fc2 cost 0.5-1.0 points of recall (below the training
-# target, which is measured in float32), q8_0 0.1 at most, for 1.65x the predictor bytes (~1% of a
-# sparse token's). PowerInfer's runtime computes them with ggml_mul_mat, which takes any of these
-# (its own convert.py writes q8_0 predictors). An f32 file is the unrounded one: everything stays f32.
+# as q4_0 in a q4_0 model and q5_0 otherwise; q8_0 keeps held-out recall within 0.1 points of float32
+# at 53% of f16's bytes, and has kernels of our own (q5_0 only ggml's vec_dot) (docs/kernels.md,
+# "Predictors"). In a q4_0 file fc1 is q4_0 too, but fc2 stays q8_0: a q4_0 fc2 cost 0.5-1.0 points
+# of recall (below the training target, which is measured in float32), q8_0 0.1 at most, for 1.65x
+# the predictor bytes (~1% of a sparse token's). PowerInfer's runtime computes them with ggml_mul_mat,
+# which takes any of these (its own convert.py writes q8_0 predictors). An f32 file is the unrounded
+# one: everything stays f32.
 PREDICTOR_TYPES = {F32: (F32, F32), F16: (Q8_0, Q8_0), Q8_0: (Q8_0, Q8_0), Q4_0: (Q4_0, Q8_0)}
 
 
@@ -95,8 +85,7 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: OutType, *, is_outpu
             wanted = PREDICTOR_TYPES[wanted][part]
     if wanted is Q4_0 and is_output:
         wanted = Q8_0
-    block_size = GGML_QUANT_SIZES[wanted][0]
-    if shape[-1] % block_size != 0:
+    if shape[-1] % WEIGHT_TYPES[wanted].block_size != 0:
         return F16
     return wanted
 
@@ -118,4 +107,4 @@ def encode(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def decode(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """Stored data back to float32 (gguf's reference dequantizer)."""
-    return np.asarray(dequantize(data, qtype), dtype=np.float32)
+    return WEIGHT_TYPES[qtype].dequantize(data)

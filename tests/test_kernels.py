@@ -7,18 +7,23 @@ with the reason shown, and only the fallback tests run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from powerinfer_tools import kernels
-from powerinfer_tools.kernels import ggml_ops
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.kernels import ggml_base, ggml_ops
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.backends import CpuBackend
 
-TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0]
+TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.own_kernels]  # f32, f16, q8_0, q4_0
+GGML_TYPES = [t.qtype for t in WEIGHT_TYPES.values() if not t.own_kernels]  # computed by ggml's routines
 SHAPES = [(1, 32), (7, 64), (33, 96), (130, 2048)]  # one block wide; 3 blocks for 2 threads; a model row
 
 
@@ -41,7 +46,8 @@ def restore_threads():
 def make(qtype: Q, rows: int, cols: int, seed: int = 0) -> QuantMatrix:
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     data = {Q.F32: w, Q.F16: w.astype(np.float16)}.get(qtype)
-    data = quantize(w, qtype) if data is None else data
+    if data is None:  # gguf-py has no quantizer of the k-quants: llama-quantize's
+        data = quantize(w, qtype) if qtype in TYPES else ggml_base.load().quantize(w, qtype)
     data.setflags(write=False)  # GGUF weights are read-only memory maps
     return QuantMatrix(qtype, data)
 
@@ -116,6 +122,45 @@ def test_kernels_match_reference(qtype, shape, tokens, threads):
             assert_axpy_close(m, coeffs, rows, kernels.row_axpy(m, coeffs, rows))
         except AssertionError as exc:
             raise AssertionError(f"rows {name}: {exc}") from exc
+
+
+def block_max(a: np.ndarray, block: int) -> np.ndarray:
+    """|a| replaced, block by block along its rows, by the block's largest magnitude."""
+    return np.abs(a).reshape(len(a), a.shape[1] // block, block).max(axis=2).repeat(block, axis=1)
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", GGML_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(7, 256), (130, 2048)], ids=str)  # one k-quant super-block; a model row
+@pytest.mark.parametrize("tokens", [1, 3, kernels.MAX_TOKENS + 8])  # decoding; a prompt's block products
+def test_types_computed_by_ggml_match_gguf_in_float64(qtype, shape, tokens):
+    """The CPU backend's products over rows of a type without kernels of ours (``vec_dot`` on x encoded as
+    the type's ``vec_dot_type`` up to ``MAX_TOKENS`` tokens, else rows from ggml's ``to_float`` times BLAS;
+    the axpy always from ``to_float``) against gguf's dequantization multiplied in float64.
+
+    The bound of a ``vec_dot`` product is x's encoding: each value within half a step of its block's scale
+    (max/127: 1/254 of the block's largest |x|; q8_0 and q8_1 blocks of 32, q8_K of 256), the scale's f16
+    rounding (q8_0, q8_1: up to 127 steps of 2^-11 relative), and q8_1's f16 block sum, which q4_1/q5_1
+    multiply by their block minimum (|min| <= the block's largest |w|: 2^-11 of |x| times that); then
+    1e-5 relative for float32 summation, which is all a ``to_float`` product may differ by."""
+    backend = CpuBackend()
+    m = make(qtype, *shape, seed=21)
+    w = dequantize(np.asarray(m.data), qtype).astype(np.float64)
+    rng = np.random.default_rng([*shape, tokens])
+    x = (rng.standard_normal((tokens, m.cols)) * rng.uniform(0.1, 10, (tokens, 1))).astype(np.float32)
+    partner_block = GGML_QUANT_SIZES[WEIGHT_TYPES[qtype].vec_dot_type][0]
+    for name, rows in row_selections(m.rows, rng).items():
+        picked = w if rows is None else w[rows]
+        summation = np.abs(x) @ np.abs(picked).T * 1e-5 + 1e-6
+        encoding = 0 if tokens > kernels.MAX_TOKENS else (
+            block_max(x, partner_block) @ np.abs(picked).T * (1 / 254 + 2.0**-11)
+            + np.abs(x) @ block_max(picked, 32).T * 2.0**-11)
+        excess = np.abs(backend.matmul(m, x, rows) - x.astype(np.float64) @ picked.T) - (encoding + summation)
+        assert (excess <= 0).all(), f"rows {name}: matmul off by {excess.max():.3g} beyond its bound"
+        coeffs = rng.standard_normal((tokens, len(picked))).astype(np.float32)
+        bound = np.abs(coeffs) @ np.abs(picked) * 1e-5 + 1e-6
+        excess = np.abs(backend.row_sum(m, coeffs, rows) - coeffs.astype(np.float64) @ picked) - bound
+        assert (excess <= 0).all(), f"rows {name}: row_sum off by {excess.max():.3g} beyond 1e-5 relative"
 
 
 @pytest.mark.usefixtures("compiled")
@@ -309,7 +354,7 @@ def test_describe_names_the_library_and_threads():
 @pytest.mark.usefixtures("compiled")
 def test_abi_check_refuses_a_mismatched_routine():
     routines = ggml_ops.load().routines
-    wrong = ggml_ops.DotRoutine(routines[Q.Q4_0].from_float, routines[Q.Q8_0].vec_dot, Q.Q8_0)
+    wrong = dataclasses.replace(routines[Q.Q4_0], vec_dot=routines[Q.Q8_0].vec_dot)
     with pytest.raises(ggml_ops.GgmlUnavailable, match="Q4_0 vec_dot gave"):
         ggml_ops._check_numerics(Q.Q4_0, wrong, "test")
 

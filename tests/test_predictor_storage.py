@@ -184,9 +184,10 @@ def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, h
     assert relative_error(*logits) < 1e-4
 
 
-def test_predictors_in_a_type_the_kernels_lack_load_as_f16(q4_0_models, tmp_path, monkeypatch):
-    """PowerInfer's own quantizer writes q5_0 predictors into non-q4_0 models: they load as f16, every value
-    within f16 rounding of the stored one."""
+def test_q5_0_predictors_are_computed_as_stored(q4_0_models, tmp_path, monkeypatch):
+    """PowerInfer's own quantizer writes q5_0 predictors into non-q4_0 models: they stay q5_0, computed by
+    ggml's ``vec_dot`` with x as q8_0 (as PowerInfer's ggml_mul_mat computes them), by the compiled decoder
+    and the general path alike."""
     import powerinfer_tools.conversion.convert as conversion
 
     predictor_tensors = set(predictor_names(0) + predictor_names(1))
@@ -201,13 +202,18 @@ def test_predictors_in_a_type_the_kernels_lack_load_as_f16(q4_0_models, tmp_path
     path, _ = convert(str(q4_0_models[32].parent / "model"), tmp_path / "q5.gguf", outtype="q4_0",
                       predictors=folder, progress=False)
     stored_file = open_model_file(path)
-    model = load_runtime_model(path)
-    for i, layer in enumerate(model.layers):
+    compiled, general = load_runtime_model(path), load_runtime_model(path)
+    general.compiled_decoding = False
+    for i, layer in enumerate(compiled.layers):
         p = layer.dense.predictor
         for m, name in zip((p.fc1, p.fc2), predictor_names(i)):
-            assert stored_file[name].qtype is Q.Q5_0 and m.qtype is Q.F16
-            values = stored_file[name].dequantize()
-            np.testing.assert_allclose(m.dequantize_rows(), values, rtol=2.0**-11, atol=2.0**-24)
-    model.mode = FFNMode.SPARSE
-    stepwise_logits(model)
-    assert 0 < model.stats.neurons_active < model.stats.neurons_total
+            assert stored_file[name].qtype is Q.Q5_0 and m.qtype is Q.Q5_0
+            assert np.array_equal(m.dequantize_rows(), stored_file[name].dequantize())
+    assert compiled.compiled_decoder() is not None
+    logits = []
+    for model in (compiled, general):
+        model.mode = FFNMode.SPARSE
+        logits.append(stepwise_logits(model))
+    assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
+    assert compiled.stats.neurons_active == general.stats.neurons_active
+    assert relative_error(*logits) < 1e-4

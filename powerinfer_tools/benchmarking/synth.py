@@ -85,12 +85,14 @@ from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.model_spec import FFNUnit, ffn_units
 from powerinfer_tools.formats.profile_folder import FiringStats, pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
+from powerinfer_tools.formats.quantization import OUTTYPES
 from powerinfer_tools.formats.tensor_table import (
     LLAMA,
     MIXTRAL,
     TABLES,
     ArchitectureTable,
 )
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNTracer
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
@@ -768,7 +770,7 @@ def _pairs_bytes(shape: Shape, profile_tokens: int) -> int:
 def _check_disk(shape_name: str, shape: Shape, outtype: str, profile_tokens: int, folder: Path) -> None:
     """Refuse a synthesis whose f16 checkpoint, training pairs (of ``profile_tokens``, 0 for none) and two
     model files do not fit ``folder``'s disk."""
-    bytes_per_param = {"f32": 4, "f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}[outtype]
+    bytes_per_param = WEIGHT_TYPES[OUTTYPES[outtype].weight_type].bytes_per_param
     needed = int(shape.n_params * (2 + 2 * bytes_per_param) * 1.1) + _pairs_bytes(shape, profile_tokens)
     free = shutil.disk_usage(folder).free
     if needed > free:

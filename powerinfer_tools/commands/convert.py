@@ -12,7 +12,8 @@ from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part, predictor_names
-from powerinfer_tools.formats.quantization import F16, OUTTYPES, Q4_0
+from powerinfer_tools.formats.quantization import OUTTYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.predictors.trainer import TrainSettings
 
 
@@ -25,8 +26,10 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
         fc1, fc2 = predictor_names("N")
         notes.append(f"no --predictors: PowerInfer's own runtime needs {fc1}/{fc2} predictor tensors to load this file")
     down_t = block_part(PowerInferTensor.FFN_DOWN_T)
-    if any(t.name.endswith(f".{down_t}.weight") and t.qtype not in (F16, Q4_0) for t in plan.tensors):
-        notes.append(f"PowerInfer's CPU runtime reads {down_t} only as f16 or q4_0; use --outtype f16 or q4_0 for it")
+    readable = [t.name for t in WEIGHT_TYPES.values() if t.powerinfer_axpy]
+    if any(t.name.endswith(f".{down_t}.weight") and not WEIGHT_TYPES[t.qtype].powerinfer_axpy for t in plan.tensors):
+        notes.append(f"PowerInfer's CPU runtime reads {down_t} only as {' or '.join(readable)}; "
+                     f"use --outtype {' or '.join(readable)} for it")
     return notes
 
 

@@ -1,13 +1,15 @@
-"""Compiled CPU kernels for the FFN hot loops, on weights read in place (f32, f16, q8_0, q4_0).
+"""Compiled CPU kernels for the FFN hot loops, on weights read in place (``formats/weight_types.py``).
 
     matvec(m, x, rows)        x [T, cols] @ W[rows].T  -> [T, len(rows)]   gate/up, dense or gathered
     row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
 
 ``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
-reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as q8_0 for
-quantized weights (~5e-3 relative error) and as f16 for f16 weights. ``row_axpy`` is exact up to
-float32 summation order (f32/f16 matrices whose width is not a multiple of 32 take the reference).
+reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as the weight
+type's ``vec_dot_type`` (q8_0 for q4_0/q8_0/q5_0, q8_1 for q4_1/q5_1, q8_K for the k-quants: ~5e-3
+relative error), as f16 for f16 weights. ``row_axpy`` is exact up to float32 summation order; the
+types without decoders of ours (and f32/f16 matrices whose width is not a multiple of 32) take the
+reference, whose rows ggml's ``to_float`` dequantizes.
 
 They are meant for decoding (T up to ``MAX_TOKENS``); larger batches, i.e. prompt processing, go to
 the reference, which dequantizes once per chunk and hands the product to BLAS. When the compiled
@@ -99,7 +101,7 @@ def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.
 def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """``coeffs [T, k] @ W[rows]`` as float32 ``[T, cols]``: the axpy over active rows of ``ffn_down_t``."""
     backend = _compiled_or_none(coeffs.shape[0])
-    if backend is None or m.cols % backend[0].BLOCK:  # it walks rows a block at a time
+    if backend is None or not backend[0].axpy_takes(m.qtype, m.cols):
         return m.weighted_row_sum(coeffs, rows)
     nk, _, threads = backend
     rows = _checked_rows(m, rows)

@@ -19,31 +19,27 @@ them (see ``numba_kernels``).
 
 Pinned: written against the ggml 0.25.3 vendored by llama-cpp-python 0.3.36. The struct and the
 type ids are ggml's ABI, not a promise, so ``load`` checks them before anything uses them: the
-block sizes of the type ids, the ``vec_dot_type`` of each type, and one quantize + dot per type
-compared with the NumPy reference. A library that fails any check is refused, never used.
+block sizes of the type ids (``ggml_base``), the ``vec_dot_type`` of each type against
+``formats/weight_types.py``, and one quantize + dot per type compared with the NumPy reference. A
+library that fails any check is refused, never used.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import quantize
 
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, WeightType
+from powerinfer_tools.kernels import ggml_base
+from powerinfer_tools.kernels.ggml_base import GgmlUnavailable
 from powerinfer_tools.kernels.interleaved import ROWS, interleave
-from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix, dequantize_blocks
+from powerinfer_tools.kernels.quant import QuantMatrix
 
 TESTED_VERSION = "0.3.36"  # llama-cpp-python release whose ggml this module was checked against
-
-# The second operand's encoding for each weight type, as in ggml-cpu.c's type_traits_cpu table.
-# (gguf's GGMLQuantizationType values are ggml's enum ggml_type ids.)
-_VEC_DOT_TYPE = {Q.F32: Q.F32, Q.F16: Q.F16, Q.Q8_0: Q.Q8_0, Q.Q4_0: Q.Q8_0}
 
 _FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _VEC_DOT = ctypes.CFUNCTYPE(
@@ -63,10 +59,6 @@ _PRODUCT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
                             ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 
 
-class GgmlUnavailable(RuntimeError):
-    """The ggml routines cannot be used; the message says why."""
-
-
 class _TypeTraitsCpu(ctypes.Structure):
     _fields_ = [
         ("from_float", ctypes.c_void_p),
@@ -80,14 +72,13 @@ class _TypeTraitsCpu(ctypes.Structure):
 class DotRoutine:
     """The two function addresses that compute ``dot(W row, x)`` for one weight type."""
 
-    from_float: int  # encodes float32 x as vec_dot_type
+    from_float: int  # encodes float32 x as the weight type's vec_dot_type
     vec_dot: int
-    vec_dot_type: Q
+    weight_type: WeightType
 
     def encoded_bytes(self, cols: int) -> int:
         """Bytes of one ``cols``-long vector encoded as ``vec_dot_type``."""
-        block, block_bytes = GGML_QUANT_SIZES[self.vec_dot_type]
-        return cols // block * block_bytes
+        return self.weight_type.encoded_bytes(cols)
 
     def dot(self, row: np.ndarray, x: np.ndarray) -> float:
         """One product through ctypes: slow, for the load-time check only."""
@@ -119,38 +110,32 @@ class GgmlCpu:
 
 def load() -> GgmlCpu:
     """Load libggml-cpu from the installed llama_cpp package and check its ABI, or raise GgmlUnavailable."""
-    lib_dir, version = _package_lib_dir()
-    cpu_path = lib_dir / "libggml-cpu.so"
+    base = ggml_base.load()  # checks the type ids' block sizes; libggml-cpu links against it
+    cpu_path = base.lib_dir / "libggml-cpu.so"
+    origin = f"{cpu_path} (llama-cpp-python {base.version})"
     try:
         # RUNPATH=$ORIGIN makes the loader find libggml-base beside it; the same objects are
         # shared with llama_cpp if that is imported too.
         cpu = ctypes.CDLL(str(cpu_path))
-        base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
         cpu.ggml_cpu_init.restype = None
         cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_TypeTraitsCpu)
         cpu.ggml_get_type_traits_cpu.argtypes = [ctypes.c_int]
-        base.ggml_blck_size.restype = ctypes.c_int64
-        base.ggml_type_size.restype = ctypes.c_size_t
     except (OSError, AttributeError) as exc:  # missing file, or a build without these symbols
         raise GgmlUnavailable(f"cannot load {cpu_path}: {exc}") from exc
     cpu.ggml_cpu_init()  # fills ggml's f16 lookup tables, which the f16 routines read
     routines = {}
-    for qtype in SUPPORTED_TYPES:
-        if (base.ggml_blck_size(int(qtype)), base.ggml_type_size(int(qtype))) != GGML_QUANT_SIZES[qtype]:
-            raise GgmlUnavailable(
-                f"{cpu_path} (llama-cpp-python {version}): ggml type id {int(qtype)} is not {qtype.name}"
-            )
+    for qtype, weight_type in WEIGHT_TYPES.items():
         traits = cpu.ggml_get_type_traits_cpu(int(qtype)).contents
-        encoder = cpu.ggml_get_type_traits_cpu(int(_VEC_DOT_TYPE[qtype])).contents
-        if traits.vec_dot_type != _VEC_DOT_TYPE[qtype] or not encoder.from_float or not traits.vec_dot:
+        encoder = cpu.ggml_get_type_traits_cpu(int(weight_type.vec_dot_type)).contents
+        if traits.vec_dot_type != weight_type.vec_dot_type or not encoder.from_float or not traits.vec_dot:
             raise GgmlUnavailable(
-                f"{cpu_path} (llama-cpp-python {version}): type traits of {qtype.name} do not have the "
-                f"layout of ggml 0.25.3 (vec_dot_type={traits.vec_dot_type}); tested with {TESTED_VERSION}"
+                f"{origin}: type traits of {qtype.name} do not have the layout of ggml 0.25.3 "
+                f"(vec_dot_type={traits.vec_dot_type}); tested with {TESTED_VERSION}"
             )
-        routine = DotRoutine(encoder.from_float, traits.vec_dot, _VEC_DOT_TYPE[qtype])
-        _check_numerics(qtype, routine, f"{cpu_path} (llama-cpp-python {version})")
+        routine = DotRoutine(encoder.from_float, traits.vec_dot, weight_type)
+        _check_numerics(qtype, routine, origin)
         routines[qtype] = routine
-    return GgmlCpu(routines, cpu_path, version, _interleaved_routines(cpu, routines[Q.Q4_0]))
+    return GgmlCpu(routines, cpu_path, base.version, _interleaved_routines(cpu, routines[Q.Q4_0]))
 
 
 def _interleaved_routines(cpu: ctypes.CDLL, q4_0: DotRoutine) -> InterleavedRoutines | None:
@@ -166,7 +151,8 @@ def _interleaved_routines(cpu: ctypes.CDLL, q4_0: DotRoutine) -> InterleavedRout
     routines = InterleavedRoutines(*addresses)
     rng = np.random.default_rng(0)
     rows, cols, tokens = 2 * ROWS, 64, 4
-    matrix = QuantMatrix(Q.Q4_0, quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q.Q4_0))
+    weights = rng.standard_normal((rows, cols)).astype(np.float32)
+    matrix = QuantMatrix(Q.Q4_0, ggml_base.load().quantize(weights, Q.Q4_0))
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     expected = np.array([[q4_0.dot(row, token) for row in matrix.data] for token in x], dtype=np.float32)
     packed = interleave(matrix).data
@@ -185,32 +171,15 @@ def _interleaved_routines(cpu: ctypes.CDLL, q4_0: DotRoutine) -> InterleavedRout
     return routines
 
 
-def _package_lib_dir() -> tuple[Path, str]:
-    # find_spec locates the package without importing it (importing would load libllama too).
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        raise GgmlUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)")
-    lib_dir = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    if not (lib_dir / "libggml-cpu.so").exists():
-        # e.g. a build with GGML_BACKEND_DL, which ships per-CPU variants instead of one library
-        raise GgmlUnavailable(f"{lib_dir} has no libggml-cpu.so")
-    try:
-        version = importlib.metadata.version("llama_cpp_python")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    return lib_dir, version
-
-
 def _check_numerics(qtype: Q, routine: DotRoutine, origin: str) -> None:
     """One dot product against the NumPy reference: a wrong ABI gives garbage, not a small error."""
     rng = np.random.default_rng(0)
-    cols = 256
+    cols = 256  # one k-quant super-block
     w = rng.standard_normal((1, cols)).astype(np.float32)
     x = rng.standard_normal(cols).astype(np.float32)
-    stored = {Q.F32: w, Q.F16: w.astype(np.float16)}.get(qtype)
-    matrix = QuantMatrix(qtype, quantize(w, qtype) if stored is None else stored)
+    matrix = QuantMatrix(qtype, ggml_base.load().quantize(w, qtype))
     expected = float(matrix.matmul(x[None])[0, 0])
     got = routine.dot(matrix.data[0], x)
-    scale = float(np.abs(dequantize_blocks(matrix.data, qtype) * x).sum())
-    if not abs(got - expected) <= 1e-2 * scale:  # q8_0 rounding of x stays far below 1%
+    scale = float(np.abs(matrix.dequantize_rows() * x).sum())
+    if not abs(got - expected) <= 1e-2 * scale:  # the rounding of x (q8_0, q8_1, q8_K) stays far below 1%
         raise GgmlUnavailable(f"{origin}: {qtype.name} vec_dot gave {got}, the NumPy reference {expected}")

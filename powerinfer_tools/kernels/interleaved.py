@@ -25,12 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
+from powerinfer_tools.formats.weight_types import Q4_0, WEIGHT_TYPES
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 ROWS = 8  # rows per interleaved group
-_BLOCK, _BLOCK_BYTES, _SCALE_BYTES = 32, 18, 2
+_BLOCK, _BLOCK_BYTES = WEIGHT_TYPES[Q4_0].block_size, WEIGHT_TYPES[Q4_0].block_bytes
+_SCALE_BYTES = 2  # a block's f16 scale, before its quants
 _PIECE = 8  # bytes of one row's quants that sit together in a group
 
 
@@ -40,7 +41,7 @@ class InterleavedQ4:
 
     data: np.ndarray
     cols: int
-    qtype = GGMLQuantizationType.Q4_0
+    qtype = Q4_0
 
     @property
     def rows(self) -> int:
@@ -73,7 +74,7 @@ class InterleavedQ4:
 
 def can_interleave(m: QuantMatrix) -> bool:
     """Whether ``m`` has the interleaved layout: q4_0, whole groups of eight rows, on the host."""
-    return m.qtype == GGMLQuantizationType.Q4_0 and m.rows % ROWS == 0 and isinstance(m.data, np.ndarray)
+    return m.qtype == Q4_0 and m.rows % ROWS == 0 and isinstance(m.data, np.ndarray)
 
 
 def interleave(m: QuantMatrix) -> InterleavedQ4:

@@ -8,14 +8,14 @@ makes one call per matrix: ggml's routine then streams its groups with nothing i
 
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from numba import njit, prange
 
+from powerinfer_tools.formats.weight_types import Q8_0, WEIGHT_TYPES
 from powerinfer_tools.kernels import numba_vnni
 from powerinfer_tools.kernels.interleaved import ROWS
 from powerinfer_tools.kernels.numba_kernels import BLOCK, ggml_from_float, ggml_interleaved_product
 
-_Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # x's encoding for the products
+_Q8_0_BLOCK_BYTES = WEIGHT_TYPES[Q8_0].block_bytes  # x's encoding for the products
 
 
 @njit(inline="always")

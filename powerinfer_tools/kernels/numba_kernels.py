@@ -24,10 +24,17 @@ import numba
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from gguf import GGMLQuantizationType
 from numba.extending import intrinsic
 
-F16, Q4_0, Q8_0 = 1, 2, 8  # ggml type ids (gguf's GGMLQuantizationType values); F32 is 0
-BLOCK = 32  # elements per q4_0/q8_0 block; axpy_rows also walks f32/f16 rows 32 at a time
+from powerinfer_tools.formats import weight_types
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+
+# ggml type ids (gguf's GGMLQuantizationType values) as the compiled code compares them; F32 is the
+# axpy's remaining case
+F16, Q4_0, Q8_0 = int(weight_types.F16), int(weight_types.Q4_0), int(weight_types.Q8_0)
+BLOCK = WEIGHT_TYPES[weight_types.Q4_0].block_size  # q4_0's and q8_0's; the axpy walks f32/f16 rows this many at a time
+assert BLOCK == WEIGHT_TYPES[weight_types.Q8_0].block_size
 # The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the one-token axpy spread over its
 # work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
 # Measured on the busy 2-core machine, 1 thread,
@@ -39,6 +46,13 @@ PREFETCH_ROWS = 2
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _FLOAT = ir.FloatType()
 _PTR = _I8.as_pointer()
+
+
+def axpy_takes(qtype, cols: int) -> bool:
+    """Whether the axpy loops here compute rows of ``cols`` values of ``qtype`` (a ggml type): a type they
+    decode themselves (``WeightType.own_kernels``), in rows a whole number of ``BLOCK`` steps (f32 and
+    f16 rows may be any width). The other types' rows are dequantized by ggml's ``to_float`` instead."""
+    return WEIGHT_TYPES[GGMLQuantizationType(qtype)].own_kernels and cols % BLOCK == 0
 
 
 def use_threads(n: int) -> int:

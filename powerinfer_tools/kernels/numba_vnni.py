@@ -28,16 +28,17 @@ from dataclasses import dataclass
 import llvmlite.binding
 import numpy as np
 import numba
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from powerinfer_tools.formats import weight_types
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, ggml_from_float, lane_sum, load, offset,
                                                      prefetch, splat)
 
-Q8_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][1]  # f16 scale + 32 int8
+Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
 _FEATURES = ("avx512f", "avx512bw", "avx512vbmi", "avx512vnni")
 _LANES = 16  # int32 / float32 lanes of a 512-bit register
 
@@ -73,7 +74,7 @@ class _Rows:
         return 64 * self.operands + 8 * _LANES  # the x values, then float32 scales and int32 offsets
 
 
-_Q4_0_ROWS = _Rows(Q4_0, 4, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1], 16, 8)
+_Q4_0_ROWS = _Rows(Q4_0, 4, WEIGHT_TYPES[weight_types.Q4_0].block_bytes, 16, 8)
 _Q8_0_ROWS = _Rows(Q8_0, 2, Q8_0_BLOCK_BYTES, 32, 128)
 _ROWS = {rows.qtype: rows for rows in (_Q4_0_ROWS, _Q8_0_ROWS)}
 GROUP_COLS = _Q4_0_ROWS.group_cols  # the compiled decoder's gate/up rows: q4_0
@@ -279,7 +280,7 @@ _INTERLEAVED_ROWS = 8
 # comparison while writing it, 2048 x 2048 from memory, 2 threads: ~17 GB/s so, ~15 without; 4 or 8
 # blocks on did no better).
 _AHEAD_BYTES = 2304
-_INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0][1]
+_INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * WEIGHT_TYPES[weight_types.Q4_0].block_bytes
 
 
 def _splat_bytes(builder, addr):

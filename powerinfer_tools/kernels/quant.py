@@ -1,9 +1,12 @@
-"""Weight matrices kept in their GGUF encoding (f32, f16, q8_0, q4_0) and read in place.
+"""Weight matrices kept in their GGUF encoding (the types of ``formats/weight_types.py``) and read in place.
 
 A ``QuantMatrix`` wraps the memory-mapped bytes of one 2-D tensor, rows
 contiguous, exactly as GGUF lays them out. Nothing is expanded to float32 for
 the whole model: each product dequantizes only the rows it needs, in chunks.
 These NumPy routines are the reference that compiled kernels are tested against.
+Rows are dequantized bit for bit as gguf's reference does: by compiled loops of ours
+(q4_0, q8_0), by ggml's ``to_float`` (``kernels.ggml_base``: the other block types), or
+by gguf's NumPy code where neither is at hand.
 """
 
 from __future__ import annotations
@@ -11,16 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
+from powerinfer_tools.formats.weight_types import F16, F32, Q4_0, Q8_0, WEIGHT_TYPES
+from powerinfer_tools.kernels import ggml_base
 from powerinfer_tools.xp import array_namespace
 
-SUPPORTED_TYPES = (
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-)
+SUPPORTED_TYPES = tuple(WEIGHT_TYPES)
 _CHUNK_ROWS = 1024  # rows dequantized at a time: bounds the float32 scratch to a few MB
 
 
@@ -44,10 +44,8 @@ class QuantMatrix:
 
     @property
     def cols(self) -> int:
-        if self.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return self.data.shape[1]
-        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
-        return self.data.shape[1] // block_bytes * block
+        t = WEIGHT_TYPES[self.qtype]
+        return self.row_bytes // t.block_bytes * t.block_size
 
     @property
     def row_bytes(self) -> int:
@@ -56,8 +54,12 @@ class QuantMatrix:
     def dequantize_rows(self, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """float32 ``[k, cols]`` for the given row indices (all rows when None)."""
         raw = self.data if rows is None else self.data[rows]
-        if self.qtype in _BLOCK_DECODERS and array_namespace(raw) is np and len(raw) >= _COMPILED_MIN_ROWS:
+        on_host = array_namespace(raw) is np
+        if on_host and self.qtype in _BLOCK_DECODERS and len(raw) >= _COMPILED_MIN_ROWS:
             return _dequantize_compiled(raw, self.qtype)
+        base = ggml_base.loaded()
+        if on_host and self.qtype not in _ARRAY_DECODED and base is not None:
+            return base.dequantize(raw, self.qtype)
         return dequantize_blocks(raw, self.qtype)
 
     def matmul(self, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
@@ -100,6 +102,8 @@ _COMPILED_MIN_ROWS = 16  # fewer rows (an embedding lookup) are not worth a fork
 _F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # by bit pattern
 _Q4_VALUES = np.arange(-8, 8, dtype=np.float32)  # a q4_0 nibble n stands for n - 8
 _Q8_VALUES = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)  # a q8_0 byte, as int8
+_BLOCK = WEIGHT_TYPES[Q4_0].block_size  # values per block, q4_0's and q8_0's alike
+_Q4_0_BYTES, _Q8_0_BYTES = WEIGHT_TYPES[Q4_0].block_bytes, WEIGHT_TYPES[Q8_0].block_bytes
 
 if njit is not None:
 
@@ -107,57 +111,61 @@ if njit is not None:
     def _decode_q4_0(raw, f16, values, out):
         for r in prange(out.shape[0]):
             src, dst = raw[r], out[r]
-            for b in range(dst.shape[0] // 32):
-                block, first = b * 18, b * 32
+            for b in range(dst.shape[0] // _BLOCK):
+                block, first = b * _Q4_0_BYTES, b * _BLOCK
                 d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-                for j in range(16):
+                for j in range(_BLOCK // 2):
                     byte = src[block + 2 + j]
                     dst[first + j] = values[byte & 15] * d
-                    dst[first + 16 + j] = values[byte >> 4] * d
+                    dst[first + _BLOCK // 2 + j] = values[byte >> 4] * d
 
     @njit(parallel=True, nogil=True, cache=True)
     def _decode_q8_0(raw, f16, values, out):
         for r in prange(out.shape[0]):
             src, dst = raw[r], out[r]
-            for b in range(dst.shape[0] // 32):
-                block, first = b * 34, b * 32
+            for b in range(dst.shape[0] // _BLOCK):
+                block, first = b * _Q8_0_BYTES, b * _BLOCK
                 d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-                for j in range(32):
+                for j in range(_BLOCK):
                     dst[first + j] = values[src[block + 2 + j]] * d
 
-    _BLOCK_DECODERS = {
-        GGMLQuantizationType.Q4_0: (_decode_q4_0, _Q4_VALUES),
-        GGMLQuantizationType.Q8_0: (_decode_q8_0, _Q8_VALUES),
-    }
+    _BLOCK_DECODERS = {Q4_0: (_decode_q4_0, _Q4_VALUES), Q8_0: (_decode_q8_0, _Q8_VALUES)}
 else:
     _BLOCK_DECODERS = {}
 
 
 def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    t = WEIGHT_TYPES[qtype]
     decode, values = _BLOCK_DECODERS[qtype]
-    out = np.empty((raw.shape[0], raw.shape[1] // block_bytes * block), dtype=np.float32)
+    out = np.empty((raw.shape[0], raw.shape[1] // t.block_bytes * t.block_size), dtype=np.float32)
     decode(np.ascontiguousarray(raw), _F16_TO_F32, values, out)
     return out
 
 
+_ARRAY_DECODED = (F32, F16, Q8_0, Q4_0)  # the types dequantize_blocks decodes with array operations
+
+
 def dequantize_blocks(raw, qtype: GGMLQuantizationType):
-    """float32 rows from GGUF-encoded rows, with array operations that run on NumPy and CuPy alike.
+    """float32 rows from GGUF-encoded rows, with array operations that run on NumPy and CuPy alike
+    for the types of ``_ARRAY_DECODED``; other types by gguf's NumPy dequantizer (a device's rows go
+    through the host for it).
 
     q8_0 blocks: an f16 scale then 32 int8 values. q4_0 blocks: an f16 scale then
     16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each
     stored with an offset of 8.
     """
     xp = array_namespace(raw)
-    if qtype is GGMLQuantizationType.F32:
+    if qtype not in _ARRAY_DECODED:
+        return xp.asarray(WEIGHT_TYPES[qtype].dequantize(raw if xp is np else xp.asnumpy(raw)))
+    if qtype is F32:
         return xp.asarray(raw, dtype=xp.float32)
-    if qtype is GGMLQuantizationType.F16:
+    if qtype is F16:
         return raw.astype(xp.float32)
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    rows, n_blocks = raw.shape[0], raw.shape[1] // block_bytes
-    blocks = xp.asarray(raw).reshape(rows, n_blocks, block_bytes)
+    t = WEIGHT_TYPES[qtype]
+    rows, n_blocks = raw.shape[0], raw.shape[1] // t.block_bytes
+    blocks = xp.asarray(raw).reshape(rows, n_blocks, t.block_bytes)
     scale = xp.ascontiguousarray(blocks[:, :, :2]).view(xp.float16).astype(xp.float32)
-    if qtype is GGMLQuantizationType.Q8_0:
+    if qtype is Q8_0:
         values = blocks[:, :, 2:].astype(xp.int8).astype(xp.float32)
     else:
         packed = blocks[:, :, 2:]

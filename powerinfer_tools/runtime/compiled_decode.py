@@ -666,8 +666,9 @@ def _units(layer) -> list[tuple]:
 
 def _supported(layer) -> bool:
     """Whether the compiled path computes this layer: all on the CPU, no biases but q/k/v's, gated FFNs
-    (one CPU partition each; an expert's not through a neuron cache), and one weight type and layout for
-    q/k/v/o and one type for every gate/up."""
+    (one CPU partition each; an expert's not through a neuron cache) whose ``ffn_down_t`` the axpy loops
+    decode (``nk.axpy_takes``; other types' products all go through ggml's ``vec_dot``), and one weight
+    type and layout for q/k/v/o and one type for every gate/up."""
     d = layer.dense
     if set(d.biases) - set(_BIASES) or d.backend.is_device or any(
             len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
@@ -676,7 +677,8 @@ def _supported(layer) -> bool:
     if layer.experts and any(p.cache is not None for p in partitions):
         return False
     return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
-                and (p.down_t is not None or p.down.cols == p.up.rows) for p in partitions)
+                and (nk.axpy_takes(p.down_t.qtype, p.down_t.cols) if p.down_t is not None else p.down.cols == p.up.rows)
+                for p in partitions)
             and len({(d.wq.qtype, type(d.wq)), (d.wk.qtype, type(d.wk)), (d.wv.qtype, type(d.wv)),
                      (d.wo.qtype, type(d.wo))}) == 1
             and len({m.qtype for p in partitions for m in (p.gate, p.up)}) == 1)

@@ -133,15 +133,6 @@ class _Tensors:
         return (tensor_name(tensor, layer, expert=expert) in self.model
                 or (self.bundle is not None and self.bundle.part(tensor) is not None))
 
-    def predictor_matrix(self, name: str, backend=None) -> QuantMatrix:
-        """A predictor tensor in its stored type; one the kernels do not compute (the q5_0 of PowerInfer's own
-        quantizer) becomes f16 at load: as compact as a weight type the kernels compute, within f16 rounding."""
-        t = self.model[name]
-        if t.qtype in SUPPORTED_TYPES:
-            return self.matrix(name, backend)
-        data = decode(self.stored(name), t.qtype).reshape(t.shape).astype(np.float16)
-        return QuantMatrix(GGMLQuantizationType.F16, data if backend is None else backend.upload(data))
-
     def array(self, name: str, backend=None) -> Optional[np.ndarray]:
         if name not in self.model:
             return None
@@ -348,9 +339,9 @@ def _predictor(tensors: _Tensors, layer: int, backend, on_device: bool, threshol
     fc1_name, fc2_name = predictor_names(layer, expert)
     if fc1_name not in tensors.model:
         return None
-    matrix_backend = backend if on_device else None
-    return Predictor(backend, tensors.predictor_matrix(fc1_name, matrix_backend),
-                     tensors.predictor_matrix(fc2_name, matrix_backend), threshold)
+    matrix_backend = backend if on_device else None  # in its stored type (PowerInfer's q5_0 too)
+    return Predictor(backend, tensors.matrix(fc1_name, matrix_backend), tensors.matrix(fc2_name, matrix_backend),
+                     threshold)
 
 
 def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, threshold: float,
