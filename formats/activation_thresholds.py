@@ -27,18 +27,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
+# The metadata keys are spelled with our others (RULE_KEY: a SparsityRule value; TARGET_KEY: the sparsity the
+# thresholds were calibrated for), and typed in formats/metadata_keys.py.
+from powerinfer_tools.formats.constants import (SPARSITY_RULE_KEY as RULE_KEY, SPARSITY_TARGET_KEY as TARGET_KEY,
+                                                SPARSITY_THRESHOLD_KEY)
+from powerinfer_tools.formats.metadata_keys import read_key
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.xp import array_namespace
 
-# GGUF metadata keys (ours; PowerInfer and llama.cpp ignore them).
-RULE_KEY = "pitools.sparsity.rule"  # string: a SparsityRule value
-TARGET_KEY = "pitools.sparsity.target"  # float32: the sparsity the thresholds were calibrated for
-
 
 def threshold_key(name: str) -> str:
     """The float32 array (one value per layer) of one kind of threshold."""
-    return f"pitools.sparsity.threshold.{name}"
+    return SPARSITY_THRESHOLD_KEY.format(name=name)
 
 
 class SparsityRule(str, enum.Enum):
@@ -79,7 +80,7 @@ class ActivationThresholds:
 def read_thresholds(get: Callable[[str], Any], n_layers: int, source: str) -> Optional[ActivationThresholds]:
     """The thresholds in a model file's metadata (``get``: its key lookup), or None when it has none.
     Errors name ``source``."""
-    rule_name = get(RULE_KEY)
+    rule_name = read_key(get, RULE_KEY, source)
     if rule_name is None:
         return None
     try:
@@ -87,23 +88,11 @@ def read_thresholds(get: Callable[[str], Any], n_layers: int, source: str) -> Op
     except ValueError:
         known = ", ".join(r.value for r in SparsityRule)
         raise PitoolsError(f"{source}: {RULE_KEY} is {rule_name!r:.40}; expected one of {known}") from None
-    target = get(TARGET_KEY)
-    if not isinstance(target, float) or not 0 <= target < 1:
-        raise PitoolsError(f"{source}: {TARGET_KEY} must be a number in [0, 1), got {target!r:.40}")
-    values = {}
-    for name in rule.thresholds:
-        stored = get(threshold_key(name))
-        array = np.asarray(stored if stored is not None else [], dtype=np.float64)
-        if array.shape != (n_layers,) or not np.all(np.isfinite(array)) or np.any(array < 0):
-            raise PitoolsError(f"{source}: {threshold_key(name)} must hold {n_layers} finite non-negative "
-                               f"thresholds (rule {rule.value}), got {_describe(stored)}")
-        values[name] = array
+    needed = f"rule {rule.value}"
+    target = read_key(get, TARGET_KEY, source, required=needed)
+    values = {name: read_key(get, threshold_key(name), source, n_layers, required=needed) for name in rule.thresholds}
     layers = tuple(LayerThresholds(**{name: float(v[i]) for name, v in values.items()}) for i in range(n_layers))
     return ActivationThresholds(rule, float(target), layers)
-
-
-def _describe(stored) -> str:
-    return "nothing" if stored is None else f"{len(stored)} values" if hasattr(stored, "__len__") else repr(stored)
 
 
 def kept(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:

@@ -71,19 +71,32 @@ PREDICTOR_COMPUTED_KEY = "pitools.predictor.computed"  # share of the neurons it
 FFN_BUNDLE_PARTS_KEY = "pitools.ffn_bundle.parts"
 FFN_BUNDLE_TYPES_KEY = "pitools.ffn_bundle.types"
 FFN_BUNDLE_STRIDE_KEY = "pitools.ffn_bundle.stride"
+# A SiLU model thresholded for training-free sparsity (formats/activation_thresholds.py): its rule (a
+# ``SparsityRule`` value), the sparsity it was calibrated for (float32) and, per kind of threshold
+# ({name}: a ``LayerThresholds`` field), one threshold per layer (float32 array).
+SPARSITY_RULE_KEY = "pitools.sparsity.rule"
+SPARSITY_TARGET_KEY = "pitools.sparsity.target"
+SPARSITY_THRESHOLD_KEY = "pitools.sparsity.threshold.{name}"
+
+
+# A layer's profiled firing probability per neuron (float32 array, file order), which ``pitools solve`` places
+# neurons by; PowerInfer ignores it. An expert's is the probability over the tokens routed to it ...
+NEURON_FREQUENCY_KEY = "pitools.blk.{layer}.neuron_frequency"
+EXPERT_NEURON_FREQUENCY_KEY = NEURON_FREQUENCY_KEY + ".{expert}"
+# ... and a mixture's routing frequency, per expert of the layer, how often that is: the share of profiled
+# tokens routed to it (float32 array; they sum to the experts used per token).
+EXPERT_FREQUENCY_KEY = "pitools.blk.{layer}.expert_frequency"
 
 
 def neuron_frequency_key(layer: int, expert: int | None = None) -> str:
-    """Our key for a layer's profiled firing probability per neuron (float32 array, file order),
-    which ``pitools solve`` places neurons by. PowerInfer ignores it. An expert's is the probability
-    over the tokens routed to it (``expert_frequency_key`` holds how often that is)."""
-    return f"pitools.blk.{layer}.neuron_frequency" + ("" if expert is None else f".{expert}")
+    """``NEURON_FREQUENCY_KEY`` of a layer, or ``EXPERT_NEURON_FREQUENCY_KEY`` of one of its experts."""
+    if expert is None:
+        return NEURON_FREQUENCY_KEY.format(layer=layer)
+    return EXPERT_NEURON_FREQUENCY_KEY.format(layer=layer, expert=expert)
 
 
 def expert_frequency_key(layer: int) -> str:
-    """Our key for a mixture's routing frequency: per expert of the layer, the share of profiled tokens
-    routed to it (float32 array; they sum to the experts used per token)."""
-    return f"pitools.blk.{layer}.expert_frequency"
+    return EXPERT_FREQUENCY_KEY.format(layer=layer)
 
 
 # In a split file with a RAM tier (``pitools solve --ram``): the host memory budget and the bytes of the
@@ -97,10 +110,13 @@ DISK_BYTES_PER_TOKEN_KEY = "pitools.disk_bytes_per_token"
 CACHE_HIT_RATE_KEY = "pitools.cache_hit_rate"
 
 
+# Our split-file key for the sorted ids of a layer's RAM-resident neurons (int32 array), present only for a
+# layer that has some. PowerInfer ignores it.
+LAYER_RAM_NEURONS_KEY = "pitools.blk.{layer}.ram_neurons"
+
+
 def ram_neurons_key(layer: int) -> str:
-    """Our split-file key for the sorted ids of a layer's RAM-resident neurons (int32 array), present only
-    for a layer that has some. PowerInfer ignores it."""
-    return f"pitools.blk.{layer}.ram_neurons"
+    return LAYER_RAM_NEURONS_KEY.format(layer=layer)
 
 
 # --- spelling a tensor's name ----------------------------------------------------------------------

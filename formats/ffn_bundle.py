@@ -67,8 +67,8 @@ class BundleLayout:
                                                            FFN_BUNDLE_STRIDE_KEY))
         if names is None and types is None and stride is None:
             return None
-        if not (isinstance(names, list) and isinstance(types, list) and len(names) == len(types) > 0
-                and all(n in _BY_PART for n in names) and isinstance(stride, int)):
+        # Their types, and as many types as parts, were checked as the file was opened (formats/metadata_keys.py).
+        if names is None or types is None or stride is None or not names or not all(n in _BY_PART for n in names):
             raise PitoolsError(f"{model.path}: malformed bundled-layout keys {FFN_BUNDLE_PARTS_KEY}, "
                                f"{FFN_BUNDLE_TYPES_KEY}, {FFN_BUNDLE_STRIDE_KEY}")
         try:

@@ -37,6 +37,7 @@ from powerinfer_tools.formats.constants import (
     ram_neurons_key,
     tensor_base_name,
 )
+from powerinfer_tools.formats.metadata_keys import LAYERS, SPLIT_KEYS, check_metadata
 from powerinfer_tools.formats.model_file import open_model_file
 
 from powerinfer_tools.errors import PitoolsError
@@ -105,19 +106,20 @@ class GpuSplit:
 
 
 def _from_extra(masks: tuple[np.ndarray, ...], vram_capacity: int, extra: dict[str, Any], path) -> GpuSplit:
-    """The split of a file's keys: ours that the runtime acts on become typed fields, the rest notes."""
-    budget, dense, head = (extra.pop(key, None) for key in (VRAM_BUDGET_KEY, DENSE_ON_GPU_KEY, OUTPUT_ON_GPU_KEY))
+    """The split of a file's keys (their values checked against ``SPLIT_KEYS``): ours that the runtime acts on
+    become typed fields, the rest notes."""
+    dense = extra.pop(DENSE_ON_GPU_KEY, None)
     ram_budget, cache_bytes = extra.pop(RAM_BUDGET_KEY, None), extra.pop(CACHE_BYTES_KEY, None)
     return GpuSplit(
         masks,
         vram_capacity,
-        vram_budget=None if budget is None else int(budget),
-        dense_on_gpu=None if dense is None else tuple(bool(on) for on in dense),
-        output_on_gpu=None if head is None else bool(head),
+        vram_budget=extra.pop(VRAM_BUDGET_KEY, None),
+        dense_on_gpu=None if dense is None else tuple(dense),
+        output_on_gpu=extra.pop(OUTPUT_ON_GPU_KEY, None),
         model_fingerprint=extra.pop(MODEL_FINGERPRINT_KEY, None),
         ram_masks=_ram_masks(path, masks, extra, has_tier=ram_budget is not None or cache_bytes is not None),
-        ram_budget=None if ram_budget is None else int(ram_budget),
-        cache_bytes=None if cache_bytes is None else int(cache_bytes),
+        ram_budget=ram_budget,
+        cache_bytes=cache_bytes,
         notes=extra,
     )
 
@@ -198,6 +200,7 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
     n_layers = len(tensors) // 2
     if len(tensors) % 2 or fields.get(BLOCK_COUNT_KEY, n_layers) != n_layers:
         raise PitoolsError(f"{path}: {len(tensors)} tensors for {fields.get(BLOCK_COUNT_KEY)} layers")
+    check_metadata(path, fields, SPLIT_KEYS, counts={LAYERS: n_layers})  # the layers are the tensors'
     masks = []
     for layer in range(n_layers):
         idx, bucket = tensors[2 * layer], tensors[2 * layer + 1]
@@ -210,7 +213,7 @@ def read_gpu_split(path: str | Path) -> GpuSplit:
             raise PitoolsError(f"{path}: {bucket.name} is not the sorted list of the neurons {idx.name} marks")
         masks.append(mask.astype(bool))
     ours = {key: value for key, value in fields.items() if key not in _STANDARD_KEYS}
-    return _from_extra(tuple(masks), int(fields[VRAM_CAPACITY_KEY]), ours, path)
+    return _from_extra(tuple(masks), fields[VRAM_CAPACITY_KEY], ours, path)
 
 
 def _idx_name(layer: int) -> str:

@@ -10,7 +10,7 @@ of a shape error deep inside a kernel.
 from __future__ import annotations
 
 import numpy as np
-from gguf import MODEL_TENSOR
+from gguf import MODEL_TENSOR, Keys
 from powerinfer_tools.formats.constants import (
     PowerInferTensor,
     expert_frequency_key,
@@ -20,6 +20,7 @@ from powerinfer_tools.formats.constants import (
 )
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_names
+from powerinfer_tools.formats.metadata_keys import read_key
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import ModelSpec
 
@@ -34,7 +35,8 @@ def sparse_layout(model: ModelFile) -> bool:
 
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
-    """Every tensor ``spec`` implies is present with its shape; predictors come in fc1/fc2 pairs that fit."""
+    """Every tensor ``spec`` implies is present with its shape, the predictors fit (``check_predictors``), and
+    the vocabulary, when the file has one, has a token per embedding row."""
     bundle = BundleLayout.of_file(model)
     bundled = set() if bundle is None else {tensor_name(p.tensor, i) for p in bundle.parts for i in range(spec.n_layers)}
     for expected in tensor_names(spec, sparse_layout(model)):
@@ -45,6 +47,13 @@ def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     if bundle is not None:
         for layer in range(spec.n_layers):
             _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
+    check_predictors(model, spec)
+    read_key(model.get, Keys.Tokenizer.LIST, model.path, spec.vocab_size)  # a token per row of the embedding
+
+
+def check_predictors(model: ModelFile, spec: ModelSpec) -> None:
+    """Predictors come in fc1/fc2 pairs that fit the model, in a file of the sparse layout (``inspect`` checks
+    this alone: it shows files whose other tensors are missing)."""
     for unit in spec.ffn_units:
         fc1, fc2 = predictor_names(unit.layer, unit.expert)
         if fc1 not in model and fc2 not in model:
@@ -68,24 +77,16 @@ def _check_shape(model: ModelFile, name: str, shape: tuple[int, ...]) -> None:
 def routing_frequencies(model: ModelFile, spec: ModelSpec, layer: int) -> np.ndarray | None:
     """A mixture layer's recorded routing frequency per expert, the share of profiled tokens routed to it
     (None when the file has none), checked to be ``n_experts`` finite shares in [0, 1]."""
-    return _probabilities(model, expert_frequency_key(layer), spec.n_experts, "routing frequencies")
+    return _probabilities(model, expert_frequency_key(layer), spec.n_experts)
 
 
 def neuron_frequencies(model: ModelFile, spec: ModelSpec, layer: int, expert: int | None = None) -> np.ndarray | None:
     """A layer's (or an expert's) recorded firing probabilities (None when the file has none), checked to
     be ``d_ff`` finite probabilities."""
-    return _probabilities(model, neuron_frequency_key(layer, expert), spec.d_ff, "firing probabilities")
+    return _probabilities(model, neuron_frequency_key(layer, expert), spec.d_ff)
 
 
-def _probabilities(model: ModelFile, key: str, count: int, what: str) -> np.ndarray | None:
+def _probabilities(model: ModelFile, key: str, count: int) -> np.ndarray | None:
     """The metadata array ``key`` as float64, checked to be ``count`` values in [0, 1]; None when absent."""
-    raw = model.get(key)
-    if raw is None:
-        return None
-    try:
-        values = np.asarray(raw, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise PitoolsError(f"{model.path}: {key} is not an array of numbers") from None
-    if values.shape != (count,) or not np.all(np.isfinite(values)) or values.min() < 0 or values.max() > 1:
-        raise PitoolsError(f"{model.path}: {key} must hold {count} {what} in [0, 1]")
-    return values
+    values = read_key(model.get, key, model.path, count)
+    return None if values is None else np.asarray(values, dtype=np.float64)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 from powerinfer_tools.formats.constants import POWERINFER_MAGIC_BYTES
+from powerinfer_tools.formats.metadata_keys import MODEL_KEYS, check_metadata
 from powerinfer_tools.formats.quantization import decode, encode, storage_shape
 
 from powerinfer_tools.errors import PitoolsError
@@ -207,7 +208,8 @@ class ModelFile:
             raise PitoolsError(f"{self.path}: model file has no tensor {name!r}") from None
 
     def get(self, key: str, default: Any = None) -> Any:
-        """A metadata value; ``{arch}`` in ``key`` stands for the architecture."""
+        """A metadata value; ``{arch}`` in ``key`` stands for the architecture. A key of
+        ``metadata_keys.MODEL_KEYS`` holds what its entry says: the file was refused otherwise."""
         return self.metadata.get(key.format(arch=self.architecture), default)
 
 
@@ -264,5 +266,6 @@ def open_model_file(path: str | os.PathLike) -> ModelFile:
         raise PitoolsError(f"{path}: corrupt or truncated model file ({' '.join(str(exc).split())})") from None
     if not isinstance(metadata.get(Keys.General.ARCHITECTURE), str):
         raise PitoolsError(f"{path}: model file has no {Keys.General.ARCHITECTURE} string")
+    check_metadata(path, metadata, MODEL_KEYS)  # so every reader of a key gets a value of its type
     version = int(reader.fields["GGUF.version"].parts[0][0])
     return ModelFile(path, magic == POWERINFER_MAGIC_BYTES, version, metadata, tensors)

@@ -22,6 +22,11 @@ MAX_VOCAB = 2**24
 MAX_POSITIONS = 2**24
 MAX_EXPERTS = 1024  # DeepSeek-V3 routes among 256 experts per layer, Mixtral among 8
 
+# The positive values float32 holds: the real fields (norm_eps, rope_theta, rope_scaling_factor) are written
+# to a model file as float32, where a larger one would not fit and a smaller one would become 0.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINIEST = 2.0**-149  # the smallest subnormal
+
 # OPT reserves the first two rows of its position table (ModelSpec.position_offset): the reference
 # engine and the GGUF reader both need it.
 OPT_POSITION_OFFSET = 2
@@ -189,6 +194,9 @@ def _positive_real(spec: ModelSpec, field: str, optional: bool = False) -> None:
     number = _as_float(value)
     if not math.isfinite(number) or number <= 0:
         raise InvalidSpec(lambda name: f"{name(field)} must be a finite number above 0, not {_shown(value)}")
+    if not FLOAT32_TINIEST <= number <= FLOAT32_MAX:
+        raise InvalidSpec(lambda name: f"{name(field)} is {number:g}; it must fit float32 (from {FLOAT32_TINIEST:.4g} "
+                                       f"to {FLOAT32_MAX:.4g}), as a model file stores it")
     object.__setattr__(spec, field, number)
 
 

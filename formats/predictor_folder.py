@@ -23,13 +23,14 @@ memory-mapped like a checkpoint's, so merging them streams too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from powerinfer_tools.formats.constants import predictor_names
 from powerinfer_tools.formats.json_fields import check_fields, check_format
-from powerinfer_tools.formats.model_spec import FFNUnit, ModelSpec, ffn_units
+from powerinfer_tools.formats.model_spec import FLOAT32_MAX, FFNUnit, ModelSpec, ffn_units
 from powerinfer_tools.formats.safetensors_file import SafetensorsTensors
 from safetensors.numpy import save_file
 
@@ -189,6 +190,9 @@ def _checked_meta(path: Path, meta) -> dict:
     check_fields(path, meta["settings"], _SETTINGS_FIELDS, "settings.")
     if "experts" in meta:  # a mixture's predictors; absent: none
         check_fields(path, meta, {"experts": (int, 0)})
+    threshold = meta["sparse_threshold"]
+    if not (math.isfinite(threshold) and abs(threshold) <= FLOAT32_MAX):  # it is written as a float32
+        raise PitoolsError(f"{path}: sparse_threshold is {threshold!r}; it must be a finite float32")
     layers, units = meta["layers"], ffn_units(meta["n_layers"], meta.get("experts", 0))
     for i, entry in enumerate(layers):
         check_fields(path, entry if isinstance(entry, dict) else {}, _LAYER_FIELDS, f"layers[{i}].")

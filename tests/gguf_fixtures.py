@@ -187,3 +187,42 @@ def stepwise_logits(model, tokens=TOKENS, prompt=4) -> np.ndarray:
     steps = [model.forward(tokens[:prompt], caches)]
     steps += [model.forward(tokens[i : i + 1], caches) for i in range(prompt, len(tokens))]
     return np.concatenate(steps)
+
+
+# --- rewriting a model or split file ------------------------------------------------------------------------
+
+def rewrite_gguf(path: Path, changes: dict, tensors: dict | None = None) -> None:
+    """Rewrite the model or split file ``path`` in place with its metadata changed: ``changes`` maps a key to
+    ``(value, GGUFValueType[, item type])`` (a new value, of any type) or to None (the key removed); ``tensors``
+    maps a tensor's name to new data of its type. Every other key keeps its place and type, every other tensor
+    its bytes, the file its magic (PWRI or GGUF)."""
+    import tempfile
+
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+    data = path.read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "copy.gguf"
+        copy.write_bytes(b"GGUF" + data[4:])  # gguf-py reads only the GGUF magic
+        reader = GGUFReader(copy)
+        fields = {name: (f.contents(), GGUFValueType(f.types[0]),
+                         GGUFValueType(f.types[-1]) if f.types[0] == GGUFValueType.ARRAY else None)
+                  for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        for key, change in changes.items():
+            if change is None:
+                fields.pop(key, None)
+            else:
+                fields[key] = (*change, None) if len(change) == 2 else change
+        writer = GGUFWriter(path, fields.pop(Keys.General.ARCHITECTURE)[0])
+        for key, (value, kind, item_kind) in fields.items():
+            if key == Keys.General.ALIGNMENT:
+                writer.data_alignment = value  # where the tensors start, as the key says
+            writer.add_key_value(key, value, kind, item_kind)
+        for t in reader.tensors:
+            writer.add_tensor(t.name, (tensors or {}).get(t.name, t.data), raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    with open(path, "r+b") as f:
+        f.write(data[:4])

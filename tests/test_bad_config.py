@@ -51,6 +51,11 @@ def refused_conversion(model: Path, names: Path, match: str) -> None:
     (dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false, not 'yes'"),
     (dict(model_type=["llama"]), "model_type ['llama'] is not supported"),
     (dict(hidden_act=["relu"]), "hidden_act=['relu'] are not supported"),
+    # Written as float32: beyond its range a value would not fit (OverflowError) or would become 0.
+    (dict(rope_theta=1e39), "rope_theta is 1e+39; it must fit float32"),
+    (dict(rms_norm_eps=1e300), "rms_norm_eps is 1e+300; it must fit float32"),
+    (dict(rms_norm_eps=1e-50), "rms_norm_eps is 1e-50; it must fit float32"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 1e308}), "rope_scaling factor is 1e+308; it must fit float32"),
 ])
 def test_invalid_config_value_is_one_error_naming_file_and_key(model, changes, match):
     edit_config(model, **changes)

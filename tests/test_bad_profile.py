@@ -95,6 +95,8 @@ def test_truncated_pairs_are_not_zero_filled_on_resume(profile, numpy_checkpoint
     (lambda meta: dict(meta, layers=[dict(meta["layers"][0], hidden="8")]), "layers[0].hidden must be an integer"),
     (lambda meta: dict(meta, layers=meta["layers"][::-1]), "layers[0] is layer 1"),
     (lambda meta: dict(meta, layers=meta["layers"][:1]), "1 of 2 layers finished, yet complete is true"),
+    (lambda meta: dict(meta, sparse_threshold=float("nan")), "sparse_threshold is nan; it must be a finite float32"),
+    (lambda meta: dict(meta, sparse_threshold=1e300), "sparse_threshold is 1e+300; it must be a finite float32"),
 ])
 def test_bad_predictors_json(pristine, tmp_path, edit, match):
     predictors = Path(shutil.copytree(pristine.parent / "predictors", tmp_path / "predictors"))

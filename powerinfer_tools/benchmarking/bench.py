@@ -386,7 +386,7 @@ def bench_tokens(model_path: Path, count: int) -> np.ndarray:
 def _tokenizer(model_path: Path):
     from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
-    return GGUFTokenizer(open_model_file(model_path).metadata)
+    return GGUFTokenizer(open_model_file(model_path).metadata, source=str(model_path))
 
 
 def measure_bandwidth(threads: int) -> float:

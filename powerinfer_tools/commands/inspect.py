@@ -14,7 +14,7 @@ from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_kind
 from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, predictor_quality, spec_from_model_file
-from powerinfer_tools.formats.model_check import sparse_layout
+from powerinfer_tools.formats.model_check import check_predictors, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.units import format_size
 
@@ -147,11 +147,12 @@ def inspect(file: Path, as_json: bool) -> None:
     kind: embedding, attention, ffn, predictor, output.
 
     A file of a supported architecture (llama, bamboo, opt) whose hyperparameters
-    are missing or invalid is reported as that one error, not shown: `pitools run`
-    would refuse it.
+    are missing or invalid, or whose predictors do not fit them, is reported as that
+    one error, not shown: `pitools run` would refuse it.
     """
     model = open_model_file(file)
     if model.architecture in SUPPORTED_ARCHITECTURES:
-        spec_from_model_file(model)  # the hyperparameter check `run` makes
+        # run's checks of the hyperparameters and predictors; a file missing other tensors is still shown
+        check_predictors(model, spec_from_model_file(model))
     report = describe(model)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))

@@ -95,6 +95,6 @@ def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, s
     source = resolve_source(corpus, dataset, path.parent, split, text_field)
     # Special-token spellings in the text (document separators) parse as the tokens, as the reference
     # engine's Hugging Face tokenizer parses them: both then score the same token stream.
-    tokenizer = GGUFTokenizer(model.metadata, parse_special=True)
+    tokenizer = GGUFTokenizer(model.metadata, parse_special=True, source=str(path))
     tokens, seq_len = corpus_tokens(source, tokenizer, model.spec.max_positions, n_tokens, seq_len, skip_tokens)
     return runtime_perplexity(model, tokens, seq_len, mode, progress=not quiet)

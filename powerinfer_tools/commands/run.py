@@ -67,9 +67,14 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     if ram_state is not None:
         summary += (f" | weights in memory {format_size(ram_state.resident_bytes)} of "
                     f"{format_size(ram_state.plan.budget)}"
-                    f" | cache hit rate {s.ffn.hit_rate:.2f} | {s.ffn.disk_bytes / max(s.ffn.steps, 1) / 1e6:.2f} MB "
+                    f" | cache hit rate {_hit_rate(s.ffn)} | {s.ffn.disk_bytes / max(s.ffn.steps, 1) / 1e6:.2f} MB "
                     "from disk/step")
     click.echo(f"{summary} | {llm.description}", err=True)
+
+
+def _hit_rate(ffn) -> str:
+    """The neuron caches' hit rate; a run that never needed a neuron from outside memory has none."""
+    return f"{ffn.hit_rate:.2f}" if ffn.cache_hits + ffn.cache_misses else "- (no neuron read from disk)"
 
 
 def _throughput(what: str, tokens: int, rate: float | None) -> str:

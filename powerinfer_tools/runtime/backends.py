@@ -186,6 +186,10 @@ def single_threaded_blas():
     return _OPENBLAS.single_threaded() if _OPENBLAS.available else contextlib.nullcontext()
 
 
+class OverBudget(PitoolsError):
+    """An upload past the device's VRAM budget: the split asked for more than the budget it records."""
+
+
 class DeviceBackend:
     """Common part of the GPU backends: a memory pool with a budget and transfer counters."""
 
@@ -204,7 +208,7 @@ class DeviceBackend:
 
     def _reserve(self, nbytes: int) -> None:
         if self.used_bytes + nbytes > self.budget_bytes:
-            raise PitoolsError(
+            raise OverBudget(
                 f"{self.name}: uploading {nbytes} bytes would exceed the VRAM budget of {self.budget_bytes} bytes "
                 f"({self.used_bytes} already used); solve the split again for this budget"
             )

@@ -132,7 +132,7 @@ class LLM:
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
         if model.ram is not None:
             where += f", --ram {format_size(ram)} ({cache_policy} cache)"
-        return cls(model, GGUFTokenizer(model.metadata), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
+        return cls(model, GGUFTokenizer(model.metadata, source=str(path)), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
                    str(path))
 
     @property

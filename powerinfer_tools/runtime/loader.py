@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from powerinfer_tools.direct_io import DirectReader
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, LayerThresholds, read_thresholds
 from powerinfer_tools.formats.constants import (
+    MODEL_FINGERPRINT_KEY,
     SPARSE_THRESHOLD_KEY,
     PowerInferTensor,
     TensorKind,
@@ -24,6 +26,7 @@ from powerinfer_tools.formats.constants import (
     tensor_name,
 )
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
+from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies
@@ -32,7 +35,7 @@ from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models.layers import Norm
-from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice
+from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice, OverBudget
 from powerinfer_tools.runtime.engine import DenseBlock, Expert, RuntimeLayer, RuntimeModel
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, NeuronCache, NeuronFile, RowSource
@@ -271,8 +274,8 @@ def _unit_masks(masks, spec) -> list[np.ndarray]:
     return [unit_mask for mask in masks for unit_mask in mask.reshape(-1, spec.d_ff)]
 
 
-def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: GpuSplit | None, ram: int,
-               policy: str, cache_share: float) -> CacheSetup:
+def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: GpuSplit | None, split_path: Path,
+               ram: int, policy: str, cache_share: float) -> CacheSetup:
     """The plan for a RAM budget: the split's RAM tier when it has one, else the hottest neurons pinned."""
     tensors, units, first = _Tensors(model), spec.ffn_units, spec.ffn_units[0]
     if not tensors.has_ffn(DOWN_T, 0, first.expert):
@@ -289,7 +292,7 @@ def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: 
     cpu = [all_neurons] * len(units) if gpu_split is None else [all_neurons[~m] for m in _unit_masks(gpu_split.masks, spec)]
     if gpu_split is not None and gpu_split.ram_masks is not None:
         plan = plan_from_split(ram, dense_bytes, neuron_bytes, _unit_masks(gpu_split.ram_masks, spec),
-                               gpu_split.cache_bytes or 0, cpu, str(default_split_path(path)))
+                               gpu_split.cache_bytes or 0, cpu, str(split_path))
     else:
         # Each layer gets an equal share of the rows, its hottest neurons pinned (a mixture's by reads per token).
         freqs = [neuron_frequencies(model, spec, u.layer, u.expert) for u in units]
@@ -435,10 +438,21 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
                                            whole_gate=cats), spec.d_ff)
 
 
-def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons: int,
-                device: str) -> tuple[GpuSplit, object]:
-    """The split file, checked against the model, and the device its budget allows."""
+def _check_fingerprint(gpu_split: GpuSplit, model: ModelFile, split_path: Path) -> None:
+    """A split named by the caller must have been solved for this model file, when it records which (PowerInfer's
+    do not): one of another file of the same shape would load and place neurons by that file's profile."""
+    if gpu_split.model_fingerprint not in (None, model_fingerprint(model.path)):
+        raise PitoolsError(f"{split_path}: solved for another model file than {model.path} ({MODEL_FINGERPRINT_KEY} "
+                           f"differs); solve one for it: pitools solve {model.path} --vram SIZE")
+
+
+def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons: int, device: str,
+                named: bool) -> tuple[GpuSplit, object]:
+    """The split file, checked against the model (``named``: by the caller, also its fingerprint), and the device
+    its budget allows."""
     gpu_split = read_gpu_split(split_path)
+    if named:
+        _check_fingerprint(gpu_split, model, split_path)
     _check_split(gpu_split, model, n_layers, layer_neurons, split_path)
     budget = gpu_split.vram_budget if gpu_split.vram_budget is not None else gpu_split.vram_capacity
     return gpu_split, CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
@@ -476,7 +490,7 @@ def load_runtime_model(
     gpu_split, device_backend = None, None
     if use_split and (split is not None or split_path.is_file()):
         gpu_split, device_backend = _open_split(split_path, model, spec.n_layers, spec.d_ff * max(spec.n_experts, 1),
-                                                device)
+                                                device, named=split is not None)
         if cpu_only:
             if any(mask.any() for mask in gpu_split.masks) or gpu_split.ram_masks is None:
                 raise PitoolsError(f"{split_path}: places neurons on a GPU, and this run is on the CPU: give --device "
@@ -489,17 +503,29 @@ def load_runtime_model(
                            "not supported yet: its neuron choice reads every gate row")
     if ram is not None:
         file = NeuronFile(path)
-        cache = _ram_setup(path, model, spec, file, gpu_split, ram, cache_policy, cache_share)
+        cache = _ram_setup(path, model, spec, file, gpu_split, split_path, ram, cache_policy, cache_share)
         tensors = _Tensors(model, file.reader)
 
-    layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, thresholds)
-              for i in range(spec.n_layers)]
-    runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path, context_size)
+    with _within_split_budget(split_path, path):
+        layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, thresholds)
+                  for i in range(spec.n_layers)]
+        runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path,
+                                 context_size)
     if cache is not None:
         caches = [p.cache for layer in layers for ffn in ([e.partitions for e in layer.experts] or [layer.partitions])
                   for p in ffn if p.cache is not None]
         runtime.ram = RamState(cache.plan, tensors.resident_bytes, caches, cache.file)
     return runtime
+
+
+@contextlib.contextmanager
+def _within_split_budget(split_path: Path, path: Path):
+    """An upload past the device's budget: the split's own placement does not fit the budget it records."""
+    try:
+        yield
+    except OverBudget as exc:
+        raise PitoolsError(f"{split_path}: places more on the device than its VRAM budget ({exc}); "
+                           f"solve it again: pitools solve {path} --vram SIZE") from None
 
 
 def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | None, device_backend, host,

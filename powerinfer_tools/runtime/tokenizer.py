@@ -86,17 +86,17 @@ def byte_alphabet() -> dict[int, str]:
 class GGUFTokenizer(Tokenizer):
     """Encode and decode with the vocabulary stored in GGUF metadata."""
 
-    def __init__(self, metadata: dict, parse_special: bool = False):
+    def __init__(self, metadata: dict, parse_special: bool = False, source: str = "the model file"):
         """``parse_special``: text spelling a control token (``<|endoftext|>``, ``</s>``) encodes as that
         token, as Hugging Face tokenizers and llama.cpp's ``special=True`` do; otherwise it is plain text,
         as in llama.cpp's default (the prompts of ``pitools run``). Other added tokens (USER_DEFINED)
-        encode as themselves either way."""
+        encode as themselves either way. ``source``: the file the metadata came from, named by errors."""
         self.parse_special = parse_special
         try:
             self.kind = metadata[Keys.Tokenizer.MODEL]
             self.tokens: list[str] = list(metadata[Keys.Tokenizer.LIST])
         except KeyError as exc:
-            raise PitoolsError(f"the model file has no embedded tokenizer ({exc.args[0]} missing)") from None
+            raise PitoolsError(f"{source}: no embedded tokenizer ({exc.args[0]} missing)") from None
         self.types = list(metadata.get(Keys.Tokenizer.TOKEN_TYPE, [NORMAL] * len(self.tokens)))
         self.chat_template = metadata.get(Keys.Tokenizer.CHAT_TEMPLATE)
         self.bos_token_id = metadata.get(Keys.Tokenizer.BOS_ID)
@@ -106,7 +106,7 @@ class GGUFTokenizer(Tokenizer):
             name = metadata.get(Keys.Tokenizer.PRE, "gpt-2")
             if name not in PRE_TOKENIZERS:
                 supported = ", ".join(PRE_TOKENIZERS)
-                raise PitoolsError(f"pre-tokenizer {name!r} is not supported (supported: {supported})")
+                raise PitoolsError(f"{source}: pre-tokenizer {name!r} is not supported (supported: {supported})")
             self.pre = PRE_TOKENIZERS[name]
             self._split = regex.compile(self.pre.pattern)
             merges = metadata.get(Keys.Tokenizer.MERGES, [])
@@ -118,7 +118,7 @@ class GGUFTokenizer(Tokenizer):
             self.add_space_prefix = bool(metadata.get(Keys.Tokenizer.ADD_PREFIX, True))
             self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, True))
         else:
-            raise PitoolsError(f"tokenizer model {self.kind!r} is not supported (supported: gpt2, llama)")
+            raise PitoolsError(f"{source}: tokenizer model {self.kind!r} is not supported (supported: gpt2, llama)")
 
     @property
     def vocab_size(self) -> int:
