@@ -167,6 +167,18 @@ def test_device_holds_the_predictors_at_their_stored_size(q4_0_models, tmp_path)
     assert all(layer.dense.predictor.backend is model.device for layer in model.layers)
 
 
+def assert_same_sparse_decoding(compiled, general) -> None:
+    """The compiled decoder and the general path choose the same neurons and give the same logits, up to float32
+    summation order, decoding in sparse mode."""
+    logits = []
+    for model in (compiled, general):
+        model.mode = FFNMode.SPARSE
+        logits.append(stepwise_logits(model))
+    assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
+    assert compiled.stats.neurons_active == general.stats.neurons_active
+    assert relative_error(*logits) < 1e-4
+
+
 @pytest.mark.skipif(not kernels.available(), reason=f"compiled kernels unavailable: {kernels.unavailable_reason()}")
 @pytest.mark.parametrize("hidden", [12, 16, 32])
 def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, hidden):
@@ -175,13 +187,7 @@ def test_compiled_decoder_predicts_what_the_general_path_predicts(q4_0_models, h
     compiled, general = load_runtime_model(q4_0_models[hidden]), load_runtime_model(q4_0_models[hidden])
     general.compiled_decoding = False
     assert compiled.compiled_decoder() is not None
-    logits = []
-    for model in (compiled, general):
-        model.mode = FFNMode.SPARSE
-        logits.append(stepwise_logits(model))
-    assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
-    assert compiled.stats.neurons_active == general.stats.neurons_active
-    assert relative_error(*logits) < 1e-4
+    assert_same_sparse_decoding(compiled, general)
 
 
 def test_q5_0_predictors_are_computed_as_stored(q4_0_models, tmp_path, monkeypatch):
@@ -210,10 +216,4 @@ def test_q5_0_predictors_are_computed_as_stored(q4_0_models, tmp_path, monkeypat
             assert stored_file[name].qtype is Q.Q5_0 and m.qtype is Q.Q5_0
             assert np.array_equal(m.dequantize_rows(), stored_file[name].dequantize())
     assert compiled.compiled_decoder() is not None
-    logits = []
-    for model in (compiled, general):
-        model.mode = FFNMode.SPARSE
-        logits.append(stepwise_logits(model))
-    assert 0 < compiled.stats.neurons_active < compiled.stats.neurons_total
-    assert compiled.stats.neurons_active == general.stats.neurons_active
-    assert relative_error(*logits) < 1e-4
+    assert_same_sparse_decoding(compiled, general)

@@ -29,10 +29,10 @@ from starlette.testclient import TestClient
 
 from serving import metric, serving_process
 from test_serve_queue import LONG, SHORT, in_background, slowed, streaming, until
+from test_serve_queue import running as serving_app
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.app import ServeSettings, create_app
 from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError
-from powerinfer_tools.serving.uvicorn_server import http_server
 
 TESTS = Path(__file__).resolve().parent
 HEADER_SECONDS, BODY_SECONDS, TEMPLATE_SECONDS = 1.0, 1.5, 1.0
@@ -57,16 +57,8 @@ def running(llm: LLM, template: str | None = None, **settings):
         llm.tokenizer.chat_template = template
     app = create_app(llm, ServeSettings("tiny", **settings))
     llm.tokenizer = shared
-    listener = socket.create_server(("127.0.0.1", 0))
-    server = http_server(app, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    until(lambda: server.started, seconds=30)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    with serving_app(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

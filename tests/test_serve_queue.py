@@ -15,11 +15,11 @@ import time
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from serving import metric
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.app import ServeSettings, create_app
+from powerinfer_tools.serving.uvicorn_server import http_server
 
 STEP_SECONDS = 0.025
 LONG = {"model": "tiny", "prompt": "import os\n", "max_tokens": 240, "temperature": 0}  # >= 6 s on the model
@@ -46,13 +46,12 @@ def slowed(llm: LLM) -> LLM:
 
 @contextlib.contextmanager
 def running(app):
+    """``app`` served as ``pitools serve`` serves it, on a free port; yields the base URL."""
     listener = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = http_server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: server.started, seconds=30)
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
