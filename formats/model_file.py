@@ -16,6 +16,7 @@ returned without copying.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence
@@ -157,6 +158,38 @@ class _Reader(GGUFReader):
         if offset == 0 and count == 1 and values[0] == POWERINFER_MAGIC:
             return np.array([GGUF_MAGIC], dtype=values.dtype)
         return values
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        """gguf-py's, but an array of numbers read as one part and an array of strings walked without gguf-py's
+        two checked NumPy reads per item: ~50 us a token, 0.4 s for a 8,000-token vocabulary and seconds
+        for a 262,144-token one, all before the first token."""
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_item, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        item, count = int(raw_item[0]), int(length[0])
+        number = self.gguf_scalar_to_np.get(item)
+        if number is not None:
+            values = self._get(orig_offs + 12, number, count)
+            return 12 + values.nbytes, [raw_item, length, values], [2], [GGUFValueType.ARRAY, GGUFValueType(item)]
+        if item == GGUFValueType.STRING and self.byte_order == "I":
+            return self._string_array(orig_offs, [raw_item, length], count)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(self, orig_offs: int, parts: list, count: int):
+        """The parts gguf-py makes of an array of ``count`` strings (each one's length and bytes), for a file
+        in this machine's byte order."""
+        data, offs, indexes = self.data.view(np.ndarray), orig_offs + 12, []
+        for _ in range(count):
+            if offs + 8 > len(data):
+                raise ValueError(f"truncated: a string's length at byte {offs} ends past the file's {len(data)} bytes")
+            size = int.from_bytes(data[offs:offs + 8], sys.byteorder)  # "I": the file is in this order
+            if offs + 8 + size > len(data):
+                raise ValueError(f"truncated: a string of {size} bytes at byte {offs} ends past the file's "
+                                 f"{len(data)} bytes")
+            parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:offs + 8 + size])
+            indexes.append(len(parts) - 1)
+            offs += 8 + size
+        return offs - orig_offs, parts, indexes, [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
 
 @dataclass(frozen=True)
