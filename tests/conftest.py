@@ -7,6 +7,7 @@ test runs never need.
 
 import dataclasses
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ from powerinfer_tools.benchmarking.synth import Planting, synthesize
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.sparsify import SparsifySettings
+
+# `pitools run` in tests waits for kernels that are not yet compiled, as the API does, rather than start
+# background builds (whatever the environment says); tests/test_kernel_warmup.py tests the other policies.
+os.environ["PITOOLS_KERNELS"] = "wait"
 
 
 def pytest_addoption(parser):

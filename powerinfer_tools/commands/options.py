@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import click
 
-from powerinfer_tools import kernels
+from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
@@ -85,6 +87,11 @@ def runtime_options(f):
                           "does."),
         click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
                      help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`."),
+        click.option("--kernels", type=click.Choice([p.value for p in Policy]), default=None, envvar="PITOOLS_KERNELS",
+                     help="When the compiled CPU kernels for this kind of model are not yet built on this machine "
+                          "(once, about half a minute): wait for them; start at once on the slower NumPy kernels "
+                          "while a background process builds them; or use the NumPy reference only. Also "
+                          "PITOOLS_KERNELS [default: background for run, wait for serve]."),
     ]
     f = ram_options(f)  # listed last
     for option in reversed(options):
@@ -93,22 +100,27 @@ def runtime_options(f):
 
 
 def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads: int | None, split: Path | None,
-             no_split: bool, vram: str | None, hardware: str, ram: str | None, cache_policy: str) -> LLM:
-    """The model loaded as ``runtime_options`` say; sizes and the split are checked before anything loads."""
+             no_split: bool, vram: str | None, hardware: str, ram: str | None, cache_policy: str, kernels: str | None,
+             default_kernels: Policy) -> LLM:
+    """The model loaded as ``runtime_options`` say (``--kernels`` by the command's ``default_kernels`` when not
+    given); sizes and the split are checked before anything loads."""
     budget = parse_size(vram, "--vram") if vram is not None else None
     ram_budget = parse_size(ram, "--ram") if ram is not None else None
     if threads is not None:
-        kernels.set_threads(threads)
-    _spin_only_on_idle_cores(kernels.get_threads())
+        compiled_kernels.set_threads(threads)
     if split is not None and vram is None and not split.is_file():
         raise PitoolsError(f"{split}: no such split file (give --vram to solve one)")
-    return LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
-                    hardware=hardware, ctx_size=ctx_size, ram=ram_budget, cache_policy=cache_policy)
+    with _spin_only_on_idle_cores(compiled_kernels.get_threads()):
+        return LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
+                        hardware=hardware, ctx_size=ctx_size, ram=ram_budget, cache_policy=cache_policy,
+                        kernels=kernels or default_kernels,
+                        notice=lambda line: click.echo(f"pitools: {line}", err=True))
 
 
-def _spin_only_on_idle_cores(threads: int) -> None:
-    """Load the compiled kernels with OpenMP's waiting threads asleep (``OMP_WAIT_POLICY=passive``) when
-    other work holds the cores.
+@contextlib.contextmanager
+def _spin_only_on_idle_cores(threads: int):
+    """Within: whatever loads the compiled kernels loads them with OpenMP's waiting threads asleep
+    (``OMP_WAIT_POLICY=passive``) when other work holds the cores.
 
     The kernels' parallel loops run on libgomp, whose threads spin while they wait, by default. That
     is the quickest hand-over on idle cores, but when another process holds a core the spinning
@@ -117,13 +129,15 @@ def _spin_only_on_idle_cores(threads: int) -> None:
     spinning against 116-136 ms passive. So: passive when fewer cores are idle (by the 1-minute load
     average) than there are threads, unless the user set the variable. libgomp reads it once, as it
     loads with ggml's CPU library; the variable is unset again after, so that no child process or
-    later in-process caller inherits it.
+    later in-process caller inherits it. (Loading a model loads the kernels, unless it runs on the NumPy
+    reference: then they stay unloaded, and so does numba.)
     """
     idle = (os.cpu_count() or 1) - os.getloadavg()[0]
     if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:
+        yield
         return
     os.environ["OMP_WAIT_POLICY"] = "passive"
     try:
-        kernels.available()
+        yield
     finally:
         del os.environ["OMP_WAIT_POLICY"]

@@ -9,6 +9,7 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
+from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.units import format_size
 
@@ -45,7 +46,7 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
       pitools run model.powerinfer.gguf --ram 2GB -p "def "
     """
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
-    llm = load_llm(model, **runtime)
+    llm = load_llm(model, default_kernels=Policy.BACKGROUND, **runtime)
     pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
     click.echo(prompt, nl=False)
     for piece in pieces:

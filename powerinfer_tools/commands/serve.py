@@ -10,6 +10,7 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
+from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.units import parse_size
 
@@ -76,7 +77,7 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
                              max_body_bytes=parse_size(max_body, "--max-body"), template_seconds=template_timeout,
                              header_timeout=header_timeout, body_timeout=body_timeout)
     listener = _listen(host, port)  # before loading: a port in use is found out at once
-    llm = load_llm(model, **runtime)
+    llm = load_llm(model, default_kernels=Policy.WAIT, **runtime)
     where = listener.getsockname()
     url = f"http://{_url_host(where[0])}:{where[1]}"
     click.echo(f"pitools serve: {settings.model_id} ({llm.description}, context {llm.context_size}) at {url}/v1",

@@ -33,6 +33,22 @@ from powerinfer_tools.kernels.quant import QuantMatrix
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
 
 _threads = os.cpu_count() or 1
+_reference_reason: str | None = None  # set by use_reference: this process keeps to the NumPy reference
+
+
+def use_reference(reason: str | None) -> None:
+    """From now on in this process, the NumPy reference kernels, for ``reason`` (as if numba were missing:
+    nothing is compiled, numba is not even imported); None: the compiled kernels again, where they load.
+    A model loaded before a change keeps the layouts it was loaded with (``for_whole_products``)."""
+    global _reference_reason
+    if reason != _reference_reason:
+        _reference_reason = reason
+        _backend.cache_clear()
+
+
+def reference_chosen() -> bool:
+    """Whether ``use_reference`` chose the NumPy reference for this process."""
+    return _reference_reason is not None
 
 
 def available() -> bool:
@@ -152,7 +168,10 @@ def axpy_output(n_tokens: int, cols: int) -> np.ndarray:
 
 @functools.cache
 def _backend():
-    """``(numba_kernels module, checked GgmlCpu)``, or the reason string when they cannot load."""
+    """``(numba_kernels module, checked GgmlCpu)``, or the reason string when they cannot load or are not
+    to be used."""
+    if _reference_reason is not None:
+        return _reference_reason
     try:
         from powerinfer_tools.kernels import numba_kernels
     except ImportError as exc:
@@ -167,7 +186,8 @@ def _compiled_or_none(n_tokens: int):
     """``(numba_kernels, GgmlCpu, threads in use)`` when the compiled path should run, else None."""
     backend = _backend()
     if isinstance(backend, str):
-        _warn_fallback(backend)
+        if not reference_chosen():  # a choice is announced by whoever made it
+            _warn_fallback(backend)
         return None
     if n_tokens > MAX_TOKENS:
         return None

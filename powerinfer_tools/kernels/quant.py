@@ -55,8 +55,9 @@ class QuantMatrix:
         """float32 ``[k, cols]`` for the given row indices (all rows when None)."""
         raw = self.data if rows is None else self.data[rows]
         on_host = array_namespace(raw) is np
-        if on_host and self.qtype in _BLOCK_DECODERS and len(raw) >= _COMPILED_MIN_ROWS:
-            return _dequantize_compiled(raw, self.qtype)
+        compiled = _compiled_dequantizers().get(self.qtype) if on_host and len(raw) >= _COMPILED_MIN_ROWS else None
+        if compiled is not None:
+            return compiled(raw)
         base = ggml_base.loaded()
         if on_host and self.qtype not in _ARRAY_DECODED and base is not None:
             return base.dequantize(raw, self.qtype)
@@ -87,59 +88,21 @@ class QuantMatrix:
         return self.rows * self.row_bytes
 
 
-# --- compiled dequantization (NumPy arrays): what prompt processing spends its time on besides BLAS.
-# The NumPy version below runs at 0.05-0.2 GB/s of weights (docs/kernels.md), slower than the
-# products it feeds. These loops give the same float32 values bit for bit (table lookups of the
-# exact values NumPy computes: the f16 scale as float32, q - 8 or q as float32, then one float32
-# product) at ~2 G values/s per thread.
-
-try:
-    from numba import njit, prange
-except ImportError:  # numba missing: the NumPy path serves
-    njit = None
-
 _COMPILED_MIN_ROWS = 16  # fewer rows (an embedding lookup) are not worth a fork/join of the thread pool
-_F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # by bit pattern
-_Q4_VALUES = np.arange(-8, 8, dtype=np.float32)  # a q4_0 nibble n stands for n - 8
-_Q8_VALUES = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)  # a q8_0 byte, as int8
-_BLOCK = WEIGHT_TYPES[Q4_0].block_size  # values per block, q4_0's and q8_0's alike
-_Q4_0_BYTES, _Q8_0_BYTES = WEIGHT_TYPES[Q4_0].block_bytes, WEIGHT_TYPES[Q8_0].block_bytes
-
-if njit is not None:
-
-    @njit(parallel=True, nogil=True, cache=True)
-    def _decode_q4_0(raw, f16, values, out):
-        for r in prange(out.shape[0]):
-            src, dst = raw[r], out[r]
-            for b in range(dst.shape[0] // _BLOCK):
-                block, first = b * _Q4_0_BYTES, b * _BLOCK
-                d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-                for j in range(_BLOCK // 2):
-                    byte = src[block + 2 + j]
-                    dst[first + j] = values[byte & 15] * d
-                    dst[first + _BLOCK // 2 + j] = values[byte >> 4] * d
-
-    @njit(parallel=True, nogil=True, cache=True)
-    def _decode_q8_0(raw, f16, values, out):
-        for r in prange(out.shape[0]):
-            src, dst = raw[r], out[r]
-            for b in range(dst.shape[0] // _BLOCK):
-                block, first = b * _Q8_0_BYTES, b * _BLOCK
-                d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-                for j in range(_BLOCK):
-                    dst[first + j] = values[src[block + 2 + j]] * d
-
-    _BLOCK_DECODERS = {Q4_0: (_decode_q4_0, _Q4_VALUES), Q8_0: (_decode_q8_0, _Q8_VALUES)}
-else:
-    _BLOCK_DECODERS = {}
 
 
-def _dequantize_compiled(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    t = WEIGHT_TYPES[qtype]
-    decode, values = _BLOCK_DECODERS[qtype]
-    out = np.empty((raw.shape[0], raw.shape[1] // t.block_bytes * t.block_size), dtype=np.float32)
-    decode(np.ascontiguousarray(raw), _F16_TO_F32, values, out)
-    return out
+def _compiled_dequantizers() -> dict:
+    """numba's dequantizers by type (``kernels.numba_dequant``), or none where the compiled kernels are not
+    in use in this process (numba missing, or the reference kernels chosen: ``kernels.use_reference``)."""
+    from powerinfer_tools import kernels  # which imports this module
+
+    if kernels.reference_chosen():
+        return {}
+    try:
+        from powerinfer_tools.kernels import numba_dequant
+    except ImportError:  # numba missing: the NumPy path serves
+        return {}
+    return numba_dequant.DECODERS
 
 
 _ARRAY_DECODED = (F32, F16, Q8_0, Q4_0)  # the types dequantize_blocks decodes with array operations

@@ -128,6 +128,8 @@ class _BlockProducts:
 
 
 def _single_threaded_numba() -> None:
+    if kernels.reference_chosen():  # no compiled dequantizer runs in this pool: numba need not load
+        return
     import numba  # present whenever the compiled kernels are
 
     numba.set_num_threads(1)  # per calling thread: the dequantizer's loop stays in this pool thread

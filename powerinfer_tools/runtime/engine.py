@@ -13,6 +13,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
+from powerinfer_tools import kernels
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
@@ -224,7 +225,7 @@ class RuntimeModel(Engine):
         """The compiled one-token decode path (``compiled_decode.CompiledDecoder``), built on first use; None
         when this model or machine cannot use it, or ``compiled_decoding`` is off (then every step takes
         ``_layer``)."""
-        if not self.compiled_decoding:
+        if not self.compiled_decoding or kernels.reference_chosen():  # (not remembered: the choice may change)
             return None
         if self._decoder is _UNBUILT:
             try:
@@ -412,11 +413,10 @@ class RuntimeModel(Engine):
 def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):
     """A CPU partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
     (``kernels.batched``): a prompt's union of predicted neurons is nearly all of them, ~8x the work of
-    each token's own. None where that path does not apply (numba missing, biases, an ungated FFN)."""
-    try:
-        from powerinfer_tools.kernels import batched
-    except ImportError:
+    each token's own. None where that path does not apply (compiled kernels not in use, biases, an ungated FFN)."""
+    if not kernels.available():
         return None
+    from powerinfer_tools.kernels import batched
     if p.gate_bias is not None or p.up_bias is not None or not batched.handles(p.gate, p.up, p.down_t):
         return None
     return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask)

@@ -15,9 +15,11 @@ import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
+from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime import warmup
 from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
 from powerinfer_tools.models import load_model_and_tokenizer
@@ -92,6 +94,8 @@ class LLM:
         ctx_size: int | None = None,
         ram: int | None = None,
         cache_policy: str = DEFAULT_POLICY,
+        kernels: warmup.Policy | str = warmup.Policy.WAIT,
+        notice: Callable[[str], None] | None = None,
     ) -> "LLM":
         """``mode``: which FFN neurons a GGUF file's runtime computes (sparse falls back to dense when the file
         has no predictors). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
@@ -101,6 +105,10 @@ class LLM:
         budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
         With ``ram`` (bytes), the weights in memory stay within it (``runtime.ram_budget``): cold neurons are
         read from the file into neuron caches that evict by ``cache_policy``.
+
+        ``kernels``: when the compiled kernels this kind of model needs are not yet in numba's cache, ``wait``
+        for them to compile (once per machine), start on the NumPy reference while a ``background`` process
+        compiles them, or keep to the ``reference`` (``runtime.warmup``); ``notice`` is told, in one line.
         """
         path = Path(path)
         if path.is_dir():
@@ -112,26 +120,24 @@ class LLM:
                        str(path))
         solved = ""
         if vram is not None:
-            if device == "cpu" or not use_split:
-                raise PitoolsError("a VRAM budget places neurons on a GPU: use it with --device cuda (or emulated)")
-            if device == "cuda":
-                require_cupy()  # before solving: no split written for a GPU that is not there
-            split = Path(split) if split is not None else default_split_path(path)
-            # A CUDA device needs room for its context and scratch; the emulated one holds weights only.
-            reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
-            report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
-            solved = f" (solved now for {format_size(vram)})" if report is not None else f" (cached, for {format_size(vram)})"
+            split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
         # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
-        model = load_runtime_model(path, split=split, use_split=use_split and (device != "cpu" or ram is not None),
+        use_split = use_split and (device != "cpu" or ram is not None)
+        warm_up = warmup.prepare(path, warmup.LoadOptions(device, None if split is None else str(split), use_split, ram,
+                                                          cache_policy), kernels, notice)
+        model = load_runtime_model(path, split=split, use_split=use_split,
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
                                    cache_policy=cache_policy, cpu_only=device == "cpu")
         ffn_mode = FFNMode(mode)
         if ffn_mode is FFNMode.SPARSE and not model.can_run_sparse:
             ffn_mode = FFNMode.DENSE
         model.mode = ffn_mode
+        warm_up(model)
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
         if model.ram is not None:
             where += f", --ram {format_size(ram)} ({cache_policy} cache)"
+        if compiled_kernels.reference_chosen():
+            where += ", NumPy kernels"
         return cls(model, GGUFTokenizer(model.metadata, source=str(path)), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
                    str(path))
 
@@ -176,6 +182,21 @@ class LLM:
         finally:  # also when the caller stops early (a stop string, a client gone)
             stats.generated_tokens = tokens.sampled
             stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
+
+
+def _split_for_budget(path: Path, split, use_split: bool, device: str, vram: int, hardware: str) -> tuple[Path, str]:
+    """The split file solved for ``vram`` bytes on ``hardware`` (or the one there, if it serves that budget),
+    and how it came to be, for the description."""
+    if device == "cpu" or not use_split:
+        raise PitoolsError("a VRAM budget places neurons on a GPU: use it with --device cuda (or emulated)")
+    if device == "cuda":
+        require_cupy()  # before solving: no split written for a GPU that is not there
+    split = Path(split) if split is not None else default_split_path(path)
+    # A CUDA device needs room for its context and scratch; the emulated one holds weights only.
+    reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
+    report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
+    return split, (f" (solved now for {format_size(vram)})" if report is not None
+                   else f" (cached, for {format_size(vram)})")
 
 
 def _checked_text(prompt: str) -> str:

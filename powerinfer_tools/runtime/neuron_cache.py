@@ -28,7 +28,6 @@ import numpy as np
 
 from powerinfer_tools.direct_io import DirectReader, aligned_buffer
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.kernels.row_reads import PREAD, plan_reads, read_rows
 
 POLICIES = ("lru", "lfu")
 # The default: on the same token trace LFU read 2-6% fewer bytes from disk than LRU at every cache share
@@ -88,6 +87,9 @@ class NeuronFile:
              slots: np.ndarray) -> Callable[[], int]:
         """Start reading sorted ``neurons``' rows into ``targets[matrix][slots[i]]``; returns the wait, which
         returns the bytes read once every row is in place (and raises on a failed or short read)."""
+        # numba's module, imported at the first read: a run that reads nothing from disk need not load numba
+        from powerinfer_tools.kernels.row_reads import PREAD, plan_reads, read_rows
+
         plan = plan_reads(neurons, sources, slots, MAX_READ_BYTES)
         buffer = self._staging(plan.total)
         got = np.zeros(len(plan), dtype=np.int64)

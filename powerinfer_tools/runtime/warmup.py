@@ -1,0 +1,252 @@
+"""The compiled kernels a model needs, made before its first token rather than during it.
+
+numba compiles each kernel for the argument types of its first call and keeps the machine code in its
+cache (``__pycache__`` beside the source, or ``NUMBA_CACHE_DIR``), where a later process finds it in a
+fraction of a second. With that cache empty, the bundled model's first ``pitools run`` spent ~30 s
+compiling before its first token (2-core EPYC; 27-55 s on other machines here), silently.
+
+A *warm-up* (``exercise``) runs every compiled path a loaded model takes once: a prompt within the
+kernels' token limit and one beyond it, then decoded tokens, in dense and (where the file allows) sparse
+mode. Then numba's cache holds what this kind of model needs, and a marker says so:
+
+    <marker folder>/pitools-warm-<key>.done
+
+where the key covers all that decides which machine code a run needs: numba's version, each kernel
+source's modification time and size (what numba's own cache index checks), the CPU, the model's kind
+(architecture, each tensor's role and weight type, which metadata keys it has: two files converted
+alike share it) and the load options that change the path (device, split, RAM budget). The marker folder
+is the one numba's cache uses for these sources (in the package's ``__pycache__`` when it is writable),
+so clearing that cache clears the markers too.
+
+A run whose marker is missing, by ``Policy``:
+
+* ``wait``: warms up in its own process before the first token, with a notice (``pitools serve``,
+  ``pitools bench``, the Python API's default);
+* ``background``: starts at once, its process on the NumPy reference kernels (as if numba were
+  missing: ``kernels.use_reference``), while a detached process (``python -m
+  powerinfer_tools.runtime.warmup``, at low priority) warms up; the runs after it find the kernels
+  ready (``pitools run``'s default). A warm-up that failed leaves ``.failed`` with its error, and later
+  runs wait instead (so the error surfaces where it can be read);
+* ``reference``: the NumPy reference kernels only, never compiled.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata as package_metadata
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
+# The sources of numba code: a change to any of them makes numba recompile, and the markers stale.
+COMPILED_SOURCES = (PACKAGE / "kernels", PACKAGE / "runtime" / "compiled_decode.py")
+PROMPT_LENGTHS = (2, 40)  # one within the kernels' token limit (kernels.MAX_TOKENS = 32), one beyond it
+DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
+
+
+class Policy(str, enum.Enum):
+    WAIT = "wait"
+    BACKGROUND = "background"
+    REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What ``LLM.load`` was asked that changes which compiled paths run (not the FFN mode: a warm-up
+    runs both)."""
+
+    device: str = "cpu"
+    split: str | None = None
+    use_split: bool = True
+    ram: int | None = None
+    cache_policy: str | None = None
+
+
+def model_kind(model_file) -> dict:
+    """What of an open model file (``formats.model_file.ModelFile``) decides the argument types of its
+    kernels: not its sizes or values, which numba does not specialise on."""
+    roles = sorted({(re.sub(r"\.\d+\.", ".N.", name), int(t.qtype)) for name, t in model_file.tensors.items()})
+    keys = sorted(k for k in model_file.metadata if not k.startswith(("tokenizer.", "general.")))
+    return {"architecture": model_file.architecture, "powerinfer": model_file.powerinfer, "tensors": roles,
+            "keys": keys}
+
+
+def warm_key(kind: dict, options: LoadOptions) -> str:
+    """The marker's key: this kind of model, loaded so, with these kernel sources and numba, on this CPU."""
+    sources = sorted((str(p.relative_to(PACKAGE)), p.stat().st_mtime_ns, p.stat().st_size)
+                     for root in COMPILED_SOURCES for p in ([root] if root.is_file() else root.glob("*.py")))
+    identity = {"numba": _version("numba"), "llama-cpp-python": _version("llama-cpp-python"), "cpu": _cpu(),
+                "numba cpu": [os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")],
+                "sources": sources, "kind": kind, "options": asdict(options)}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def marker_folder() -> Path:
+    """Where numba caches the kernels' code, and so where the markers go: ``NUMBA_CACHE_DIR`` when set,
+    else the kernels' ``__pycache__`` when it can be written (numba's own first two choices), else the
+    user's cache folder."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return Path(os.environ["NUMBA_CACHE_DIR"])
+    in_tree = PACKAGE / "kernels" / "__pycache__"
+    if os.access(in_tree if in_tree.is_dir() else in_tree.parent, os.W_OK):
+        return in_tree
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pitools"
+
+
+def _marker(key: str, suffix: str) -> Path:
+    return marker_folder() / f"pitools-warm-{key}{suffix}"
+
+
+def is_warm(key: str) -> bool:
+    return _marker(key, ".done").is_file()
+
+
+def failure(key: str) -> str | None:
+    """The error of a background warm-up that failed for ``key``, if one did."""
+    path = _marker(key, ".failed")
+    return path.read_text(errors="replace").strip() or "unknown error" if path.is_file() else None
+
+
+def exercise(engine) -> None:
+    """Run every compiled path of ``engine`` (a ``RuntimeModel``) once, for numba to compile and cache it;
+    its FFN mode and statistics are left as they were."""
+    from powerinfer_tools.interfaces import FFNMode
+
+    saved = engine.mode, engine.stats
+    modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
+    vocab = engine.spec.vocab_size
+    try:
+        for mode in modes:
+            engine.mode = mode
+            for length in PROMPT_LENGTHS:
+                length = min(length, engine.context_size - DECODED_TOKENS)
+                step = engine.step_fn()
+                step(np.arange(1, length + 1) % vocab)
+                for token in range(DECODED_TOKENS):
+                    step(np.array([token + 1]) % vocab)
+    finally:
+        engine.mode, engine.stats = saved
+
+
+def mark_warm(key: str) -> None:
+    folder = marker_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    _marker(key, ".done").touch()
+    _marker(key, ".failed").unlink(missing_ok=True)
+
+
+def start_background(path: Path, options: LoadOptions, key: str) -> None:
+    """Start a detached process that warms up ``path`` loaded with ``options``; it outlives this one (its own
+    session: a Ctrl-C here does not stop it), and exits at once if another warm-up of ``key`` holds the lock."""
+    folder = marker_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(_marker(key, ".log"), "wb") as log:
+        subprocess.Popen([sys.executable, "-m", __name__, str(Path(path).resolve()), json.dumps(asdict(options)), key],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                         env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+
+
+def _background_main(path: str, options_json: str, key: str) -> None:
+    """The detached warm-up: load the model as the run did, exercise it, mark it warm (or failed)."""
+    folder = marker_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(_marker(key, ".lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another warm-up of this kind is under way
+        if is_warm(key):
+            return
+        os.nice(10)  # behind the run that started it, which is on the slower reference kernels meanwhile
+        try:
+            from powerinfer_tools.runtime.llm import LLM
+
+            options = LoadOptions(**json.loads(options_json))
+            LLM.load(path, kernels=Policy.WAIT, **_load_arguments(options))  # warms up, marks it warm
+        except BaseException as exc:
+            _marker(key, ".failed").write_text(f"{type(exc).__name__}: {exc}\n")
+            raise
+
+
+def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None):
+    """Before ``LLM.load`` loads ``path``: choose this process's kernels by ``policy`` (the layouts a model is
+    loaded in depend on it), and return what to call on the loaded engine: it starts the background build
+    or warms the engine up, saying so in one line through ``notice`` (a callable, or None). Nothing is said
+    or started for a file that then fails to load."""
+    from powerinfer_tools import kernels
+    from powerinfer_tools.formats.model_file import open_model_file
+
+    policy = Policy(policy)
+    say = notice or (lambda line: None)
+    if policy is Policy.REFERENCE:
+        kernels.use_reference("the reference kernels were asked for")
+        return _nothing
+    kernels.use_reference(None)
+    if _version("numba") is None or _version("llama-cpp-python") is None:
+        return _nothing  # nothing to compile: the reference serves (kernels.available says why, once)
+    key = warm_key(model_kind(open_model_file(path)), options)
+    if is_warm(key):
+        return _nothing
+    failed = failure(key)
+    if policy is Policy.BACKGROUND and failed is None:
+        kernels.use_reference("the compiled kernels are being built in the background")
+
+        def build_elsewhere(engine) -> None:
+            start_background(path, options, key)
+            say("the compiled kernels for this kind of model are being built in the background (once on this "
+                "machine, about half a minute); until they are ready, runs use the slower NumPy kernels")
+
+        return build_elsewhere
+
+    def build_here(engine) -> None:
+        say("compiling the kernels for this kind of model (once on this machine, about half a minute)"
+            + (f"; the background build had failed: {failed}" if failed else ""))
+        exercise(engine)
+        mark_warm(key)
+
+    return build_here
+
+
+def _nothing(engine) -> None:
+    return None
+
+
+def _load_arguments(options: LoadOptions) -> dict:
+    arguments = {"device": options.device, "split": options.split, "use_split": options.use_split,
+                 "ram": options.ram}
+    if options.cache_policy is not None:
+        arguments["cache_policy"] = options.cache_policy
+    return arguments
+
+
+def _version(package: str) -> str | None:
+    try:
+        return package_metadata.version(package)
+    except package_metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu() -> str:
+    """The CPU model and its feature flags (what numba's code is compiled for), cheaply: without LLVM."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    first = text.split("\n\n", 1)[0]
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    clean = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{platform.machine()} {clean.get('model name', '')} {clean.get('flags', clean.get('Features', ''))}"
+
+
+if __name__ == "__main__":
+    _background_main(*sys.argv[1:4])

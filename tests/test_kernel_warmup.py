@@ -1,0 +1,119 @@
+"""Compiled kernels made before the first token (``runtime.warmup``): which policy runs what, the marker
+that says a kind of model is compiled for, and the NumPy reference a run starts on meanwhile."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from powerinfer_tools import kernels
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.runtime import warmup
+from powerinfer_tools.runtime.warmup import LoadOptions, Policy
+from powerinfer_tools.runtime.llm import LLM
+
+
+@pytest.fixture(autouse=True)
+def markers(tmp_path, monkeypatch):
+    """Markers in a folder of this test's own (numba's cache stays where it is: these tests compile nothing new);
+    the process's kernels reset after."""
+    monkeypatch.setattr(warmup, "marker_folder", lambda: tmp_path / "markers")
+    yield tmp_path / "markers"
+    kernels.use_reference(None)
+
+
+@pytest.fixture
+def background_starts(monkeypatch):
+    started = []
+    monkeypatch.setattr(warmup, "start_background", lambda path, options, key: started.append((path, options, key)))
+    return started
+
+
+def _load(path, policy, lines=None):
+    return LLM.load(path, kernels=policy, notice=None if lines is None else lines.append)
+
+
+def test_background_starts_on_the_reference_and_leaves_the_compiling_to_another_process(bundled_gguf,
+                                                                                        background_starts):
+    path, lines = bundled_gguf("q8_0"), []
+    llm = _load(path, Policy.BACKGROUND, lines)
+    assert kernels.reference_chosen() and not kernels.available()
+    assert "NumPy kernels" in llm.description
+    assert llm.engine.compiled_decoder() is None
+    assert len(lines) == 1 and "background" in lines[0]
+    assert [(p, o) for p, o, _ in background_starts] == [(path, LoadOptions(use_split=False, cache_policy="lfu"))]
+    assert len("".join(llm.generate("def ", 4))) > 0
+
+
+def test_wait_compiles_in_process_and_marks_the_kind_warm(bundled_gguf, background_starts):
+    path, lines = bundled_gguf("q8_0"), []
+    llm = _load(path, Policy.WAIT, lines)
+    assert not kernels.reference_chosen() and "NumPy kernels" not in llm.description
+    assert len(lines) == 1 and "compiling" in lines[0]
+    key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
+    assert warmup.is_warm(key)
+    again = []
+    _load(path, Policy.BACKGROUND, again)  # now warm: nothing to say, nothing started, the compiled kernels
+    assert again == [] and background_starts == [] and not kernels.reference_chosen()
+
+
+def test_a_failed_background_build_makes_later_runs_wait_and_say_why(bundled_gguf, background_starts, markers):
+    path = bundled_gguf("q8_0")
+    key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
+    markers.mkdir(parents=True)
+    (markers / f"pitools-warm-{key}.failed").write_text("MemoryError: out of memory\n")
+    lines = []
+    _load(path, Policy.BACKGROUND, lines)
+    assert background_starts == [] and not kernels.reference_chosen()
+    assert "MemoryError: out of memory" in lines[0]
+    assert warmup.is_warm(key) and warmup.failure(key) is None
+
+
+def test_the_kind_ignores_sizes_and_names_but_not_weight_types(bundled_gguf):
+    q8, f32 = (warmup.model_kind(open_model_file(bundled_gguf(t))) for t in ("q8_0", "f32"))
+    assert q8 != f32
+    assert warmup.model_kind(open_model_file(bundled_gguf("q8_0"))) == q8
+    # Layers are one role each: a model with more layers of the same types is the same kind.
+    assert not any(name.startswith("blk.0.") for name, _ in q8["tensors"])
+    options = LoadOptions(use_split=False)
+    assert warmup.warm_key(q8, options) != warmup.warm_key(q8, LoadOptions(use_split=False, ram=2**30))
+
+
+def test_the_reference_policy_never_loads_numba(bundled_gguf):
+    code = ("import sys; from powerinfer_tools.runtime.llm import LLM; "
+            f"llm = LLM.load({str(bundled_gguf('q8_0'))!r}, kernels='reference'); "
+            "text = ''.join(llm.generate('def ', 4)); print(len(text) > 0, 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
+
+
+def test_the_reference_and_the_compiled_kernels_agree(bundled_gguf):
+    path = bundled_gguf("f32")  # float32 weights: the compiled products differ from NumPy's by rounding only
+    compiled = _load(path, Policy.WAIT).engine
+    ids = np.array([1, 5, 9])
+    expected = compiled.step_fn()(ids)
+    reference = _load(path, Policy.REFERENCE).engine
+    np.testing.assert_allclose(reference.step_fn()(ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compiled(bundled_gguf, tmp_path):
+    """A new machine, as the README's first command meets it: an empty numba cache, `pitools run`'s default."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold")}
+    env.pop("PITOOLS_KERNELS")
+    cli = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
+    run = [sys.executable, "-c", cli, "run", str(bundled_gguf("q8_0")), "-p", "def ", "-n", "4"]
+    first = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert "being built in the background" in first.stderr and "NumPy kernels" in first.stderr
+    deadline = time.monotonic() + 600
+    while not list((tmp_path / "cold").glob("pitools-warm-*.done")):
+        assert not list((tmp_path / "cold").glob("pitools-warm-*.failed")), \
+            [p.read_text() for p in (tmp_path / "cold").glob("*.log")]
+        assert time.monotonic() < deadline, "the background build did not finish"
+        time.sleep(1)
+    second = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert "NumPy kernels" not in second.stderr and "pitools:" not in second.stderr
+    assert second.stdout.startswith("def ") and len(second.stdout) > len("def \n")
