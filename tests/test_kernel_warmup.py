@@ -13,6 +13,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.warmup import LoadOptions, Policy
+from powerinfer_tools.runtime.engine import _UNBUILT
 from powerinfer_tools.runtime.llm import LLM
 
 
@@ -117,3 +118,13 @@ def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compile
     second = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "NumPy kernels" not in second.stderr and "pitools:" not in second.stderr
     assert second.stdout.startswith("def ") and len(second.stdout) > len("def \n")
+
+
+def test_load_compiled_brings_the_decoder_in_and_leaves_the_engine_as_it_was(bundled_gguf):
+    _load(bundled_gguf("q8_0"), Policy.WAIT)  # compiles (or loads) and marks the kind warm: the next load does not
+    engine = _load(bundled_gguf("q8_0"), Policy.WAIT).engine
+    mode, stats = engine.mode, engine.stats
+    assert engine._decoder is _UNBUILT
+    warmup.load_compiled(engine)
+    assert engine._decoder is not _UNBUILT  # built (None only where this model cannot use it)
+    assert engine.mode is mode and engine.stats is stats and stats.steps == 0

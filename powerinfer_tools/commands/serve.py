@@ -10,7 +10,8 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
-from powerinfer_tools.runtime.warmup import Policy
+from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.warmup import Policy, load_compiled
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.units import parse_size
 
@@ -78,6 +79,8 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
                              header_timeout=header_timeout, body_timeout=body_timeout)
     listener = _listen(host, port)  # before loading: a port in use is found out at once
     llm = load_llm(model, default_kernels=Policy.WAIT, **runtime)
+    if isinstance(llm.engine, RuntimeModel):  # ready when listening: the first request finds the kernels loaded
+        load_compiled(llm.engine)
     where = listener.getsockname()
     url = f"http://{_url_host(where[0])}:{where[1]}"
     click.echo(f"pitools serve: {settings.model_id} ({llm.description}, context {llm.context_size}) at {url}/v1",

@@ -117,18 +117,20 @@ def failure(key: str) -> str | None:
     return path.read_text(errors="replace").strip() or "unknown error" if path.is_file() else None
 
 
-def exercise(engine) -> None:
-    """Run every compiled path of ``engine`` (a ``RuntimeModel``) once, for numba to compile and cache it;
-    its FFN mode and statistics are left as they were."""
+def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS) -> None:
+    """Run the compiled paths of ``engine`` (a ``RuntimeModel``) once, for numba to compile and cache them (or,
+    cached, to load them): by default every path, in dense and (where the file allows) sparse mode; its FFN
+    mode and statistics are left as they were."""
     from powerinfer_tools.interfaces import FFNMode
 
     saved = engine.mode, engine.stats
-    modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
+    if modes is None:
+        modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
     vocab = engine.spec.vocab_size
     try:
         for mode in modes:
             engine.mode = mode
-            for length in PROMPT_LENGTHS:
+            for length in prompt_lengths:
                 length = min(length, engine.context_size - DECODED_TOKENS)
                 step = engine.step_fn()
                 step(np.arange(1, length + 1) % vocab)
@@ -136,6 +138,12 @@ def exercise(engine) -> None:
                     step(np.array([token + 1]) % vocab)
     finally:
         engine.mode, engine.stats = saved
+
+
+def load_compiled(engine) -> None:
+    """Bring the compiled code a short request runs in ``engine``'s mode into this process (from numba's
+    cache), so that the first request does not wait for it: a server does this before it listens."""
+    exercise(engine, modes=[engine.mode], prompt_lengths=PROMPT_LENGTHS[:1])
 
 
 def mark_warm(key: str) -> None:
