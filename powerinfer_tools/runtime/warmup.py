@@ -122,8 +122,10 @@ def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTH
     cached, to load them): by default every path, in dense and (where the file allows) sparse mode; its FFN
     mode and statistics are left as they were."""
     from powerinfer_tools.interfaces import FFNMode
+    from powerinfer_tools.runtime.engine import TokenStats
 
     saved = engine.mode, engine.stats
+    engine.stats = TokenStats()  # what these steps read is not the caller's to count
     if modes is None:
         modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
     vocab = engine.spec.vocab_size
