@@ -9,13 +9,29 @@ in RAM or on disk behind its layer's neuron cache (``tier_ilp.solve_tiers``; ``c
 prices the cache's misses), with or without a GPU.
 """
 
-from powerinfer_tools.solver.hardware import PRESETS, HardwareProfile, load_profile, probe_profile, save_profile
-from powerinfer_tools.solver.ilp import OBJECTIVES, SolveReport, solve
-from powerinfer_tools.solver.problem import Placement, PlacementProblem, Prediction, predict, problem_from_stats
-from powerinfer_tools.solver.tier_ilp import solve_tiers
-from powerinfer_tools.solver.tiers import TieredPlacement, TieredProblem, predict_tiers, tiered_problem
+import importlib
 
-from powerinfer_tools.units import format_size, parse_size
+# Each name's module, imported when the name is first used (PEP 562): importing the package, as every
+# ``powerinfer_tools.solver.X`` import does, costs nothing then, while the ILP's modules bring in PuLP
+# and HiGHS (~70 ms that `pitools run` does not need).
+_HOMES = {
+    "PRESETS": "hardware", "HardwareProfile": "hardware", "load_profile": "hardware", "probe_profile": "hardware",
+    "save_profile": "hardware",
+    "OBJECTIVES": "ilp", "SolveReport": "ilp", "solve": "ilp",
+    "Placement": "problem", "PlacementProblem": "problem", "Prediction": "problem", "predict": "problem",
+    "problem_from_stats": "problem",
+    "solve_tiers": "tier_ilp",
+    "TieredPlacement": "tiers", "TieredProblem": "tiers", "predict_tiers": "tiers", "tiered_problem": "tiers",
+}
+
+
+def __getattr__(name: str):
+    if name in ("format_size", "parse_size"):
+        return getattr(importlib.import_module("powerinfer_tools.units"), name)
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "OBJECTIVES",

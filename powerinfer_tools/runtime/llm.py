@@ -41,7 +41,6 @@ from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, load_profile
 from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
-from powerinfer_tools.solver.split import ensure_split
 from powerinfer_tools.units import format_size
 
 
@@ -194,6 +193,8 @@ def _split_for_budget(path: Path, split, use_split: bool, device: str, vram: int
     split = Path(split) if split is not None else default_split_path(path)
     # A CUDA device needs room for its context and scratch; the emulated one holds weights only.
     reserve = DEFAULT_RESERVE_BYTES if device == "cuda" else 0
+    from powerinfer_tools.solver.split import ensure_split  # the ILP's modules: only a run that solves needs them
+
     report = ensure_split(path, split, vram, load_profile(hardware), reserve_bytes=reserve)
     return split, (f" (solved now for {format_size(vram)})" if report is not None
                    else f" (cached, for {format_size(vram)})")
