@@ -1,6 +1,7 @@
 """Compiled kernels made before the first token (``runtime.warmup``): which policy runs what, the marker
 that says a kind of model is compiled for, and the NumPy reference a run starts on meanwhile."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -61,6 +62,18 @@ def test_wait_compiles_in_process_and_marks_the_kind_warm(bundled_gguf, backgrou
     assert again == [] and background_starts == [] and not kernels.reference_chosen()
 
 
+def test_a_build_under_way_is_not_started_again(bundled_gguf, background_starts, markers):
+    path = bundled_gguf("q8_0")
+    key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
+    markers.mkdir(parents=True)
+    with open(markers / f"pitools-warm-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the background build holds it
+        (markers / f"pitools-warm-{key}.failed").write_text("the background build did not finish\n")  # as it writes
+        lines = []
+        llm = _load(path, Policy.BACKGROUND, lines)
+    assert background_starts == [] and "NumPy kernels" in llm.description and "background" in lines[0]
+
+
 def test_a_failed_background_build_makes_later_runs_wait_and_say_why(bundled_gguf, background_starts, markers):
     path = bundled_gguf("q8_0")
     key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
@@ -101,20 +114,27 @@ def test_the_reference_and_the_compiled_kernels_agree(bundled_gguf):
 
 
 @pytest.mark.slow
-def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compiled(bundled_gguf, tmp_path):
+def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compiled(bundled_gguf, tmp_path,
+                                                                                    monkeypatch):
     """A new machine, as the README's first command meets it: an empty numba cache, `pitools run`'s default."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold")}
+    monkeypatch.setattr(warmup, "marker_folder", lambda: tmp_path / "cold")
     env.pop("PITOOLS_KERNELS")
     cli = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
     run = [sys.executable, "-c", cli, "run", str(bundled_gguf("q8_0")), "-p", "def ", "-n", "4"]
     first = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "being built in the background" in first.stderr and "NumPy kernels" in first.stderr
+    (log,) = (tmp_path / "cold").glob("pitools-warm-*.log")  # written by the run as it starts the build
+    key = log.name.removeprefix("pitools-warm-").removesuffix(".log")
     deadline = time.monotonic() + 600
-    while not list((tmp_path / "cold").glob("pitools-warm-*.done")):
-        assert not list((tmp_path / "cold").glob("pitools-warm-*.failed")), \
-            [p.read_text() for p in (tmp_path / "cold").glob("*.log")]
+    while not warmup.is_warm(key):
+        # A build writes .failed as it starts and removes it when done: only a .failed of a build no longer
+        # under way is a failure (checked in that order: it may end in between).
+        failed = warmup.failure(key)
+        assert not (failed and not warmup._build_under_way(key) and not warmup.is_warm(key)), (failed, log.read_text())
         assert time.monotonic() < deadline, "the background build did not finish"
         time.sleep(1)
+    assert not (tmp_path / "cold" / f"pitools-warm-{key}.failed").exists()
     second = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "NumPy kernels" not in second.stderr and "pitools:" not in second.stderr
     assert second.stdout.startswith("def ") and len(second.stdout) > len("def \n")

@@ -25,8 +25,9 @@ A run whose marker is missing, by ``Policy``:
 * ``background``: starts at once, its process on the NumPy reference kernels (as if numba were
   missing: ``kernels.use_reference``), while a detached process (``python -m
   powerinfer_tools.runtime.warmup``, at low priority) warms up; the runs after it find the kernels
-  ready (``pitools run``'s default). A warm-up that failed leaves ``.failed`` with its error, and later
-  runs wait instead (so the error surfaces where it can be read);
+  ready (``pitools run``'s default); a run while a build is under way (its lock held) starts no other.
+  A warm-up that failed (or was killed) leaves ``.failed`` with its error, and later runs wait instead
+  (so the error surfaces where it can be read, and the build is not started again and again);
 * ``reference``: the NumPy reference kernels only, never compiled.
 """
 
@@ -178,6 +179,9 @@ def _background_main(path: str, options_json: str, key: str) -> None:
         if is_warm(key):
             return
         os.nice(10)  # behind the run that started it, which is on the slower reference kernels meanwhile
+        # Until it succeeds, a build that ends is a failed one, also when it is killed or crashes (mark_warm
+        # removes this): the runs after it then compile in process instead of starting it again and again.
+        _marker(key, ".failed").write_text(f"the background build did not finish; see {_marker(key, '.log')}\n")
         try:
             from powerinfer_tools.runtime.llm import LLM
 
@@ -207,12 +211,14 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
     key = warm_key(model_kind(open_model_file(path)), options)
     if is_warm(key):
         return _nothing
-    failed = failure(key)
+    building = _build_under_way(key)
+    failed = None if building else failure(key)
     if policy is Policy.BACKGROUND and failed is None:
         kernels.use_reference("the compiled kernels are being built in the background")
 
         def build_elsewhere(engine) -> None:
-            start_background(path, options, key)
+            if not building:
+                start_background(path, options, key)
             say("the compiled kernels for this kind of model are being built in the background (once on this "
                 "machine, about half a minute); until they are ready, runs use the slower NumPy kernels")
 
@@ -229,6 +235,20 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
 
 def _nothing(engine) -> None:
     return None
+
+
+def _build_under_way(key: str) -> bool:
+    """Whether a background build of ``key`` holds its lock now."""
+    try:
+        lock = open(_marker(key, ".lock"))
+    except OSError:
+        return False
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False  # (the lock goes with the file's closing)
 
 
 def _load_arguments(options: LoadOptions) -> dict:
