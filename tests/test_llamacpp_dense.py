@@ -197,7 +197,8 @@ def test_runtime_computes_llama_quantize_files_as_llama_cpp_does(tmp_path, k_qua
     llama.cpp's own logits of a prompt evaluated at once and token by token differ by 0.8-1.0% (Q6_K,
     Q4_K_M), and ours lie within that of one or the other (measured: 0.0000-0.011). The bound, 0.05, is half
     the 0.1 that llama.cpp's q4_0 logits are allowed from the dequantized reference above. The compiled
-    one-token path (where it takes the file: one type for q/k/v/o) and the general path agree as closely."""
+    one-token path takes every one of these files (Q4_K_M's q6_K attn_v beside q4_K q/k: one vec_dot partner,
+    q8_K) and agrees with the general path as closely."""
     folder, f32 = k_quant_model
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_QUANTIZE[ftype]
@@ -209,6 +210,7 @@ def test_runtime_computes_llama_quantize_files_as_llama_cpp_does(tmp_path, k_qua
     ids = tokens(folder)
     want, _ = cpp_logits(path, ids)
     model = load_runtime_model(path)
+    assert model.compiled_decoder() is not None
     got = stepwise_logits(model, ids)
     assert relative_error(got, want) < 0.05
     model.compiled_decoding = False

@@ -31,6 +31,7 @@ from numba.experimental import structref
 from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
 from powerinfer_tools.kernels import numba_kernels as nk
@@ -75,8 +76,9 @@ class ScratchType(_Fields):
 
 class LayerWeights(structref.StructRefProxy):
     """One layer's weights; each matrix is raw bytes ([rows, row_bytes] uint8). Matrices that share an
-    input share a ggml type id (``attn_type`` for q, k, v and o; ``ffn_type`` for gate and up), so the
-    input is encoded once for them (``CompiledDecoder.build`` checks). ``attn_gemv``: the address of
+    input share the encoding of it (``attn_types``: the ggml type ids of q, k, v and o, the first three of
+    one vec_dot partner type; ``ffn_type`` for gate and up, one type), so the input is encoded once for them
+    (``CompiledDecoder.build`` checks). ``attn_gemv``: the address of
     ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
     ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
@@ -91,7 +93,7 @@ class Scratch(structref.StructRefProxy):
 
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
-    "attn_norm", "wq", "wk", "wv", "wo", "attn_type", "attn_gemv", "bq", "bk", "bv", "rope_halves",
+    "attn_norm", "wq", "wk", "wv", "wo", "attn_types", "attn_gemv", "bq", "bk", "bv", "rope_halves",
     "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed",
     "vnni", "fc1", "fc1_type", "fc2", "fc2_type",
     "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
@@ -130,19 +132,20 @@ def _rms_norm(x, weight, eps, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _qkv(vec_dot, wq, wk, wv, x_encoded, cols, q, k, v):
-    """``q, k, v = Wq·x, Wk·x, Wv·x`` in one parallel loop over the rows of all three (same weight type)."""
-    n_q, n_kv, row_bytes = wq.shape[0], wk.shape[0], wq.strides[0]
-    xe = x_encoded.ctypes.data
+def _qkv(types, fns, wq, wk, wv, x_encoded, cols, q, k, v):
+    """``q, k, v = Wq·x, Wk·x, Wv·x`` in one parallel loop over the rows of all three, each by the ``vec_dot``
+    of its own weight type (``types[0..2]``: a Q4_K_M file stores some layers' v as q6_K); x is encoded
+    once, as the vec_dot partner type they share."""
+    n_q, n_kv, xe = wq.shape[0], wk.shape[0], x_encoded.ctypes.data
     for i in prange(n_q + 2 * n_kv):
         if i < n_q:
-            ggml_vec_dot(vec_dot, cols, q.ctypes.data + 4 * i, wq.ctypes.data + i * row_bytes, xe)
+            ggml_vec_dot(fns[types[0], 1], cols, q.ctypes.data + 4 * i, wq.ctypes.data + i * wq.strides[0], xe)
         elif i < n_q + n_kv:
             j = i - n_q
-            ggml_vec_dot(vec_dot, cols, k.ctypes.data + 4 * j, wk.ctypes.data + j * row_bytes, xe)
+            ggml_vec_dot(fns[types[1], 1], cols, k.ctypes.data + 4 * j, wk.ctypes.data + j * wk.strides[0], xe)
         else:
             j = i - n_q - n_kv
-            ggml_vec_dot(vec_dot, cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * row_bytes, xe)
+            ggml_vec_dot(fns[types[2], 1], cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * wv.strides[0], xe)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -374,12 +377,12 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     how many neurons to compute."""
     n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
     _rms_norm(x, w.attn_norm, eps, s.h)
-    ggml_from_float(fns[w.attn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    ggml_from_float(fns[w.attn_types[0], 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     if w.attn_gemv:
         numba_interleaved.gemv_fused(w.attn_gemv, w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v, n_threads,
                                      w.vnni)
     else:
-        _qkv(fns[w.attn_type, 1], w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
+        _qkv(w.attn_types, fns, w.wq, w.wk, w.wv, s.x_encoded, d_model, s.q, s.k, s.v)
     _add_bias(s.q, w.bq)
     _add_bias(s.k, w.bk)
     _add_bias(s.v, w.bv)
@@ -388,11 +391,11 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     keys[pos] = s.k.reshape((n_kv_heads, head_dim))
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
     _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
-    ggml_from_float(fns[w.attn_type, 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
+    ggml_from_float(fns[w.attn_types[3], 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
     if w.attn_gemv:
         numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads, w.vnni)
     else:
-        _matvec(fns[w.attn_type, 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+        _matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
@@ -667,8 +670,9 @@ def _units(layer) -> list[tuple]:
 def _supported(layer) -> bool:
     """Whether the compiled path computes this layer: all on the CPU, no biases but q/k/v's, gated FFNs
     (one CPU partition each; an expert's not through a neuron cache) whose ``ffn_down_t`` the axpy loops
-    decode (``nk.axpy_takes``; other types' products all go through ggml's ``vec_dot``), and one weight
-    type and layout for q/k/v/o and one type for every gate/up."""
+    decode (``nk.axpy_takes``; other types' products all go through ggml's ``vec_dot``), one layout for
+    q/k/v/o with one vec_dot partner type for q/k/v (their input is encoded once: q4_K with q6_K, as a
+    Q4_K_M file mixes them, share q8_K), and one type for every gate/up."""
     d = layer.dense
     if set(d.biases) - set(_BIASES) or d.backend.is_device or any(
             len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
@@ -679,8 +683,8 @@ def _supported(layer) -> bool:
     return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
                 and (nk.axpy_takes(p.down_t.qtype, p.down_t.cols) if p.down_t is not None else p.down.cols == p.up.rows)
                 for p in partitions)
-            and len({(d.wq.qtype, type(d.wq)), (d.wk.qtype, type(d.wk)), (d.wv.qtype, type(d.wv)),
-                     (d.wo.qtype, type(d.wo))}) == 1
+            and len({type(m) for m in (d.wq, d.wk, d.wv, d.wo)}) == 1  # one layout (interleaved: all q4_0)
+            and len({WEIGHT_TYPES[m.qtype].vec_dot_type for m in (d.wq, d.wk, d.wv)}) == 1  # x encoded once
             and len({m.qtype for p in partitions for m in (p.gate, p.up)}) == 1)
 
 
@@ -704,7 +708,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
     gemv = interleaved.gemv if interleaved else 0  # used by the matrices the loader interleaved
     return new_layer_weights(
         d.attn_norm.weight, weight_bytes(d.wq), weight_bytes(d.wk), weight_bytes(d.wv), weight_bytes(d.wo),
-        int(d.wq.qtype), gemv if isinstance(d.wq, InterleavedQ4) else 0, bq, bk, bv, rope_halves,
+        np.array([d.wq.qtype, d.wk.qtype, d.wv.qtype, d.wo.qtype], np.int64),
+        gemv if isinstance(d.wq, InterleavedQ4) else 0, bq, bk, bv, rope_halves,
         d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
         gemv if isinstance(p.up, InterleavedQ4) else 0,
         weight_bytes(down), int(down.qtype), p.down_t is not None, numba_vnni.available(),
