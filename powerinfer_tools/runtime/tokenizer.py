@@ -44,6 +44,10 @@ class PreTokenizer:
     nfc: bool = False
     ignore_merges: bool = False  # a piece that is itself a token stays whole (Llama-3)
     add_bos: bool = False  # without tokenizer.ggml.add_bos_token, whether BOS starts a prompt (llama.cpp's default)
+    # Every digit a piece of its own before ``pattern`` splits what lies between them (SmolLM's Digits
+    # pre-tokenizer, llama.cpp's first "\p{N}" pass): one regex cannot say it, since ``pattern``'s
+    # lookaheads must stop at a digit as at the end of the text.
+    split_digits: bool = False
 
 
 # GPT-2's split, as tokenizers' ByteLevel(use_regex=True) applies it.
@@ -66,7 +70,9 @@ PRE_TOKENIZERS = {
     "llama3": _LLAMA3,
     "llama-v3": _LLAMA3,
     "smaug-bpe": PreTokenizer(LLAMA3_PATTERN),
+    "smollm": PreTokenizer(GPT2_PATTERN, split_digits=True),  # SmolLM, SmolLM2
 }
+_DIGIT = regex.compile(r"(\p{N})")
 
 
 @functools.lru_cache(maxsize=1)
@@ -188,9 +194,17 @@ class GGUFTokenizer(Tokenizer):
         if self.pre.nfc:
             text = unicodedata.normalize("NFC", text)
         ids: list[int] = []
-        for piece in self._split.findall(text):
+        for piece in self._pieces(text):
             ids.extend(self._bpe("".join(alphabet[b] for b in piece.encode("utf-8"))))
         return ids
+
+    def _pieces(self, text: str) -> list[str]:
+        """The pre-tokenizer's pieces of ``text``, each merged on its own."""
+        if not self.pre.split_digits:
+            return self._split.findall(text)
+        # regex.split with a group keeps the digits: text, digit, text, ..., the texts possibly empty.
+        parts = _DIGIT.split(text)
+        return [piece for i, part in enumerate(parts) for piece in ([part] if i % 2 else self._split.findall(part))]
 
     @functools.lru_cache(maxsize=65536)
     def _bpe(self, word: str) -> tuple[int, ...]:
