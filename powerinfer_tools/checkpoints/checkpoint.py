@@ -1,13 +1,16 @@
 """Hugging Face checkpoints on disk: config.json plus safetensors shards, memory-mapped
-(``formats.safetensors_file``)."""
+(``formats.safetensors_file``), and the tokenizer beside them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import read_json
+from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.safetensors_file import FLOAT_DTYPES, SafetensorsTensors
+from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
 
 
 class Checkpoint(SafetensorsTensors):
@@ -57,3 +60,10 @@ class Checkpoint(SafetensorsTensors):
                 f"{info.path}: tensor {name!r} has shape {list(info.shape)}, config.json implies {list(shape)}"
             )
 
+    def tokenizer(self, spec: ModelSpec) -> CheckpointTokenizer:
+        """The checkpoint's tokenizer, with ``spec``'s special tokens."""
+        return CheckpointTokenizer(self.folder, spec.bos_token_id, spec.eos_token_id)
+
+    def vocab(self, n_vocab: int) -> GGUFVocab:
+        """The tokenizer as GGUF metadata, padded to ``n_vocab`` tokens."""
+        return read_vocab(self.folder, n_vocab)

@@ -1,4 +1,4 @@
-"""``pitools convert``: a Hugging Face checkpoint to a PowerInfer or dense GGUF model file."""
+"""``pitools convert``: a Hugging Face checkpoint (or a GGUF file) to a PowerInfer or dense GGUF model file."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Output file (default: <model>.powerinfer.gguf, or <model>.gguf when dense, beside the checkpoint folder).",
+    help="Output file (default: <model>.powerinfer.gguf, or <model>.gguf when dense, beside the checkpoint folder; "
+         "beside a GGUF file, <file>.powerinfer.gguf or <file>.<outtype>.gguf).",
 )
 @click.option(
     "--outtype",
@@ -63,7 +64,8 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
     help="Reuse this activation profile (`pitools profile`) instead of profiling.",
 )
 @click.option("--corpus", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Calibration text for profiling (repeatable) [default: the checkpoint's heldout.txt].")
+              help="Calibration text for profiling (repeatable) [default: the heldout.txt in the checkpoint folder, "
+                   "or beside the GGUF file].")
 @click.option("--tokens", type=click.IntRange(min=16), default=SparsifySettings.tokens, show_default=True,
               help="Calibration tokens to profile.")
 @click.option("--recall", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=TrainSettings.recall,
@@ -89,7 +91,7 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
             corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool,
             target_sparsity: float | None, sparsity_rule: str, no_sparsity: bool, allow_nonfinite: bool, force: bool,
             quiet: bool):
-    """Convert SRC, a checkpoint folder or a Hugging Face hub id, into one model file.
+    """Convert SRC, a checkpoint folder, a Hugging Face hub id or a GGUF file, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
     in PowerInfer's layout: the PWRI magic, the down projection stored transposed
@@ -104,9 +106,14 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
     is embedded as llama.cpp reads it.
 
-    Weights are read one tensor at a time from memory-mapped safetensors and
-    written as they are converted; the output appears only when complete. The
-    output path is printed on stdout.
+    A GGUF file (llama.cpp's, Ollama's, LM Studio's: LLaMA or Qwen2 architecture,
+    weights of any type gguf-py dequantizes) is read as the checkpoint it was made
+    from: q/k rows back in the checkpoint's order, its tokenizer, chat template and
+    general.* metadata carried over; the steps above run on it unchanged.
+
+    Weights are read one tensor at a time from memory-mapped safetensors (or the
+    GGUF file, dequantized to float32) and written as they are converted; the
+    output appears only when complete. The output path is printed on stdout.
 
     \b
     Examples:
@@ -114,6 +121,7 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
       pitools convert SparseLLM/ReluLLaMA-7B --outtype q4_0 --predictors ./predictors
       pitools convert ./TinyLlama --dense -o tinyllama.gguf
       pitools convert ./TinyLlama --target-sparsity 0.5 --outtype q4_0
+      pitools convert SmolLM2-135M-Instruct.Q4_1.gguf --dense --outtype f16
     """
     if target_sparsity is not None and no_sparsity:
         raise PitoolsError("--target-sparsity and --no-sparsity contradict each other")

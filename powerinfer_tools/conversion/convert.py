@@ -1,8 +1,9 @@
-"""Converting a Hugging Face checkpoint into a dense GGUF or a PowerInfer model file.
+"""Converting a Hugging Face checkpoint (or a GGUF file) into a dense GGUF or a PowerInfer model file.
 
 The pipeline, one function per step:
 
-1. ``resolve_checkpoint`` (hub.py): a folder, or a hub id downloaded into one;
+1. ``source_path`` and ``open_source`` (source.py): a folder, a hub id downloaded into one, or a GGUF
+   file read as a checkpoint (gguf_source.py);
 2. ``plan_conversion``: read config.json and tokenizer.json, choose the layout
    (dense or PowerInfer), the architecture name, and for every output tensor its
    GGUF name, orientation and type -- without reading any weights;
@@ -24,7 +25,9 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.checkpoints.hub import looks_local, resolve_checkpoint
+from powerinfer_tools.checkpoints.hub import looks_local
+from powerinfer_tools.conversion.gguf_source import CarriedMetadata, GGUFSource
+from powerinfer_tools.conversion.source import open_source, source_path
 from powerinfer_tools.conversion.sparsify import (
     SparsifySettings,
     SparsityArtifacts,
@@ -52,7 +55,7 @@ from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_pred
 from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
 from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, bf16_to_float32
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
-from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
+from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.models import ModelSpec, spec_from_config
 from powerinfer_tools.profiling.calibration import Calibration
@@ -69,7 +72,7 @@ class CheckpointRows:
     refused as they stream past (``NonFiniteTensor``): no second pass over the weights.
     """
 
-    checkpoint: Checkpoint
+    checkpoint: Checkpoint | GGUFSource
     name: str
     transpose: bool = False
     row_order: np.ndarray | None = None
@@ -109,7 +112,7 @@ class ConversionPlan:
     architecture: str  # general.architecture
     powerinfer: bool
     outtype: OutType
-    vocab: GGUFVocab
+    vocab: GGUFVocab | CarriedMetadata  # from tokenizer.json, or a GGUF source's own keys
     tensors: list[OutputTensor]
     sparse_threshold: float | None = None
     neuron_frequencies: dict[FFNUnit, np.ndarray] | None = None  # per FFN, in the file's neuron order
@@ -136,7 +139,7 @@ class _Source(NamedTuple):
     rows: CheckpointRows | StackedRows
 
 
-def _model_tensors(checkpoint: Checkpoint, spec: ModelSpec, powerinfer: bool, orders: dict | None,
+def _model_tensors(checkpoint: Checkpoint | GGUFSource, spec: ModelSpec, powerinfer: bool, orders: dict | None,
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
@@ -164,7 +167,7 @@ def _predictor_tensors(predictors: PredictorFolder, units: list[FFNUnit], orders
 
 
 def plan_conversion(
-    checkpoint: Checkpoint,
+    checkpoint: Checkpoint | GGUFSource,
     name: str,
     outtype: str = "f16",
     dense: bool = False,
@@ -183,7 +186,7 @@ def plan_conversion(
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
     thresholds = sparsity.thresholds if sparsity is not None else None
     powerinfer = _choose_layout(spec, dense, predictors, thresholds is not None)
-    vocab = read_vocab(checkpoint.folder, spec.vocab_size)
+    vocab = checkpoint.vocab(spec.vocab_size)
     orders = sparsity.orders if sparsity is not None and powerinfer else None
     sources = _model_tensors(checkpoint, spec, powerinfer, orders, allow_nonfinite)
     if predictors is not None:
@@ -236,21 +239,30 @@ def write_model(plan: ConversionPlan, path: str | Path, progress: bool = True, o
         writer.write(plan.tensors, progress)
 
 
-def _model_name(source: str, folder: Path) -> str:
-    return folder.resolve().name if looks_local(source) else source.rstrip("/").split("/")[-1]
+def _model_name(source: str, checkpoint: Checkpoint | GGUFSource) -> str:
+    """general.name: a GGUF source's own, else the checkpoint folder's name or the hub id's last part."""
+    if isinstance(checkpoint, GGUFSource):
+        return checkpoint.name
+    return checkpoint.folder.resolve().name if looks_local(source) else source.rstrip("/").split("/")[-1]
 
 
-def default_output(source: str, folder: Path, name: str, powerinfer: bool) -> Path:
+def default_output(source: str, location: Path, powerinfer: bool, outtype: str) -> Path:
     """``<model>.powerinfer.gguf`` / ``<model>.gguf`` beside a local checkpoint folder, or in the
-    current directory for a hub id (its folder is inside the Hugging Face cache)."""
-    where = folder.resolve().parent if looks_local(source) else Path.cwd()
-    return where / f"{name}{POWERINFER_SUFFIX if powerinfer else DENSE_SUFFIX}"
+    current directory for a hub id (its folder is inside the Hugging Face cache); beside a GGUF file
+    ``location``, ``<file>.powerinfer.gguf`` / ``<file>.<outtype>.gguf``, never the file itself."""
+    suffix = POWERINFER_SUFFIX if powerinfer else DENSE_SUFFIX
+    if location.is_file():
+        return location.resolve().parent / f"{location.stem}{suffix if powerinfer else f'.{outtype}{suffix}'}"
+    if looks_local(source):
+        return location.resolve().parent / f"{location.resolve().name}{suffix}"
+    return Path.cwd() / f"{source.rstrip('/').split('/')[-1]}{suffix}"
 
 
-def _input_files(folder: Path, *extra_folders) -> list[Path]:
-    """Every file conversion reads: the checkpoint's and those of the given profile/predictor folders."""
-    folders = [folder] + [Path(f) for f in extra_folders if f is not None]
-    return [p for f in folders if Path(f).is_dir() for p in Path(f).iterdir() if p.is_file()]
+def _input_files(*locations) -> list[Path]:
+    """Every file conversion reads: the GGUF source itself, or the files of the checkpoint folder, and those
+    of the given profile/predictor folders."""
+    paths = [Path(p) for p in locations if p is not None]
+    return [p for path in paths for p in (path.iterdir() if path.is_dir() else [path]) if p.is_file()]
 
 
 def convert(
@@ -266,7 +278,8 @@ def convert(
     allow_nonfinite: bool = False,
     calibration: Calibration | None = None,
 ) -> tuple[Path, ConversionPlan]:
-    """Convert ``source`` (a checkpoint folder or a hub id); return the output path and the plan written.
+    """Convert ``source`` (a checkpoint folder, a hub id or a GGUF file); return the output path and the
+    plan written.
 
     With ``sparsify`` (the command line's default for ReLU-family models), a
     PowerInfer file gets predictors, hot-first neurons and firing frequencies:
@@ -276,23 +289,23 @@ def convert(
     PowerInfer layout with calibrated thresholds instead of predictors.
     NaN/inf weights are refused unless ``allow_nonfinite`` (profiling refuses them always).
     """
-    folder = resolve_checkpoint(source, progress=progress)
-    checkpoint = Checkpoint(folder)
+    location = source_path(source, progress)
+    checkpoint = open_source(location)
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-    name = _model_name(source, folder)
+    name = _model_name(source, checkpoint)
     thresholded = calibration is not None or (sparsify is not None and sparsify.target_sparsity is not None)
     sparse_layout = _choose_layout(spec, dense, None, thresholded)
-    path = Path(output) if output is not None else default_output(source, folder, name, sparse_layout)
-    check_writable_output(path, force, inputs=_input_files(folder, profile, predictors))
+    path = Path(output) if output is not None else default_output(source, location, sparse_layout, outtype)
+    check_writable_output(path, force, inputs=_input_files(location, profile, predictors))
     plan_conversion(checkpoint, name, outtype, dense)  # every input check before the long sparsity steps
     try:
         sparsity = None
         if thresholded:
-            calibration = calibration or calibrate_checkpoint(folder, sparsify, progress)
+            calibration = calibration or calibrate_checkpoint(location, sparsify, progress)
             sparsity = thresholded_artifacts(calibration, sparsify.reorder if sparsify is not None else True)
         elif sparsify is not None and sparse_layout:
             sparsity = prepare_sparsity(
-                folder,
+                location,
                 work_folder(path),
                 sparsify,
                 Path(profile) if profile is not None else None,

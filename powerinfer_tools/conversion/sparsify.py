@@ -15,19 +15,20 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.conversion.reorder import hot_first_permutation, profile_permutations
+from powerinfer_tools.conversion.source import open_source
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
-from powerinfer_tools.models import load_model_and_tokenizer
+from powerinfer_tools.models import DecoderModel, load_model
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.calibration import Calibration, CalibrationSettings, calibrate
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
+from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
 
 @dataclass(frozen=True)
 class SparsifySettings:
-    corpus: tuple[Path, ...] = ()  # default: the checkpoint folder's heldout.txt
+    corpus: tuple[Path, ...] = ()  # default: the heldout.txt of the checkpoint folder (or beside the GGUF file)
     tokens: int = 50_000
     seq_len: int = 256
     train: TrainSettings = field(default_factory=TrainSettings)
@@ -53,21 +54,27 @@ def work_folder(output: Path) -> Path:
     return output.with_name(output.name + ".work")
 
 
-def profile_checkpoint(folder: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
-    """Profile (or finish profiling) ``folder`` into ``profile_dir``."""
-    model, tokenizer = load_model_and_tokenizer(folder)
-    source = resolve_source(settings.corpus, None, folder)
-    tokens = read_tokens(source, tokenizer, settings.tokens)
+def _model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
+    """The reference engine on ``source`` (a checkpoint folder or a GGUF file), the calibration corpus
+    (by default the heldout.txt beside the model) and its tokens, read by the model's own tokenizer."""
+    checkpoint = open_source(source)
+    model = load_model(checkpoint)
+    corpus = resolve_source(settings.corpus, None, checkpoint.folder)
+    return model, corpus, read_tokens(corpus, checkpoint.tokenizer(model.spec), settings.tokens)
+
+
+def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
+    """Profile (or finish profiling) ``source``, a checkpoint folder or a GGUF file, into ``profile_dir``."""
+    model, corpus, tokens = _model_on_corpus(source, settings)
     seq_len = min(settings.seq_len, model.spec.max_positions)
-    Profiler(model, str(folder), tokens, source.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
+    Profiler(model, str(source), tokens, corpus.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
         progress=progress
     )
 
 
-def calibrate_checkpoint(folder: Path, settings: SparsifySettings, progress: bool) -> Calibration:
-    """Thresholds for ``folder``'s model at ``settings.target_sparsity``, calibrated on its corpus."""
-    model, tokenizer = load_model_and_tokenizer(folder)
-    tokens = read_tokens(resolve_source(settings.corpus, None, folder), tokenizer, settings.tokens)
+def calibrate_checkpoint(source: Path, settings: SparsifySettings, progress: bool) -> Calibration:
+    """Thresholds for ``source``'s model at ``settings.target_sparsity``, calibrated on its corpus."""
+    model, _, tokens = _model_on_corpus(source, settings)
     return calibrate(model, tokens, CalibrationSettings(settings.target_sparsity, settings.rule, settings.seq_len),
                      progress)
 
@@ -80,14 +87,15 @@ def thresholded_artifacts(calibration: Calibration, reorder: bool) -> SparsityAr
 
 
 def prepare_sparsity(
-    folder: Path,
+    source: Path,
     work: Path,
     settings: SparsifySettings,
     profile_dir: Path | None = None,
     predictors_dir: Path | None = None,
     progress: bool = True,
 ) -> SparsityArtifacts:
-    """Profile unless ``profile_dir`` is given, train predictors unless ``predictors_dir`` is given.
+    """Profile ``source`` (a checkpoint folder or a GGUF file) unless ``profile_dir`` is given, train
+    predictors unless ``predictors_dir`` is given.
 
     Given predictors alone (no profile), neurons keep their order and the file
     carries no firing frequencies (``pitools solve`` then needs a profile).
@@ -96,7 +104,7 @@ def prepare_sparsity(
         return SparsityArtifacts(predictors_dir, None, None)
     if profile_dir is None:
         profile_dir = work / "profile"
-        profile_checkpoint(folder, profile_dir, settings, progress)
+        profile_checkpoint(source, profile_dir, settings, progress)
     if predictors_dir is None:
         predictors_dir = work / "predictors"
         train_predictors(profile_dir, predictors_dir, settings.train, progress=progress)

@@ -54,8 +54,9 @@ def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
 
 def load_model_and_tokenizer(folder: Path) -> tuple[DecoderModel, CheckpointTokenizer]:
     """A checkpoint folder's reference model and its tokenizer (with the model's special tokens)."""
-    model = load_model(Checkpoint(folder))
-    return model, CheckpointTokenizer(folder, model.spec.bos_token_id, model.spec.eos_token_id)
+    checkpoint = Checkpoint(folder)
+    model = load_model(checkpoint)
+    return model, checkpoint.tokenizer(model.spec)
 
 
 __all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "load_model_and_tokenizer",

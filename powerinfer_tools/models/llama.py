@@ -38,6 +38,9 @@ CONFIG_KEYS = {
     "tied_embeddings": "tie_word_embeddings",
     "ffn_bias": "mlp_bias",
 }
+# The ModelSpec fields config.json holds as they are, under the key CONFIG_KEYS names.
+_PLAIN_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "max_positions", "norm_eps", "tied_embeddings",
+                 "ffn_bias")
 
 
 def gated_ffn_kind(config: dict, architecture: str) -> FFNKind:
@@ -73,6 +76,24 @@ def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | N
         bos_token_id=token_id(config, "bos_token_id"),
         eos_token_id=token_id(config, "eos_token_id"),
     )
+
+
+def config_from_spec(spec: ModelSpec) -> dict:
+    """The config.json that reads back as ``spec``: how a model that comes without one (a GGUF file
+    converted as a checkpoint) is read. Every architecture that reads its config through
+    ``spec_from_config`` above (LLaMA, Mistral, Mixtral, Qwen2) has one; the ``model_type`` is its module's."""
+    activations = {kind: name for name, kind in GATED_ACTIVATIONS.items()}
+    if spec.ffn not in activations:
+        raise PitoolsError(f"a {spec.architecture} model with a {spec.ffn.value} FFN has no config.json of this family")
+    config = {CONFIG_KEYS[field]: getattr(spec, field) for field in _PLAIN_FIELDS}
+    config.update(model_type=spec.architecture, head_dim=spec.head_dim, vocab_size=spec.vocab_size,
+                  hidden_act=activations[spec.ffn], rope_theta=spec.rope_theta, sliding_window=spec.sliding_window,
+                  attention_bias=spec.attention_bias, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id)
+    if spec.rope_scaling_factor != 1.0:
+        config["rope_scaling"] = {"rope_type": "linear", "factor": spec.rope_scaling_factor}
+    if spec.moe:  # Mixtral's keys (models/mixtral.py)
+        config.update(num_local_experts=spec.n_experts, num_experts_per_tok=spec.n_experts_used)
+    return config
 
 
 class Model(DecoderModel):
