@@ -28,6 +28,7 @@ from gguf_fixtures import (
     llama,
     make_model,
     rewrite_gguf,
+    stepwise_logits,
     write_code_corpus,
 )
 from powerinfer_tools.formats.model_file import open_model_file
@@ -38,9 +39,11 @@ from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.gguf_source import GGUFSource
 from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.llama import config_from_spec
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
+from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
 OUTTYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -366,3 +369,25 @@ def test_smollm2_converted_from_its_gguf_has_llamacpps_perplexity(tmp_path):
         ours = our_perplexity(path, corpus)
         print(f"{path.name}: ours {ours:.4f}, llama.cpp on {original.name} {theirs:.4f} (conversion {seconds:.1f} s)")
         assert abs(ours / theirs - 1) < PERPLEXITY_BOUND, (path.name, ours, theirs)
+
+
+def test_a_q4_k_m_file_of_llamacpps_quantizer_gets_predictors_and_runs_sparse(tmp_path):
+    """A ReLU model as people download it (llama.cpp's Q4_K_M: q4_K with q6_K) gets a profile and predictors from
+    `pitools convert` straight from that file, and the result runs sparse on the compiled decoder (widths of whole
+    256-value super-blocks, so that the quantizer keeps its k-quants)."""
+    config = dict(SMALL, hidden_size=256, intermediate_size=512, hidden_act="relu")
+    make_model(tmp_path / "model", "llama", **config)
+    f32, _ = convert(str(tmp_path / "model"), tmp_path / "f32.gguf", "f32", dense=True, progress=False)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    q4_k_m = tmp_path / "model.Q4_K_M.gguf"
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q4_k_m).encode(), ctypes.byref(params)) == 0
+    assert {t.qtype.name for t in open_model_file(q4_k_m).tensors.values()} >= {"Q4_K", "Q6_K"}
+    settings = SparsifySettings(corpus=(write_code_corpus(tmp_path / "corpus.txt"),), tokens=512, seq_len=32,
+                                train=dataclasses.replace(FAST_TRAINING, budget=0.5))
+    sparse, _ = convert(str(q4_k_m), tmp_path / "model.powerinfer.gguf", "q4_0", sparsify=settings, progress=False)
+    model = load_runtime_model(sparse)
+    assert model.can_run_sparse and model.compiled_decoder() is not None
+    model.mode = FFNMode.SPARSE
+    stepwise_logits(model)
+    assert 0 < model.stats.neurons_active < model.stats.neurons_total
