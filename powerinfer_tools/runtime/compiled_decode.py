@@ -24,11 +24,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import MODEL_TENSOR, GGMLQuantizationType
 from numba import njit, prange, types
 from numba.experimental import structref
 
 from powerinfer_tools import kernels
+from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
@@ -52,6 +53,7 @@ _BIASES = ("q", "k", "v")
 _NO_BIAS = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias (same numba type)
 _NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
 _NO_GROUPS.flags.writeable = False
+_DOWN, _DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)  # as messages name them
 
 
 # Weights and buffers reach the compiled code as numba StructRefs: one pointer each. (A namedtuple of
@@ -407,13 +409,21 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     return n
 
 
+@njit(inline="always")
+def _rows_take_vnni(vnni, ffn_type, cols):
+    """Whether ``gate_up`` multiplies gate/up rows of ggml type ``ffn_type``, ``cols`` wide, with
+    ``numba_vnni.row_dot_q4_0`` (``vnni``: this CPU runs it) rather than ggml's ``vec_dot``; the execution
+    report asks too (``.py_func``). Up is never interleaved here: its rows are q4_0 as stored when
+    ``ffn_type`` says q4_0."""
+    return vnni and ffn_type == nk.Q4_0 and cols % numba_vnni.GROUP_COLS == 0
+
+
 @njit(nogil=True, cache=True)
 def gate_up(w, s, rows, at, kind, fns):
     """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up (the input encoded
     in ``s.x_encoded``)."""
     d_model = s.h.shape[0]
-    # up is never interleaved here: its rows are q4_0 as stored when ffn_type says q4_0
-    rows_vnni = w.vnni and w.ffn_type == nk.Q4_0 and d_model % numba_vnni.GROUP_COLS == 0
+    rows_vnni = _rows_take_vnni(w.vnni, w.ffn_type, d_model)
     x_vnni = s.x_vnni if rows_vnni else s.x_vnni[:0]
     if rows_vnni:
         numba_vnni.encode(nk.Q4_0, s.x_encoded, x_vnni, d_model)
@@ -554,12 +564,11 @@ class CompiledDecoder:
 
     @classmethod
     def build(cls, model) -> CompiledDecoder | None:
-        """The decoder for ``model`` (a ``RuntimeModel``), or None when the model needs the general path."""
-        s = model.spec
-        if (s.norm is not NormKind.RMS or not s.pre_norm or s.rope_theta is None or s.ffn not in _KINDS
-                or model.positions is not None or not kernels.available()
-                or not all(_supported(layer) for layer in model.layers)):
+        """The decoder for ``model`` (a ``RuntimeModel``), or None when the model needs the general path
+        (``refusal`` says why)."""
+        if refusal(model) is not None:
             return None
+        s = model.spec
         ggml = kernels.ggml_routines()
         matrices = [m for layer in model.layers for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
@@ -598,9 +607,20 @@ class CompiledDecoder:
 
     def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
         """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
-        cached = any(c is not None for c in self.neuron_caches)  # dense mode streams them: the general path
-        return (n_tokens == 1 and caches[0].length < self.max_context
-                and ((mode is FFNMode.DENSE and not cached) or (mode is FFNMode.SPARSE and self.can_run_sparse)))
+        return self.step_refusal(mode, n_tokens, caches[0].length) is None
+
+    def step_refusal(self, mode: FFNMode, n_tokens: int, filled: int) -> str | None:
+        """Why a step of ``n_tokens`` after ``filled`` cached positions takes the general path, or None when it
+        runs here. Asked at every step: a step that runs here builds no string."""
+        if n_tokens != 1:
+            return f"a block of {n_tokens} tokens (a prompt)"
+        if filled >= self.max_context:
+            return f"context full ({self.max_context} positions)"
+        if mode is FFNMode.DENSE:  # dense mode streams the neuron caches: the general path does
+            return "dense mode under a RAM budget" if any(c is not None for c in self.neuron_caches) else None
+        if mode is FFNMode.SPARSE:
+            return None if self.can_run_sparse else "sparse mode without a predictor or thresholds for every FFN"
+        return f"{mode.value} mode, not dense or sparse"
 
     def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
         """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
@@ -667,25 +687,61 @@ def _units(layer) -> list[tuple]:
     return [(layer.partitions[0], layer.dense.predictor)]
 
 
-def _supported(layer) -> bool:
-    """Whether the compiled path computes this layer: all on the CPU, no biases but q/k/v's, gated FFNs
-    (one CPU partition each; an expert's not through a neuron cache) whose ``ffn_down_t`` the axpy loops
-    decode (``nk.axpy_takes``; other types' products all go through ggml's ``vec_dot``), one layout for
-    q/k/v/o with one vec_dot partner type for q/k/v (their input is encoded once: q4_K with q6_K, as a
-    Q4_K_M file mixes them, share q8_K), and one type for every gate/up."""
+def refusal(model) -> str | None:
+    """Why the compiled decoder cannot take ``model`` (a ``RuntimeModel``): the first condition it fails, in a
+    few words (a layer's named by its index), or None when it can."""
+    s = model.spec
+    if s.norm is not NormKind.RMS:
+        return f"{s.norm.value} norm, not RMSNorm"
+    if not s.pre_norm:
+        return "norms after attention and FFN, not before"
+    if s.rope_theta is None:
+        return "no rotary position embedding"
+    if model.positions is not None:
+        return "learned position embeddings"
+    if s.ffn not in _KINDS:
+        return f"{s.ffn.value} FFN, not {'/'.join(k.value for k in _KINDS)}"
+    if not kernels.available():
+        return f"compiled kernels unavailable: {kernels.unavailable_reason()}"
+    return next((f"layer {i}: {reason}" for i, layer in enumerate(model.layers)
+                 if (reason := layer_refusal(layer)) is not None), None)
+
+
+def layer_refusal(layer) -> str | None:
+    """Why the compiled path cannot compute this layer, or None when it can: it needs the layer all on the
+    CPU, no biases but q/k/v's, gated FFNs (one CPU partition each; an expert's not through a neuron cache)
+    whose ``ffn_down_t`` the axpy loops decode (``nk.axpy_takes``; other types' products all go through
+    ggml's ``vec_dot``), one layout for q/k/v/o with one vec_dot partner type for q/k/v (their input is
+    encoded once: q4_K with q6_K, as a Q4_K_M file mixes them, share q8_K), and one type for every
+    gate/up."""
     d = layer.dense
-    if set(d.biases) - set(_BIASES) or d.backend.is_device or any(
-            len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
-        return False
+    if extra := sorted(set(d.biases) - set(_BIASES)):
+        return f"{'/'.join(extra)} bias (the compiled decoder adds q/k/v's only)"
+    if d.backend.is_device:
+        return f"attention on {d.backend.name}"
+    if any(len(p) != 1 for p in ([e.partitions for e in layer.experts] or [layer.partitions])):
+        return "FFN neurons split between devices"
     partitions = [p for p, _ in _units(layer)]
     if layer.experts and any(p.cache is not None for p in partitions):
-        return False
-    return (all(not p.backend.is_device and p.gate is not None and p.gate_bias is None and p.up_bias is None
-                and (nk.axpy_takes(p.down_t.qtype, p.down_t.cols) if p.down_t is not None else p.down.cols == p.up.rows)
-                for p in partitions)
-            and len({type(m) for m in (d.wq, d.wk, d.wv, d.wo)}) == 1  # one layout (interleaved: all q4_0)
-            and len({WEIGHT_TYPES[m.qtype].vec_dot_type for m in (d.wq, d.wk, d.wv)}) == 1  # x encoded once
-            and len({m.qtype for p in partitions for m in (p.gate, p.up)}) == 1)
+        return "experts behind neuron caches (--ram)"
+    for p in partitions:
+        if p.backend.is_device:
+            return f"FFN on {p.backend.name}"
+        if p.gate is None:
+            return "FFN without a gate"
+        if p.gate_bias is not None or p.up_bias is not None:
+            return "gate/up biases"
+        if p.down_t is not None and not nk.axpy_takes(p.down_t.qtype, p.down_t.cols):
+            return f"{_DOWN_T} in {_type_name(p.down_t)}, which its axpy does not decode"
+        if p.down_t is None and p.down.cols != p.up.rows:
+            return f"a dense {_DOWN} over part of the neurons"
+    if len({type(m) for m in (d.wq, d.wk, d.wv, d.wo)}) != 1:  # one layout (interleaved: all q4_0)
+        return "q/k/v/o in different layouts"
+    if len({WEIGHT_TYPES[m.qtype].vec_dot_type for m in (d.wq, d.wk, d.wv)}) != 1:  # x encoded once
+        return f"q/k/v in types with different vec_dot inputs ({_type_names((d.wq, d.wk, d.wv))})"
+    if len({m.qtype for p in partitions for m in (p.gate, p.up)}) != 1:
+        return f"gate/up in different types ({_type_names([m for p in partitions for m in (p.gate, p.up)])})"
+    return None
 
 
 def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
@@ -718,3 +774,43 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
         _cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
     )
+
+
+# --- what this path runs, for the execution report (``RuntimeModel.execution_report``): read from the facts
+# ``_unit_weights`` and ``decode_layer`` choose by
+
+
+def attention_kernel(d) -> str:
+    """How one token's q/k/v/o products of the attention ``d`` (a ``DenseBlock``) run here."""
+    if isinstance(d.wq, InterleavedQ4):  # attn_gemv (one layout for the four: layer_refusal)
+        return _interleaved_kernel()
+    return f"{_type_names((d.wq, d.wk, d.wv, d.wo))} rows, ggml vec_dot"
+
+
+def ffn_kernels(layer) -> tuple[str, str]:
+    """How one token's gate/up and down products of ``layer``'s FFN run here (a mixture's experts share their
+    gate/up type: ``layer_refusal``)."""
+    p = _units(layer)[0][0]
+    if isinstance(p.up, InterleavedQ4):  # ffn_gemv: a dense file's FFN, computed whole
+        return _interleaved_kernel(), _interleaved_kernel()
+    vnni = _rows_take_vnni.py_func(numba_vnni.available(), int(p.gate.qtype), p.up.cols)
+    rows = f"{_type_name(p.up)} rows, {'AVX-512 VNNI' if vnni else 'ggml vec_dot'}"
+    gate_up = f"gate whole ({_interleaved_kernel()}), up {rows}" if isinstance(p.gate, InterleavedQ4) else rows
+    down = (f"{_DOWN_T} {_type_name(p.down_t)}, axpy of ours" if p.down_t is not None
+            else f"{_DOWN} {_type_name(p.down)} rows, ggml vec_dot")
+    return gate_up, down
+
+
+def _interleaved_kernel() -> str:
+    """Interleaved q4_0 matrices' products here: ``numba_interleaved.gemv`` with ``vnni`` as ``_unit_weights``
+    sets it."""
+    return f"q4_0 interleaved, {'AVX-512 VNNI' if numba_vnni.available() else 'ggml gemv'}"
+
+
+def _type_name(m: QuantMatrix | InterleavedQ4) -> str:
+    return WEIGHT_TYPES[m.qtype].name
+
+
+def _type_names(matrices) -> str:
+    """The matrices' distinct types, in order: ``q4_k/q6_k``."""
+    return "/".join(dict.fromkeys(_type_name(m) for m in matrices))

@@ -236,6 +236,33 @@ class RuntimeModel(Engine):
                 self._decoder = CompiledDecoder.build(self)
         return self._decoder
 
+    def decode_refusal(self) -> str | None:
+        """Why a decoded token (one token, in this FFN mode) takes the general path, in a few words, or None
+        when the compiled decoder takes it."""
+        decoder = self.compiled_decoder()
+        if decoder is not None:
+            return decoder.step_refusal(self.mode, 1, 0)
+        if not self.compiled_decoding:
+            return "compiled decoding turned off"
+        if (reason := kernels.unavailable_reason()) is not None:  # before compiled_decode: it needs numba
+            return f"compiled kernels not in use: {reason}"
+        from powerinfer_tools.runtime.compiled_decode import refusal
+
+        # The last words stand for a refusal of compiled_decoder()'s own that none of these names.
+        return refusal(self) or "the compiled decoder is not in use"
+
+    def decode_path(self) -> str:
+        """Which path decodes a token: ``compiled decoder``, or ``general path (why)``."""
+        reason = self.decode_refusal()
+        return "compiled decoder" if reason is None else f"general path ({reason})"
+
+    def execution_report(self) -> list[str]:
+        """Lines saying which path and kernels compute each part of this model, as loaded and in its FFN mode
+        (``runtime/execution_report.py``): the kernels, each group of alike layers, the output head, prompts."""
+        from powerinfer_tools.runtime.execution_report import execution_report
+
+        return execution_report(self)
+
     def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
         d = layer.dense
 
@@ -392,7 +419,7 @@ class RuntimeModel(Engine):
             return out
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):
-            if part_mask is not None and n_tokens > 1 and not p.backend.is_device:
+            if part_mask is not None and n_tokens > 1:
                 out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:
                     return out
@@ -411,12 +438,20 @@ class RuntimeModel(Engine):
 
 
 def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):
-    """A CPU partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
+    """A partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
     (``kernels.batched``): a prompt's union of predicted neurons is nearly all of them, ~8x the work of
-    each token's own. None where that path does not apply (compiled kernels not in use, biases, an ungated FFN)."""
-    if not kernels.available():
+    each token's own. None where that path does not apply (``computes_tokens_own_neurons``)."""
+    if not computes_tokens_own_neurons(p):
         return None
     from powerinfer_tools.kernels import batched
-    if p.gate_bias is not None or p.up_bias is not None or not batched.handles(p.gate, p.up, p.down_t):
-        return None
     return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask)
+
+
+def computes_tokens_own_neurons(p: FFNPartition) -> bool:
+    """Whether a block of tokens with their own neuron choices computes each token's own neurons of ``p``
+    (``kernels.batched``): a CPU partition, the compiled kernels in use, no biases, a gated FFN whose
+    matrices ``batched.handles``."""
+    if p.backend.is_device or not kernels.available():
+        return False
+    from powerinfer_tools.kernels import batched
+    return p.gate_bias is None and p.up_bias is None and batched.handles(p.gate, p.up, p.down_t)

@@ -1,0 +1,209 @@
+"""Which path and which kernels compute each part of a loaded model (``RuntimeModel.execution_report``):
+what ``pitools run --verbose`` prints, ``pitools bench`` records and ``LLM.description`` ends with the gist of.
+
+    kernels: compiled: numba loops + ggml vec_dot ..., 2 threads
+    layers 0-5: compiled decoder | attention q4_0 interleaved, ggml gemv | FFN sparse, predicted (predictor
+        hidden size 16) | gate/up q4_0 rows, ggml vec_dot | down ffn_down_t q4_0, axpy of ours
+    output head: q8_0, ggml vec_dot
+    prompts (blocks of tokens): general path | sparse FFN: each token's own predicted neurons (kernels.batched)
+
+A layer's line tells how a decoded token runs it: by the compiled decoder (``compiled_decode``) or, when
+that refuses the model or the step, by the general path (``RuntimeModel._layer``), and then which kernel
+each product takes. Every fact is read from the predicates the code chooses by (the decoder's
+``refusal``/``step_refusal`` and kernel choices, ``kernels.available``, ``numba_vnni.usable``,
+``numba_kernels.axpy_takes``, ``isinstance(m, InterleavedQ4)``), never from a copy of their rules.
+Consecutive layers alike but for their sizes (a predictor's hidden size, a calibrated threshold, a neuron
+cache's share) are one line, their sizes as ranges.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+from gguf import MODEL_TENSOR
+
+from powerinfer_tools import kernels
+from powerinfer_tools.formats.constants import PowerInferTensor, block_part
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
+from powerinfer_tools.runtime.engine import computes_tokens_own_neurons
+
+REFERENCE = "NumPy reference"
+DOWN, DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)
+
+
+@dataclass(frozen=True)
+class Phrase:
+    """Words whose numbers may differ between layers otherwise alike: ``text`` has one format field per entry
+    of ``numbers`` (each entry: this layer's values, several for a mixture's experts)."""
+
+    text: str
+    numbers: tuple[tuple[float, ...], ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class LayerExecution:
+    """How a decoded token runs one layer; equal for layers that one line describes."""
+
+    path: str
+    attention: str
+    ffn: tuple[Phrase, ...]
+    gate_up: str
+    down: str
+
+
+def execution_report(model) -> list[str]:
+    """The report's lines for ``model`` (a ``RuntimeModel``), as loaded and in its FFN mode."""
+    path = model.decode_path()
+    compiled = model.decode_refusal() is None
+    layers = [_layer_execution(model, layer, path, compiled) for layer in model.layers]
+    lines = [f"kernels: {kernels.describe()}"]
+    first = 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[first]:
+            lines.append(_group_line(first, layers[first:i]))
+            first = i
+    lines.append(f"output head: {one_token_product(model.output, model.head_backend)}")
+    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}")
+    return lines
+
+
+def _layer_execution(model, layer, path: str, compiled: bool) -> LayerExecution:
+    if compiled:  # compiled_decode needs numba: imported where the decoder is in use
+        from powerinfer_tools.runtime import compiled_decode
+
+        attention = compiled_decode.attention_kernel(layer.dense)
+        gate_up, down = compiled_decode.ffn_kernels(layer)
+    else:
+        d = layer.dense
+        attention = _distinct(one_token_product(m, d.backend) for m in (d.wq, d.wk, d.wv, d.wo))
+        partitions = _partitions(layer)
+        gate_up = _distinct(one_token_product(m, p.backend) for p in partitions for m in (p.gate, p.up)
+                            if m is not None)
+        down = _distinct(_down_product(p) for p in partitions)
+    return LayerExecution(path, attention, _ffn_variant(model, layer), gate_up, down)
+
+
+def _group_line(first: int, group: list[LayerExecution]) -> str:
+    """One line for consecutive layers ``first ..`` alike but for their numbers (shown as ranges)."""
+    last = first + len(group) - 1
+    label = f"layer {first}" if last == first else f"layers {first}-{last}"
+    e = group[0]
+    ffn = ", ".join(_phrase_text([layer.ffn[k] for layer in group]) for k in range(len(e.ffn)))
+    return f"{label}: {e.path} | attention {e.attention} | FFN {ffn} | gate/up {e.gate_up} | down {e.down}"
+
+
+def _phrase_text(alike: list[Phrase]) -> str:
+    """The phrase of several layers, each number as its range over them (``16-64``) or its one value."""
+    pieces, k = [], 0
+    for literal, name, spec, _ in string.Formatter().parse(alike[0].text):
+        pieces.append(literal)
+        if name is not None:  # the k-th number
+            values = [v for phrase in alike for v in phrase.numbers[k]]
+            low, high = format(min(values), spec), format(max(values), spec)
+            pieces.append(low if low == high else f"{low}-{high}")
+            k += 1
+    return "".join(pieces)
+
+
+def one_token_product(m, backend) -> str:
+    """How the general path multiplies one token by ``m`` on ``backend`` (``CpuBackend.matmul``:
+    ``kernels.interleaved_matmul``, or ``kernels.matvec`` with AVX-512 VNNI for one token where usable)."""
+    name = WEIGHT_TYPES[m.qtype].name
+    if backend.is_device:
+        return f"{name} on {backend.name}"
+    if isinstance(m, InterleavedQ4):
+        ggml = kernels.ggml_routines()
+        return f"{name} interleaved, {'ggml gemv' if ggml is not None and ggml.interleaved else REFERENCE}"
+    if not kernels.available():  # else numba is there, which numba_vnni needs
+        return f"{name}, {REFERENCE}"
+    from powerinfer_tools.kernels import numba_vnni
+
+    return f"{name}, {'AVX-512 VNNI' if numba_vnni.usable(int(m.qtype), m.cols) else 'ggml vec_dot'}"
+
+
+def _down_product(p) -> str:
+    """How the general path computes partition ``p``'s down projection for one token: ``kernels.row_axpy``
+    over ``ffn_down_t`` (our axpy where it decodes the type, else the reference), or a dense file's
+    ``ffn_down`` as a product."""
+    if p.down_t is None:
+        return f"{DOWN} {one_token_product(p.down, p.backend)}"
+    name = WEIGHT_TYPES[p.down_t.qtype].name
+    if p.backend.is_device:
+        return f"{DOWN_T} {name} on {p.backend.name}"
+    if kernels.available():
+        from powerinfer_tools.kernels import numba_kernels
+
+        if numba_kernels.axpy_takes(p.down_t.qtype, p.down_t.cols):
+            return f"{DOWN_T} {name}, axpy of ours"
+    return f"{DOWN_T} {name}, {REFERENCE}"
+
+
+def _ffn_variant(model, layer) -> tuple[Phrase, ...]:
+    """What a layer's FFN computes in the model's mode, and where its neurons live."""
+    phrases = []
+    if layer.experts:
+        phrases.append(Phrase(f"mixture of {len(layer.experts)} experts, top-{model.spec.n_experts_used}"))
+    if model.mode is FFNMode.SPARSE:
+        phrases.append(_sparsity(layer))
+    elif model.mode is FFNMode.ORACLE:
+        phrases.append(Phrase("oracle (every neuron computed to find those that fire)"))
+    else:
+        phrases.append(Phrase(model.mode.value))
+    partitions = _partitions(layer, every_expert=True)
+    caches = [p.cache for p in partitions if p.cache is not None]
+    if caches:
+        phrases.append(Phrase("behind neuron caches (--ram: {:d} neurons pinned, {:d} slots)" if len(caches) > 1
+                              else "behind a neuron cache (--ram: {:d} neurons pinned, {:d} slots)",
+                              ((sum(c.n_pinned for c in caches),), (sum(c.capacity for c in caches),))))
+    on_device = [p for p in partitions if p.backend.is_device]
+    if on_device:
+        share = sum(len(p.neurons) for p in on_device) / (layer.d_ff * max(len(layer.experts), 1))
+        phrases.append(Phrase(f"{{:.0%}} of the neurons on {on_device[0].backend.name}", ((share,),)))
+    return tuple(phrases)
+
+
+def _sparsity(layer) -> Phrase:
+    """Sparse mode's choice of neurons: a SiLU model's thresholds (CATS, TEAL or both), or predictors."""
+    t = layer.dense.thresholds
+    if t is not None:
+        used = [(label, value) for label, value in (("CATS", t.cats), ("TEAL input", t.ffn_in),
+                                                     ("TEAL down", t.ffn_down)) if value is not None]
+        rule = "+".join(dict.fromkeys(label.split()[0] for label, _ in used))
+        return Phrase(f"sparse, {rule} (" + ", ".join(f"{label} threshold {{:.3g}}" for label, _ in used) + ")",
+                      tuple((value,) for _, value in used))
+    predictors = [e.predictor for e in layer.experts] if layer.experts else [layer.dense.predictor]
+    if any(p is None for p in predictors):
+        return Phrase("sparse, but without predictors (a step fails)")
+    return Phrase("sparse, predicted (predictor hidden size {:d})", (tuple(p.fc1.rows for p in predictors),))
+
+
+def _prompt_ffn(model) -> str:
+    """How a block of tokens computes the FFNs: every neuron, a SiLU model's thresholded block, or each token's
+    own predicted neurons (``kernels.batched``) where that applies (``computes_tokens_own_neurons``)."""
+    if model.mode is FFNMode.DENSE:
+        return "FFN: every neuron"
+    if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
+        return "sparse FFN: every neuron's gate and up, then the thresholds' mask"
+    cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
+    taking = sum(computes_tokens_own_neurons(p) for p in cpu)
+    if taking == len(cpu):
+        return f"{model.mode.value} FFN: each token's own chosen neurons (kernels.batched)"
+    if taking == 0:
+        return f"{model.mode.value} FFN: the union of the tokens' chosen neurons for every token"
+    return (f"{model.mode.value} FFN: each token's own chosen neurons (kernels.batched) in {taking} of {len(cpu)} "
+            "CPU partitions, the union of them elsewhere")
+
+
+def _partitions(layer, every_expert: bool = False) -> list:
+    """A layer's FFN partitions: its own, or a mixture's first expert's (``every_expert``: all experts')."""
+    if not layer.experts:
+        return layer.partitions
+    return [p for e in (layer.experts if every_expert else layer.experts[:1]) for p in e.partitions]
+
+
+def _distinct(descriptions) -> str:
+    """Descriptions, each once, in order: ``q4_k, ggml vec_dot / q6_k, ggml vec_dot``."""
+    return " / ".join(dict.fromkeys(descriptions))
