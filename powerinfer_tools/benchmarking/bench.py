@@ -21,7 +21,8 @@ llama.cpp's n_threads, PowerInfer's -t). Nothing else is set: OMP_WAIT_POLICY an
 whatever the caller's environment says (reported when set). llama.cpp runs at its defaults, its
 weight repacking (CPU_REPACK) included; where its AMX path faults, found by a probe process before
 the rounds, AMX alone is turned off (benchmarking/llamacpp.py). The report names each engine's
-settings and the CPU model.
+settings and the CPU model, and for our runtime its execution report (``RuntimeModel.execution_report``:
+which path and kernels computed each layer), made by the engine's process once the model is loaded.
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ class EngineResult:
     settings: BenchSettings
     runs: list[Run] = field(default_factory=list)
     engine_settings: dict = field(default_factory=dict)  # threads, environment, buffer types: as reported
+    execution: list[str] | None = None  # our runtime's execution report: which path and kernels ran what
 
     def prompt_rates(self) -> list[float]:
         return [(r.counts[0] if r.counts else self.settings.prompt_tokens) / r.prompt_seconds for r in self.runs]
@@ -148,6 +150,7 @@ class EngineResult:
             "file_bytes": self.file_bytes,
             "kv_bytes": self.kv_bytes,
             "rss_budget": self.rss_budget,
+            **({"execution": self.execution} if self.execution is not None else {}),
             "runs": [asdict(r) for r in self.runs],
         }
 
@@ -206,6 +209,9 @@ class _Runtime:
         self.model.mode = mode
         self.caches = self.model.new_cache()
 
+    def execution_report(self) -> list[str]:
+        return self.model.execution_report()
+
     def run(self, tokens: np.ndarray, n_prompt: int) -> Run:
         from powerinfer_tools.runtime.engine import TokenStats
 
@@ -244,6 +250,10 @@ class _LlamaCpp:
         model = open_model_file(spec.path)
         self.bytes_per_token = _dense_bytes_per_token(model)
         self._kv_bytes = f16_kv_bytes(model, self.llm.n_ctx())
+
+    def execution_report(self) -> None:
+        """None: which kernels llama.cpp runs is its own affair (its settings are reported)."""
+        return None
 
     def run(self, tokens: np.ndarray, n_prompt: int) -> Run:
         llm, vocab = self.llm, self.llm.n_vocab()
@@ -293,7 +303,7 @@ def _serve(conn, spec: EngineSpec) -> None:
         engine_class.import_libraries()
         baseline = peak_rss() or 0
         engine = engine_class(spec)
-        conn.send(("ready", None))
+        conn.send(("ready", engine.execution_report()))
         while (job := conn.recv()) is not None:
             conn.send(("run", engine.run(*job)))
         conn.send(("done", (peak_rss() or 0, baseline, engine.kv_bytes())))
@@ -432,28 +442,29 @@ def llama_cpp_buffers(baseline: Path, threads: int, progress) -> tuple[Buffers, 
 
 
 def _run_alone(spec: EngineSpec, env: dict[str, str], tokens: np.ndarray, n_prompt: int,
-               launch=list) -> tuple[Run, int, int, int]:
+               launch=list) -> tuple[Run, int, int, int, list[str] | None]:
     """One engine process, alone: start, load, a warm-up run, the measured run, exit.
-    Returns the measured run, the process's peak RSS, its libraries' RSS and its KV cache bytes."""
+    Returns the measured run, the process's peak RSS, its libraries' RSS, its KV cache bytes and its
+    execution report (our runtime's; None for llama.cpp)."""
     worker = _Worker(spec, env, launch)
     try:
-        worker.receive("ready")
+        execution = worker.receive("ready")
         worker.call((tokens, n_prompt), "run")  # the warm-up
         run = worker.call((tokens, n_prompt), "run")
         peak, libraries, kv_bytes = worker.call(None, "done")
     finally:
         worker.close()
-    return run, peak, libraries, kv_bytes
+    return run, peak, libraries, kv_bytes, execution
 
 
 def _run_powerinfer(spec: EngineSpec, env: dict[str, str], prompt_text: str, generate: int, launch=list
-                    ) -> tuple[Run, int, None, int]:
+                    ) -> tuple[Run, int, None, int, None]:
     """One run of PowerInfer's main (which warms up by itself), timed by its own printed timings."""
     output, peak = run_powerinfer(spec.binary, spec.path, prompt_text, generate, spec.threads, spec.context, env,
                                   launch)
     prompt_seconds, prompt_count, decode_seconds, decode_count = parse_timings(output, spec.binary)
     run = Run(prompt_seconds, decode_seconds, None, counts=(prompt_count, decode_count))
-    return run, peak, None, f16_kv_bytes(open_model_file(spec.path), spec.context)
+    return run, peak, None, f16_kv_bytes(open_model_file(spec.path), spec.context), None
 
 
 def _within_limit(spec: EngineSpec, limit_bytes: int | None, run_once):
@@ -505,7 +516,7 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
         for i in ((round_ + k) % len(specs) for k in range(len(specs))):
             spec = specs[i][0]
             try:
-                run, peak, libraries, kv_bytes = measure(spec)
+                run, peak, libraries, kv_bytes, execution = measure(spec)
             except MemoryLimitExceeded:
                 if spec.name != LLAMA_CPP or spec.buffers is Buffers.PLAIN:
                     raise
@@ -515,10 +526,10 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
                 specs[i] = (spec, specs[i][1])
                 results[spec.name].engine_settings.update(PLAIN_UNDER_LIMIT)
                 progress(f"llama.cpp: {PLAIN_UNDER_LIMIT['memory_limit']}")
-                run, peak, libraries, kv_bytes = measure(spec)
+                run, peak, libraries, kv_bytes, execution = measure(spec)
             r = results[spec.name]
             r.runs.append(run)
-            r.peak_rss, r.kv_bytes = max(r.peak_rss, peak), kv_bytes
+            r.peak_rss, r.kv_bytes, r.execution = max(r.peak_rss, peak), kv_bytes, execution
             if libraries is not None:  # PowerInfer's is not known
                 r.baseline_rss = max(r.baseline_rss or 0, libraries)
         progress(f"round {round_ + 1}/{settings.runs}")
@@ -614,6 +625,10 @@ def format_report(rep: dict) -> str:
             lines.append(f"{name}: --ram {format_size(e['settings']['ram'])}: weights in memory "
                          f"{format_size(e['resident_bytes'])}, neuron cache hit rate {e['hit_rate']:.1%}, "
                          f"{e['disk_bytes_per_token'] / 1e6:.2f} MB read from disk per token")
+    for name, e in rep["engines"].items():
+        if "execution" in e:
+            lines.append(f"{name}: how it computed:")
+            lines += [f"  {line}" for line in e["execution"]]
     for name, e in rep["engines"].items():
         if set(e["settings"]) - {"threads"}:
             lines.append(f"{name}: " + ", ".join(f"{k} {_setting(v)}" for k, v in e["settings"].items()))

@@ -82,7 +82,8 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     RSS against the target (model file + KV cache + 15%). Then the ratios to
     llama.cpp (medians of per-round ratios), under the JSON keys
     sparse_vs_llamacpp_generation, dense_vs_llamacpp_generation and
-    sparse_vs_llamacpp_prompt; and the CPU model and each engine's settings.
+    sparse_vs_llamacpp_prompt; the CPU model, each engine's settings, and
+    our runtime's path and kernels per layer (as `pitools run --verbose`).
 
     Every engine gets --threads threads (OpenMP, OpenBLAS, numba, llama.cpp,
     PowerInfer's -t) and otherwise its libraries' defaults: OMP_WAIT_POLICY
@@ -90,9 +91,8 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     its defaults, weight repacking (CPU_REPACK) on; where its AMX path
     faults (a probe process tries it first), AMX alone is turned off.
 
-    --powerinfer runs PowerInfer's main on MODEL with the prompt's text; it
-    decodes greedily (no teacher forcing) and is timed by the timings it
-    prints.
+    --powerinfer runs PowerInfer's main on MODEL with the prompt's text,
+    greedily (no teacher forcing), timed by the timings it prints.
 
     \b
     Examples:

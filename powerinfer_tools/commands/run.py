@@ -25,9 +25,14 @@ from powerinfer_tools.units import format_size
 @click.option("--top-p", default=0.95, show_default=True,
               help="Sample from the smallest set with this much mass, in (0, 1].")
 @click.option("--seed", type=int, default=None, help="Random seed (0 to 2^64 - 1) for reproducible sampling.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Before generating, print on stderr how each part of the model is computed: per group of "
+                   "alike layers, whether the compiled decoder or the general path (and why) decodes a token, "
+                   "the kernel of attention, gate/up and down, the FFN's variant; then the output head's kernel "
+                   "and the prompt's path.")
 @runtime_options
 def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
-        **runtime) -> None:
+        verbose: bool, **runtime) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
@@ -36,7 +41,8 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     stderr: prompt and generation speed, the mean fraction of FFN neurons
     computed, bytes of weights read per step, and the GPU's share of FFN work;
     with --ram, the weights in memory, the neuron caches' hit rate and the
-    bytes read from disk per step.
+    bytes read from disk per step; last, which path decodes tokens (the
+    compiled decoder, or the general path and why: --verbose says more).
 
     \b
     Examples:
@@ -44,10 +50,14 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
       pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
       pitools run model.powerinfer.gguf --ram 2GB -p "def "
+      pitools run model.powerinfer.gguf --verbose -p "def "
     """
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
     llm = load_llm(model, default_kernels=Policy.BACKGROUND, **runtime)
     pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
+    if verbose:
+        click.echo("pitools: how this run computes:\n" + "\n".join(f"  {line}" for line in llm.execution_report()),
+                   err=True)
     click.echo(prompt, nl=False)
     for piece in pieces:
         click.echo(piece, nl=False)

@@ -137,8 +137,16 @@ class LLM:
             where += f", --ram {format_size(ram)} ({cache_policy} cache)"
         if compiled_kernels.reference_chosen():
             where += ", NumPy kernels"
+        where += f", tokens decoded by the {model.decode_path()}"  # the whole story: execution_report()
         return cls(model, GGUFTokenizer(model.metadata, source=str(path)), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
                    str(path))
+
+    def execution_report(self) -> list[str]:
+        """Which path and kernels compute each part of the model (``RuntimeModel.execution_report``); a
+        checkpoint folder's reference engine computes all of it in NumPy."""
+        if isinstance(self.engine, RuntimeModel):
+            return self.engine.execution_report()
+        return [f"{self.description}: every layer, the output head and prompts"]
 
     @property
     def mode(self) -> str:
