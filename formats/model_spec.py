@@ -43,6 +43,7 @@ class FFNKind(str, enum.Enum):
     REGLU = "reglu"  # ReluLLaMA, ProSparse: down(relu(gate x) * up x)
     DRELU = "drelu"  # TurboSparse, Bamboo: down(relu(gate x) * relu(up x))
     SWIGLU = "swiglu"  # plain LLaMA/Mistral: down(silu(gate x) * up x), dense
+    GEGLU = "geglu"  # Gemma 3: down(gelu_tanh(gate x) * up x), dense
 
     @property
     def gated(self) -> bool:
@@ -50,7 +51,7 @@ class FFNKind(str, enum.Enum):
 
     @property
     def sparse(self) -> bool:
-        return self is not FFNKind.SWIGLU
+        return self not in (FFNKind.SWIGLU, FFNKind.GEGLU)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ class ModelSpec:
     rope_theta: float | None = None
     rope_scaling_factor: float = 1.0  # "linear" scaling: positions are divided by it
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys
+    # Gemma 3: only some layers slide. With a pattern N > 0, every Nth layer (the last of each N) attends
+    # to the whole context with rope_theta, the others within sliding_window with rope_local_theta.
+    sliding_window_pattern: int = 0
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # scores are divided by its square root; None: head_dim's
     attention_bias: bool = False
     ffn_bias: bool = False
     # OPT only.
@@ -130,6 +136,29 @@ class ModelSpec:
     @property
     def token_embed_dim(self) -> int:
         return self.embed_dim or self.d_model
+
+    def slides(self, layer: int) -> bool:
+        """Whether ``layer`` attends within ``sliding_window`` (every layer of a model with a window and
+        no pattern, as Mistral's)."""
+        if self.sliding_window is None:
+            return False
+        return not self.sliding_window_pattern or (layer + 1) % self.sliding_window_pattern != 0
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many keys a query of ``layer`` sees at most; None: all before it."""
+        return self.sliding_window if self.slides(layer) else None
+
+    def layer_rope(self, layer: int) -> tuple[float | None, float]:
+        """(rope theta, linear scaling factor) of ``layer``: a sliding layer of a model with a local theta
+        (Gemma 3) rotates with that, unscaled, as transformers' and llama.cpp's Gemma 3 do."""
+        if self.rope_local_theta is not None and self.slides(layer):
+            return self.rope_local_theta, 1.0
+        return self.rope_theta, self.rope_scaling_factor
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: 1/sqrt(head_dim) unless the model says otherwise."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 # --- validation: every constructor (config.json, GGUF metadata) passes through ModelSpec.__post_init__ --------
@@ -236,6 +265,9 @@ def _validate(spec: ModelSpec) -> None:
         _token_id(spec, field)
     _positive_real(spec, "norm_eps")
     _positive_real(spec, "rope_theta", optional=True)
+    _positive_real(spec, "rope_local_theta", optional=True)
+    _positive_real(spec, "query_pre_attn_scalar", optional=True)
+    _integer(spec, "sliding_window_pattern", 0, MAX_LAYERS)
     _positive_real(spec, "rope_scaling_factor")
     for field in ("tied_embeddings", "attention_bias", "ffn_bias", "pre_norm", "final_norm"):
         _flag(spec, field)

@@ -51,7 +51,7 @@ class RopePairs(str, enum.Enum):
     """
 
     ADJACENT = "adjacent"  # llama.cpp's LLAMA_ROPE_TYPE_NORM: LLaMA, Mistral, Mixtral
-    HALVES = "halves"  # LLAMA_ROPE_TYPE_NEOX: Qwen2
+    HALVES = "halves"  # LLAMA_ROPE_TYPE_NEOX: Qwen2, Gemma 3
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,15 @@ class ArchitectureTable:
     rope_pairs: RopePairs = RopePairs.ADJACENT
     # The attention projections that carry a bias in a model with ModelSpec.attention_bias.
     attention_biases: tuple[MODEL_TENSOR, ...] = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
+    # What GGUF adds to the checkpoint's RMSNorm weights: Gemma's norms scale by (1 + w), and llama.cpp's
+    # converter stores 1 + w so that its plain RMSNorm computes them.
+    norm_offset: float = 0.0
+    # Token embeddings multiplied by sqrt(d_model) before the first layer (Gemma).
+    scaled_embeddings: bool = False
+
+    def has(self, tensor: MODEL_TENSOR) -> bool:
+        """Whether the architecture has a row for ``tensor``."""
+        return any(row.tensor is tensor for row in self.before + self.block + self.after)
 
     def row(self, tensor: MODEL_TENSOR | None, hf: str | None = None) -> TensorRow:
         """The row of ``tensor`` (for a tensor with no GGUF layout, the one whose name ends in ``hf``)."""
@@ -129,6 +138,36 @@ MIXTRAL = ArchitectureTable(
 QWEN2 = dataclasses.replace(LLAMA, gguf_architecture="qwen2", rope_pairs=RopePairs.HALVES,
                             attention_biases=(T.ATTN_Q, T.ATTN_K, T.ATTN_V))
 
+# Gemma 3 (text): RMSNorm of q and k per head before RoPE (attn_q_norm, attn_k_norm), and norms after
+# attention and after the FFN as well as before (post_attention_norm, post_ffw_norm); no biases, "neox"
+# rope, GeGLU FFN. llama.cpp's Gemma 3 converter writes every norm as 1 + w.
+_GEMMA3_LAYER = "model.layers.{bid}."
+GEMMA3 = ArchitectureTable(
+    gguf_architecture="gemma3",
+    before=LLAMA.before,
+    block=_block(
+        _GEMMA3_LAYER,
+        (T.ATTN_NORM, "input_layernorm", None),
+        (T.ATTN_Q, "self_attn.q_proj", None),
+        (T.ATTN_K, "self_attn.k_proj", None),
+        (T.ATTN_V, "self_attn.v_proj", None),
+        (T.ATTN_Q_NORM, "self_attn.q_norm", None),
+        (T.ATTN_K_NORM, "self_attn.k_norm", None),
+        (T.ATTN_OUT, "self_attn.o_proj", None),
+        (T.ATTN_POST_NORM, "post_attention_layernorm", None),
+        (T.FFN_NORM, "pre_feedforward_layernorm", None),
+        (T.FFN_GATE, "mlp.gate_proj", 0),
+        (T.FFN_UP, "mlp.up_proj", 0),
+        (T.FFN_DOWN, "mlp.down_proj", 1),
+        (T.FFN_POST_NORM, "post_feedforward_layernorm", None),
+    ),
+    after=LLAMA.after,
+    rope_pairs=RopePairs.HALVES,
+    attention_biases=(),
+    norm_offset=1.0,
+    scaled_embeddings=True,
+)
+
 _OPT_DECODER = "model.decoder."
 OPT = ArchitectureTable(
     gguf_architecture="opt",
@@ -158,7 +197,7 @@ OPT = ArchitectureTable(
 
 # ModelSpec.architecture -> its table. Mistral is LLaMA to llama.cpp: the same tensors, the same name.
 TABLES: dict[str, ArchitectureTable] = {"llama": LLAMA, "mistral": LLAMA, "mixtral": MIXTRAL, "qwen2": QWEN2,
-                                         "opt": OPT}
+                                         "gemma3": GEMMA3, "opt": OPT}
 
 # The neuron axis of a block's GGUF tensor as stored. GGUF keeps the checkpoint's [out, in] NumPy
 # shape, so the tables' axes hold (ffn_down [d, d_ff]: 1), one further for experts stacked in front;

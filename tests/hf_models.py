@@ -74,6 +74,7 @@ def build(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: randomised too
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),  # norms randomised around 2
     }[family]
     config = config_cls(**(config_overrides or {}))
     model = model_cls(config).eval()

@@ -20,6 +20,12 @@ OPT_PRE = dict(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_h
 OPT_POST_PROJ = dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=83,
                      max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False,
                      pad_token_id=1)
+# Gemma 3: 7 layers (the 6th global, the others sliding over 4 keys), head_dim apart from d_model / heads, a
+# query scaling apart from head_dim, and RoPE bases small enough that both matter over 13 tokens.
+GEMMA3 = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=97, max_position_embeddings=64, sliding_window=4, query_pre_attn_scalar=24,
+              rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
 MIXTRAL_GQA = dict(LLAMA_GQA, num_local_experts=3, num_experts_per_tok=2, sliding_window=None)
 MIXTRAL_MHA_ODD = dict(LLAMA_MHA_ODD, num_local_experts=5, num_experts_per_tok=1, sliding_window=None)
 
@@ -44,6 +50,8 @@ CASES = {
                               {}),
     "qwen2-swiglu-mha-odd-untied": ("qwen2", dict(LLAMA_MHA_ODD, hidden_act="silu"), {}),
     "qwen2-reglu-gqa": ("qwen2", dict(LLAMA_GQA, hidden_act="relu"), {}),
+    "gemma3-tied": ("gemma3", GEMMA3, {}),
+    "gemma3-untied-mha": ("gemma3", dict(GEMMA3, num_key_value_heads=4, tie_word_embeddings=False), {}),
     "opt-pre-ln": ("opt", OPT_PRE, {}),
     "opt-post-ln-projections": ("opt", OPT_POST_PROJ, {}),
     "opt-untied": ("opt", dict(OPT_PRE, tie_word_embeddings=False), {}),
@@ -51,7 +59,8 @@ CASES = {
 EXPECTED_FFN = {"mixtral-drelu-4x4": FFNKind.DRELU, "turbosparse-mixtral-drelu-4x2": FFNKind.DRELU,
                 "mixtral-reglu-odd-5x1": FFNKind.REGLU, "llama-drelu": FFNKind.DRELU, "bamboo-drelu": FFNKind.DRELU, "llama-swiglu-gqa": FFNKind.SWIGLU,
                 "mistral-swiglu-window": FFNKind.SWIGLU, "opt-pre-ln": FFNKind.RELU,
-                "qwen2-swiglu-gqa-tied": FFNKind.SWIGLU, "qwen2-reglu-gqa": FFNKind.REGLU}
+                "qwen2-swiglu-gqa-tied": FFNKind.SWIGLU, "qwen2-reglu-gqa": FFNKind.REGLU,
+                "gemma3-tied": FFNKind.GEGLU}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -113,6 +122,8 @@ def test_ffn_hook_sees_firing_neurons(case):
     fired = np.concatenate([t.fired for t in traces]).mean()
     if spec.ffn.sparse:
         assert 0 < fired < 1  # random ReLU-family weights fire about half the neurons
+    elif spec.ffn is FFNKind.GEGLU:
+        assert fired > 0.9  # tanh GELU rounds to exactly 0 far below zero (tanh -> -1 in float32)
     else:
         assert fired == 1.0
 
@@ -145,3 +156,20 @@ def test_qwen2_sliding_window_attention_is_refused():
 
     with pytest.raises(PitoolsError, match="sliding-window attention.*sliding_window=1024 < max_position_embeddings=4096"):
         spec_from_config(dict(QWEN2_CONFIG, use_sliding_window=True, sliding_window=1024))
+
+
+def test_gemma3_spec_reads_both_config_layouts():
+    """transformers v5's per-layer-type rope_parameters and v4's rope_theta / rope_local_base_freq /
+    sliding_window_pattern read the same; layer types that follow no every-Nth pattern are refused."""
+    from powerinfer_tools.errors import PitoolsError
+    from powerinfer_tools.models import config_from_spec
+
+    v5 = spec_from_config(dict(GEMMA3, model_type="gemma3_text"))
+    v4 = dict(GEMMA3, model_type="gemma3_text", rope_theta=500.0, rope_local_base_freq=50.0, sliding_window_pattern=6)
+    del v4["rope_parameters"]
+    assert spec_from_config(v4) == v5 == spec_from_config(config_from_spec(v5))
+    assert [v5.layer_window(i) for i in range(7)] == [4] * 5 + [None, 4]
+    assert [v5.layer_rope(i)[0] for i in range(7)] == [50.0] * 5 + [500.0, 50.0]
+    with pytest.raises(PitoolsError, match="every 2th layer"):
+        spec_from_config(dict(GEMMA3, model_type="gemma3_text", layer_types=["sliding_attention", "full_attention"] * 3
+                              + ["full_attention"]))

@@ -13,7 +13,7 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.checkpoints.tokenizer import CheckpointTokenizer
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
-from powerinfer_tools.models import llama, mistral, mixtral, opt, qwen2
+from powerinfer_tools.models import gemma3, llama, mistral, mixtral, opt, qwen2
 from powerinfer_tools.models.base import DecoderModel
 
 # config.json "model_type" -> the module that reads it.
@@ -24,6 +24,7 @@ ARCHITECTURES: dict[str, ModuleType] = {
     "mixtral": mixtral,
     mixtral.TURBOSPARSE: mixtral,
     qwen2.ARCHITECTURE: qwen2,
+    gemma3.MODEL_TYPE: gemma3,
     "opt": opt,
 }
 
@@ -46,6 +47,11 @@ def spec_from_config(config: dict, source: str | os.PathLike = "config.json") ->
         return module.spec_from_config(config)
 
 
+def config_from_spec(spec: ModelSpec) -> dict:
+    """The config.json that reads back as ``spec`` (of a model that comes without one: a GGUF file)."""
+    return (gemma3 if spec.architecture == gemma3.ARCHITECTURE else llama).config_from_spec(spec)
+
+
 def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
     """The reference NumPy model of a checkpoint folder, weights converted to ``dtype``."""
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
@@ -59,5 +65,5 @@ def load_model_and_tokenizer(folder: Path) -> tuple[DecoderModel, CheckpointToke
     return model, checkpoint.tokenizer(model.spec)
 
 
-__all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "load_model", "load_model_and_tokenizer",
-           "spec_from_config"]
+__all__ = ["ARCHITECTURES", "DecoderModel", "FFNKind", "ModelSpec", "NormKind", "config_from_spec", "load_model",
+           "load_model_and_tokenizer", "spec_from_config"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -97,6 +98,16 @@ class Block:
     bo: np.ndarray | None
     ffn_norm: Any
     ffn: FFNWeights | MoEWeights
+    # Gemma 3's further norms: of q and k per head (``[head_dim]``), after attention and after the FFN.
+    q_norm: Any = None
+    k_norm: Any = None
+    post_attn_norm: Any = None
+    post_ffn_norm: Any = None
+
+
+# Block fields -> the tensors of the further norms an architecture's table may have.
+EXTRA_NORMS = {"q_norm": T.ATTN_Q_NORM, "k_norm": T.ATTN_K_NORM, "post_attn_norm": T.ATTN_POST_NORM,
+               "post_ffn_norm": T.FFN_POST_NORM}
 
 
 def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int,
@@ -117,8 +128,9 @@ def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, 
         gate, gate_bias = projection(T.FFN_GATE, d_ff, d) if spec.ffn.gated else (None, None)
         (up, up_bias), (down, down_bias) = projection(T.FFN_UP, d_ff, d), projection(T.FFN_DOWN, d, d_ff)
         ffn = FFNWeights(up, down, gate=gate, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
+    extra_norms = {field: norm(tensor, layer) for field, tensor in EXTRA_NORMS.items() if table.has(tensor)}
     return Block(attn_norm=norm(T.ATTN_NORM, layer), wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
-                 ffn_norm=norm(T.FFN_NORM, layer), ffn=ffn)
+                 ffn_norm=norm(T.FFN_NORM, layer), ffn=ffn, **extra_norms)
 
 
 def _expert(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int, expert: int) -> FFNWeights:
@@ -173,8 +185,9 @@ class DecoderModel(Engine, FFNTracer):
         s = self.spec
 
         def attend(h: np.ndarray) -> np.ndarray:
-            out = self_attention(s, linear(h, b.wq, b.bq), linear(h, b.wk, b.bk), linear(h, b.wv, b.bv),
-                                 lambda k, v: cache.store(i, k, v), start, rotate)
+            qk_norms = None if b.q_norm is None else (partial(norm, b.q_norm), partial(norm, b.k_norm))
+            out = self_attention(s, i, linear(h, b.wq, b.bq), linear(h, b.wk, b.bk), linear(h, b.wv, b.bv),
+                                 lambda k, v: cache.store(i, k, v), start, rotate, qk_norms)
             return linear(out, b.wo, b.bo)
 
         def ffn(h: np.ndarray, residual: np.ndarray) -> np.ndarray:
@@ -186,5 +199,7 @@ class DecoderModel(Engine, FFNTracer):
             return feed_forward(s.ffn, b.ffn, h, i, self.ffn_hook, self.neuron_selector, residual=residual,
                                 thresholds=thresholds)
 
-        return decoder_layer(x, attend, ffn, lambda v: norm(b.attn_norm, v), lambda v: norm(b.ffn_norm, v),
-                             s.pre_norm)
+        post_norms = None if b.post_attn_norm is None else (partial(norm, b.post_attn_norm),
+                                                            partial(norm, b.post_ffn_norm))
+        return decoder_layer(x, attend, ffn, partial(norm, b.attn_norm), partial(norm, b.ffn_norm), s.pre_norm,
+                             post_norms)

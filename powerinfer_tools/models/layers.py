@@ -64,6 +64,16 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + array_namespace(x).exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``, ggml's ``gelu``)."""
+    return 0.5 * x * (1 + array_namespace(x).tanh(x.dtype.type(np.sqrt(2 / np.pi)) * (x + 0.044715 * x * x * x)))
+
+
+def embedding_scale(spec: ModelSpec) -> float | None:
+    """What token embeddings are multiplied by before the first layer (Gemma: sqrt(d_model)); None: nothing."""
+    return float(np.sqrt(spec.d_model)) if TABLES[spec.architecture].scaled_embeddings else None
+
+
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_factor: float, dtype) -> tuple:
     """cos/sin tables ``[tokens, head_dim]`` in the rotate-half layout Hugging Face LLaMA uses."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -132,13 +142,14 @@ class KVCache:
 
 
 def attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, sliding_window: Optional[int] = None
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, sliding_window: Optional[int] = None,
+    scale: Optional[float] = None,
 ) -> np.ndarray:
     """Causal grouped-query attention.
 
     ``q [T, heads, hd]`` holds queries at absolute positions ``start .. start+T-1``;
     ``keys/values [S, kv_heads, hd]`` hold positions ``0 .. S-1`` (S = start + T).
-    Returns ``[T, heads * hd]``.
+    Scores are multiplied by ``scale`` (default 1/sqrt(hd)). Returns ``[T, heads * hd]``.
     """
     xp = array_namespace(q)
     n_tokens, n_heads, head_dim = q.shape
@@ -147,7 +158,8 @@ def attention(
     # [kv_heads, group * T, hd] @ [kv_heads, hd, S]: each KV head serves `group` query heads, all in one
     # batched product (einsum contracts these without BLAS: ~20x slower on a 128-token prompt).
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_tokens, head_dim)
-    scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1) / q.dtype.type(np.sqrt(head_dim))
+    scale = q.dtype.type(head_dim ** -0.5 if scale is None else scale)
+    scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1) * scale
     query_pos = start + xp.arange(n_tokens)[:, None]
     key_pos = xp.arange(keys.shape[0])[None, :]
     visible = key_pos <= query_pos
@@ -165,31 +177,38 @@ Rotation = Callable[[np.ndarray], np.ndarray]  # rotary embedding of ``[T, heads
 KVStore = Callable[[np.ndarray, np.ndarray], tuple]  # this step's (k, v) -> every key and value so far
 
 
-def self_attention(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore, start: int,
-                   rotate: Optional[Rotation] = None) -> np.ndarray:
-    """Causal self-attention ``[T, heads * hd]`` of projected ``q [T, heads * hd]`` and ``k, v
-    [T, kv_heads * hd]`` at positions from ``start``: split into heads, ``rotate`` q and k (RoPE
-    models), append k and v to the cache through ``store``, attend. The output projection is the
-    caller's."""
+HeadNorm = Callable[[np.ndarray], np.ndarray]  # a norm over each head of ``[T, heads, head_dim]``
+
+
+def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore,
+                   start: int, rotate: Optional[Rotation] = None,
+                   qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None) -> np.ndarray:
+    """Causal self-attention ``[T, heads * hd]`` of layer ``layer``'s projected ``q [T, heads * hd]`` and
+    ``k, v [T, kv_heads * hd]`` at positions from ``start``: split into heads, norm q and k per head
+    (``qk_norms``, Gemma 3), ``rotate`` them (RoPE models), append k and v to the cache through ``store``,
+    attend within the layer's window (``ModelSpec.layer_window``). The output projection is the caller's."""
     n = q.shape[0]
     q = q.reshape(n, spec.n_heads, spec.head_dim)
     k = k.reshape(n, spec.n_kv_heads, spec.head_dim)
     v = v.reshape(n, spec.n_kv_heads, spec.head_dim)
+    if qk_norms is not None:
+        q, k = qk_norms[0](q), qk_norms[1](k)
     if rotate is not None:
         q, k = rotate(q), rotate(k)
     keys, values = store(k, v)
-    return attention(q, keys, values, start, spec.sliding_window)
+    return attention(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
 
 
 def decoder_layer(x: np.ndarray, attend: Callable, feed_forward: Callable, attn_norm: Callable, ffn_norm: Callable,
-                  pre_norm: bool) -> np.ndarray:
+                  pre_norm: bool, post_norms: Optional[tuple[Callable, Callable]] = None) -> np.ndarray:
     """The residual stream ``x`` after one layer. Pre-norm (LLaMA, most OPT): ``x + f(norm(x))`` for
-    attention then FFN; post-norm (OPT-350m): ``norm(x + f(x))``. ``attend(h)``, ``feed_forward(h,
-    residual)``: the FFN also gets the stream entering its block, before its norm (what predictors
-    read)."""
+    attention then FFN, with ``post_norms`` (Gemma 3) ``x + post(f(norm(x)))``; post-norm (OPT-350m):
+    ``norm(x + f(x))``. ``attend(h)``, ``feed_forward(h, residual)``: the FFN also gets the stream
+    entering its block, before its norm (what predictors read)."""
     if pre_norm:
-        x = x + attend(attn_norm(x))
-        return x + feed_forward(ffn_norm(x), x)
+        post_attn, post_ffn = post_norms or (lambda v: v, lambda v: v)
+        x = x + post_attn(attend(attn_norm(x)))
+        return x + post_ffn(feed_forward(ffn_norm(x), x))
     x = attn_norm(x + attend(x))
     return ffn_norm(x + feed_forward(x, x))
 
@@ -252,6 +271,8 @@ def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) 
         return relu(gate_pre) * relu(up_pre)
     if kind is FFNKind.SWIGLU:
         return silu(gate_pre) * up_pre
+    if kind is FFNKind.GEGLU:
+        return gelu_tanh(gate_pre) * up_pre
     raise ValueError(f"unknown FFN kind {kind}")
 
 

@@ -20,6 +20,7 @@ from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
     decoder_layer,
+    embedding_scale,
     normalize,
     rope_tables,
     route,
@@ -47,6 +48,11 @@ class DenseBlock:
     wo: QuantMatrix | InterleavedQ4
     ffn_norm: Norm
     biases: dict = field(default_factory=dict)  # "q", "k", "v", "o", "down" -> bias vector
+    # Gemma 3's further norms (``models.base.EXTRA_NORMS``): of q and k per head, after attention and the FFN.
+    q_norm: Optional[Norm] = None
+    k_norm: Optional[Norm] = None
+    post_attn_norm: Optional[Norm] = None
+    post_ffn_norm: Optional[Norm] = None
     predictor: Optional[Predictor] = None
     thresholds: Optional[LayerThresholds] = None  # a SiLU model's calibrated sparsity (instead of a predictor)
 
@@ -194,6 +200,8 @@ class RuntimeModel(Engine):
             raise PitoolsError(f"{self.path}: {len(tokens)} tokens after {start} do not fit the context window "
                                f"of {self.context_size} positions")
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
+        if (scale := embedding_scale(s)) is not None:
+            x = x * np.float32(scale)
         if self.positions is not None:
             x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
         where = self.host
@@ -204,16 +212,22 @@ class RuntimeModel(Engine):
         if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
             x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
         else:
-            rope = None
-            if s.rope_theta is not None:
-                rope = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, s.rope_theta,
-                                   s.rope_scaling_factor, np.float32)
+            ropes = {}  # (theta, scaling) -> cos/sin tables: one set, or Gemma 3's global and local ones
+
+            def rope_of(i: int):
+                if s.layer_rope(i)[0] is None:
+                    return None
+                if s.layer_rope(i) not in ropes:
+                    ropes[s.layer_rope(i)] = rope_tables(np.arange(start, start + len(tokens)), s.head_dim,
+                                                         *s.layer_rope(i), np.float32)
+                return ropes[s.layer_rope(i)]
+
             with single_threaded_blas():
-                for layer, cache in zip(self.layers, caches):
+                for i, (layer, cache) in enumerate(zip(self.layers, caches)):
                     backend = layer.dense.backend
                     x = move(x, where, backend)
                     where = backend
-                    x = self._layer(layer, x, cache, start, rope, step)
+                    x = self._layer(i, layer, x, cache, start, rope_of(i), step)
         head = self.head_backend
         x = move(x if all_logits else x[-1:], where, head)
         if self.output_norm is not None:
@@ -263,7 +277,7 @@ class RuntimeModel(Engine):
 
         return execution_report(self)
 
-    def _layer(self, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
+    def _layer(self, i: int, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
         d = layer.dense
 
         def ffn(h, residual):
@@ -272,11 +286,13 @@ class RuntimeModel(Engine):
             out = self._ffn(layer, layer.partitions, d.predictor, h, residual, step)
             return out + d.biases["down"] if "down" in d.biases else out
 
-        return decoder_layer(x, lambda h: self._attention(d, h, cache, start, rope), ffn,
-                             lambda v: self._norm(d.attn_norm, v), lambda v: self._norm(d.ffn_norm, v),
-                             self.spec.pre_norm)
+        post_norms = None if d.post_attn_norm is None else (partial(self._norm, d.post_attn_norm),
+                                                            partial(self._norm, d.post_ffn_norm))
+        return decoder_layer(x, lambda h: self._attention(i, d, h, cache, start, rope), ffn,
+                             partial(self._norm, d.attn_norm), partial(self._norm, d.ffn_norm), self.spec.pre_norm,
+                             post_norms)
 
-    def _attention(self, d: DenseBlock, h, cache: KVCache, start: int, rope):
+    def _attention(self, i: int, d: DenseBlock, h, cache: KVCache, start: int, rope):
         b = d.biases
 
         def project(w: QuantMatrix | InterleavedQ4, key: str):
@@ -292,8 +308,9 @@ class RuntimeModel(Engine):
         if rope is not None:
             rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
                              sin=d.backend.xp.asarray(rope[1]))
-        out = self_attention(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
-                             rotate)
+        qk_norms = None if d.q_norm is None else (partial(self._norm, d.q_norm), partial(self._norm, d.k_norm))
+        out = self_attention(self.spec, i, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
+                             rotate, qk_norms)
         out = d.backend.matmul(d.wo, out)
         return out + b["o"] if "o" in b else out
 
