@@ -29,9 +29,20 @@ from powerinfer_tools.errors import PitoolsError
 
 T = MODEL_TENSOR
 LLAMA, OPT = tensor_table.LLAMA.gguf_architecture, tensor_table.OPT.gguf_architecture
-QWEN2 = tensor_table.QWEN2.gguf_architecture
+QWEN2, GEMMA3 = tensor_table.QWEN2.gguf_architecture, tensor_table.GEMMA3.gguf_architecture
+# What llama.cpp's gemma3 assumes rather than reads (src/llama-model.cpp, LLM_ARCH_GEMMA3): every 6th
+# layer global, the sliding ones rotating with base 10000, queries scaled by 1/sqrt(head_dim) except in
+# the 27B model (62 layers), whose scale is 1/sqrt(d_model / n_heads). A spec that differs has no GGUF layout.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62
+
+
+def gemma3_query_pre_attn_scalar(n_layers: int, d_model: int, n_heads: int, head_dim: int) -> float:
+    """The query scaling llama.cpp's gemma3 computes with (see above)."""
+    return d_model / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
 BAMBOO = "bamboo"  # PowerInfer's name for a dReLU LLaMA in its sparse layout (same tensors)
-_NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM)
+_NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.ATTN_POST_NORM, T.FFN_POST_NORM)
 _ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
 _FFN = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
 _BLOCK = tensor_base_name(T.ATTN_NORM, 0).split(".")[0]  # "blk"
@@ -63,6 +74,7 @@ class TensorName:
     layer: int | None = None  # the block it belongs to; None: a global tensor
     stacked: bool = False  # a mixture's experts, stacked along a new first axis (ffn_up_exps ...)
     expert: int | None = None  # one expert's own tensor (a mixture's sparse layout: blk.N.ffn_up.X)
+    offset: float = 0.0  # added to the values as stored (the table's norm_offset, on norm weights)
 
     @property
     def unit(self) -> FFNUnit:
@@ -76,6 +88,8 @@ class TensorName:
 
 def check_supported(spec: ModelSpec) -> None:
     """Refuse model variants that have no GGUF layout in llama.cpp or PowerInfer."""
+    if spec.architecture == "gemma3":
+        _check_gemma3(spec)
     if spec.architecture != "opt":
         return
     if spec.embed_dim is not None or not spec.pre_norm or not spec.final_norm:
@@ -87,6 +101,19 @@ def check_supported(spec: ModelSpec) -> None:
         raise PitoolsError("OPT with an untied lm_head has no GGUF layout (PowerInfer's OPT reuses token_embd)")
 
 
+def _check_gemma3(spec: ModelSpec) -> None:
+    """llama.cpp's gemma3 reads the window but assumes the rest (GEMMA3_* above): a model that differs is refused."""
+    expected = {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, "rope_local_theta": GEMMA3_ROPE_LOCAL_THETA,
+                "query_pre_attn_scalar": gemma3_query_pre_attn_scalar(spec.n_layers, spec.d_model, spec.n_heads,
+                                                                      spec.head_dim)}
+    for field, value in expected.items():
+        if getattr(spec, field) != value:
+            raise PitoolsError(f"a gemma3 model with {field} {getattr(spec, field)} has no GGUF layout: llama.cpp's "
+                               f"gemma3 assumes {value}")
+    if spec.sliding_window is None:
+        raise PitoolsError("a gemma3 model without a sliding window has no GGUF layout (llama.cpp's gemma3 needs one)")
+
+
 def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
     """Each tensor's shape in the checkpoint, as config.json implies it."""
     d, d_ff, vocab = spec.d_model, spec.d_ff, spec.vocab_size
@@ -96,6 +123,9 @@ def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
         T.ATTN_NORM: (d,), T.ATTN_Q: (q_rows, d), T.ATTN_K: (kv_rows, d), T.ATTN_V: (kv_rows, d),
         T.ATTN_OUT: (d, q_rows), T.FFN_NORM: (d,), T.FFN_GATE: (d_ff, d), T.FFN_UP: (d_ff, d),
         T.FFN_DOWN: (d, d_ff), T.OUTPUT_NORM: (d,), T.OUTPUT: (vocab, d),
+        # Gemma 3: q and k normed per head, norms after attention and the FFN
+        T.ATTN_Q_NORM: (spec.head_dim,), T.ATTN_K_NORM: (spec.head_dim,), T.ATTN_POST_NORM: (d,),
+        T.FFN_POST_NORM: (d,),
         # a mixture of experts: the router, and each expert's matrices (stacked in the file)
         T.FFN_GATE_INP: (spec.n_experts, d), T.FFN_GATE_EXP: (d_ff, d), T.FFN_UP_EXP: (d_ff, d),
         T.FFN_DOWN_EXP: (d, d_ff),
@@ -144,7 +174,9 @@ def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: b
     if row.tensor is T.OUTPUT and spec.tied_embeddings:
         # PowerInfer's loader requires output.weight, so tied models get a copy of the embedding.
         sources = (row_of(spec, T.TOKEN_EMBD).hf_name(),)
-    names = [TensorName(sources, tensor_name(target, layer), shape, transpose, rope_heads, layer, row.per_expert)]
+    offset = TABLES[spec.architecture].norm_offset if row.tensor in _NORMS else 0.0
+    names = [TensorName(sources, tensor_name(target, layer), shape, transpose, rope_heads, layer, row.per_expert,
+                        offset=offset)]
     if _has_bias(spec, row.tensor):
         names.append(TensorName((row.hf_name(layer, "bias"),), tensor_name(target, layer, "bias"), shape[:1],
                                 rope_heads=rope_heads, layer=layer))
@@ -203,7 +235,7 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
             writer.add_rope_scaling_type(RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(spec.rope_scaling_factor)
     if spec.sliding_window is not None:
-        writer.add_sliding_window(spec.sliding_window)
+        writer.add_sliding_window(spec.sliding_window)  # gemma3: its sliding layers' (check_supported)
     if spec.moe:
         writer.add_expert_count(spec.n_experts)
         writer.add_expert_used_count(spec.n_experts_used)

@@ -17,13 +17,14 @@ from typing import Any
 from gguf import MODEL_TENSOR, Keys
 from powerinfer_tools.formats.constants import (FFN_ACTIVATION_KEY, PREDICTOR_COMPUTED_KEY, PREDICTOR_PRECISION_KEY,
                                                 PREDICTOR_RECALL_KEY, tensor_name)
-from powerinfer_tools.formats.gguf_names import BAMBOO, LLAMA, OPT, QWEN2
+from powerinfer_tools.formats.gguf_names import (BAMBOO, GEMMA3, GEMMA3_ROPE_LOCAL_THETA, GEMMA3_SLIDING_WINDOW_PATTERN,
+                                                 LLAMA, OPT, QWEN2, gemma3_query_pre_attn_scalar)
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
 
 from powerinfer_tools.errors import PitoolsError
 
-SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, QWEN2, OPT)
+SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, QWEN2, GEMMA3, OPT)
 
 # ModelSpec fields -> the metadata keys they are read from ({arch}: the architecture).
 METADATA_KEYS = {
@@ -66,6 +67,8 @@ def _ffn_kind(model: ModelFile) -> FFNKind:
         return FFNKind.DRELU
     if model.architecture == OPT:
         return FFNKind.RELU
+    if model.architecture == GEMMA3:
+        return FFNKind.GEGLU
     return FFNKind.REGLU if model.powerinfer else FFNKind.SWIGLU
 
 
@@ -94,6 +97,7 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
     n_heads = need("n_heads")
     vocab_size = value("vocab_size")
     linear_rope = model.get(Keys.Rope.SCALING_TYPE, "none") == "linear"
+    gemma3 = _gemma3_fields(need("n_layers"), need("d_model"), n_heads, value("head_dim")) if arch == GEMMA3 else {}
     return ModelSpec(
         architecture=_architecture(arch, value("n_experts", 0) != 0),
         n_layers=need("n_layers"),
@@ -118,7 +122,19 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
         eos_token_id=value("eos_token_id"),
         n_experts=value("n_experts", 0),
         n_experts_used=value("n_experts_used", 0),
+        **gemma3,
     )
+
+
+def _gemma3_fields(n_layers: Any, d_model: Any, n_heads: Any, head_dim: Any) -> dict:
+    """What llama.cpp's gemma3 assumes instead of reading keys (``gguf_names.GEMMA3_*``)."""
+    if head_dim is None and isinstance(d_model, int) and isinstance(n_heads, int) and n_heads:
+        head_dim = d_model // n_heads
+    scalar = None
+    if all(isinstance(v, int) and v > 0 for v in (n_layers, d_model, n_heads, head_dim)):  # else ModelSpec says why
+        scalar = gemma3_query_pre_attn_scalar(n_layers, d_model, n_heads, head_dim)
+    return {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, "rope_local_theta": GEMMA3_ROPE_LOCAL_THETA,
+            "query_pre_attn_scalar": scalar}
 
 
 def _architecture(arch: str, moe: bool) -> str:
@@ -126,7 +142,7 @@ def _architecture(arch: str, moe: bool) -> str:
     "bamboo") with experts is Mixtral."""
     if arch in (LLAMA, BAMBOO) and moe:
         return "mixtral"
-    return {BAMBOO: "mistral", QWEN2: "qwen2", OPT: "opt"}.get(arch, "llama")
+    return {BAMBOO: "mistral", QWEN2: "qwen2", GEMMA3: "gemma3", OPT: "opt"}.get(arch, "llama")
 
 
 def _token_count(model: ModelFile, vocab_key: str) -> int:

@@ -77,6 +77,7 @@ class CheckpointRows:
     transpose: bool = False
     row_order: np.ndarray | None = None
     allow_nonfinite: bool = False
+    offset: float = 0.0  # added to every value as stored (gguf_names.TensorName.offset)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.checkpoint.raw(self.name)
@@ -86,6 +87,8 @@ class CheckpointRows:
         if self.checkpoint.info(self.name).dtype == "BF16":
             rows = bf16_to_float32(rows)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if self.offset:
+            rows = rows + np.float32(self.offset)
         if not self.allow_nonfinite:
             self.checkpoint.check_finite(self.name, rows)
         return rows
@@ -148,7 +151,8 @@ def _model_tensors(checkpoint: Checkpoint | GGUFSource, spec: ModelSpec, powerin
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
             order = orders[t.unit]
-        parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite) for source in t.sources)
+        parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite, t.offset)
+                      for source in t.sources)
         rows = StackedRows(parts, t.stored_shape[1]) if t.stacked else parts[0]
         sources.append(_Source(t.target, t.stored_shape, rows))
     return sources

@@ -3,7 +3,7 @@
 People have GGUF files (llama.cpp's converter, Ollama, LM Studio) far more often than checkpoints.
 ``GGUFSource`` answers what conversion and the reference engine ask of a ``checkpoints.Checkpoint``:
 
-* ``config``: the config.json the file's metadata stands for (``models.llama.config_from_spec`` of the
+* ``config``: the config.json the file's metadata stands for (``models.config_from_spec`` of the
   ``ModelSpec`` that ``formats.gguf_spec`` reads back), so profiling, predictor training, threshold
   calibration and writing run unchanged;
 * the tensors by their Hugging Face names (the architecture's table, ``formats.gguf_names.tensor_names``,
@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
 from powerinfer_tools.formats.gguf_names import (
+    GEMMA3,
     LLAMA,
     QWEN2,
     rope_row_order,
@@ -47,11 +48,11 @@ from powerinfer_tools.formats.model_file import (
 )
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, TensorInfo
-from powerinfer_tools.models.llama import config_from_spec
+from powerinfer_tools.models import config_from_spec
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
-# The GGUF architectures whose files convert back: each one's table and config.json are LLaMA's family's.
-SOURCE_ARCHITECTURES = (LLAMA, QWEN2)
+# The GGUF architectures whose files convert back: LLaMA's family (config.json: models/llama.py) and Gemma 3's.
+SOURCE_ARCHITECTURES = (LLAMA, QWEN2, GEMMA3)
 # Keys the output takes from the source as they are: the tokenizer's (vocabulary, merges, special tokens,
 # chat template) and the descriptive general.* ones. The hyperparameters are written anew from the spec.
 CARRIED_PREFIXES = ("tokenizer.", "general.")
@@ -69,6 +70,7 @@ class _Part:
     shape: tuple[int, ...]  # the checkpoint's
     expert: int | None = None  # its expert's slice of a mixture's stacked tensor
     rows: np.ndarray | None = None  # checkpoint row i is stored row rows[i] (q/k regrouped for llama.cpp's rope)
+    offset: float = 0.0  # what the file added to the checkpoint's values (Gemma's norms: 1)
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def _checkpoint_parts(model: ModelFile, spec: ModelSpec) -> dict[str, _Part]:
         _check_decodable(model.path, stored)
         rows = np.argsort(rope_row_order(t.shape[0], t.rope_heads)) if t.rope_heads else None
         for expert, name in enumerate(t.sources):
-            parts[name] = _Part(stored, t.shape, expert if t.stacked else None, rows)
+            parts[name] = _Part(stored, t.shape, expert if t.stacked else None, rows, t.offset)
         used.add(t.target)
     unused = sorted(set(model.tensors) - used)
     if unused:
@@ -214,5 +216,7 @@ def _dequantized(part: _Part) -> np.ndarray:
     values = np.asarray(dequantize(data, part.tensor.qtype), dtype=np.float32).reshape(part.shape)
     if part.rows is not None:
         values = values[part.rows]
+    if part.offset:
+        values = values - np.float32(part.offset)
     values.flags.writeable = False  # shared by everyone who asks until the next tensor
     return values

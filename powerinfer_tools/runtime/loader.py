@@ -34,6 +34,7 @@ from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
+from powerinfer_tools.models.base import EXTRA_NORMS
 from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice, OverBudget
 from powerinfer_tools.runtime.engine import DenseBlock, Expert, RuntimeLayer, RuntimeModel
@@ -370,6 +371,8 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
         wo=wo,
         ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
         biases={k: v for k, v in biases.items() if v is not None},
+        **{field: tensors.norm(tensor, layer, backend) for field, tensor in EXTRA_NORMS.items()
+           if tensor_name(tensor, layer) in tensors.model},
         predictor=_predictor(tensors, layer, backend, on_device, threshold),
         thresholds=thresholds,
     )
