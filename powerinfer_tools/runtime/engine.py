@@ -215,12 +215,11 @@ class RuntimeModel(Engine):
             ropes = {}  # (theta, scaling) -> cos/sin tables: one set, or Gemma 3's global and local ones
 
             def rope_of(i: int):
-                if s.layer_rope(i)[0] is None:
-                    return None
-                if s.layer_rope(i) not in ropes:
-                    ropes[s.layer_rope(i)] = rope_tables(np.arange(start, start + len(tokens)), s.head_dim,
-                                                         *s.layer_rope(i), np.float32)
-                return ropes[s.layer_rope(i)]
+                theta, scaling = s.layer_rope(i)
+                if theta is not None and (theta, scaling) not in ropes:
+                    ropes[theta, scaling] = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, theta,
+                                                        scaling, np.float32)
+                return ropes.get((theta, scaling))
 
             with single_threaded_blas():
                 for i, (layer, cache) in enumerate(zip(self.layers, caches)):
