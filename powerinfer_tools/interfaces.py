@@ -17,6 +17,7 @@ to it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
@@ -61,10 +62,13 @@ class Engine(Protocol):
 
 
 class FFNTracer(Protocol):
-    """A forward pass that calls ``ffn_hook`` (when set) with every layer's ``FFNTrace``."""
+    """A forward pass that calls ``ffn_hook`` (when set) with every layer's ``FFNTrace``, and runs a SiLU model's
+    ``activation_thresholds`` (when set); with ``compute_logits`` off it skips the output head."""
 
     spec: ModelSpec
     ffn_hook: Optional[FFNHook]
+    activation_thresholds: Optional[Any]
+    compute_logits: bool
 
     def new_cache(self) -> Any:
         ...
@@ -96,3 +100,14 @@ class Tokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """The vocabulary's spelling of one token (a special token's literal text)."""
         ...
+
+
+@contextlib.contextmanager
+def tracing(model: FFNTracer, hook: FFNHook, thresholds=None):
+    """Within: ``model``'s forward passes show every FFN to ``hook``, run ``thresholds`` (a SiLU model's
+    ``ActivationThresholds``; None: dense) and compute no logits (what is traced is read through the hook)."""
+    model.ffn_hook, model.activation_thresholds, model.compute_logits = hook, thresholds, False
+    try:
+        yield model
+    finally:
+        model.ffn_hook, model.activation_thresholds, model.compute_logits = None, None, True

@@ -173,3 +173,19 @@ def test_gemma3_spec_reads_both_config_layouts():
     with pytest.raises(PitoolsError, match="every 2th layer"):
         spec_from_config(dict(GEMMA3, model_type="gemma3_text", layer_types=["sliding_attention", "full_attention"] * 3
                               + ["full_attention"]))
+
+
+def test_tracing_shows_every_ffn_computes_no_logits_and_restores_the_model():
+    """What profiling and calibration run the reference engine under (``interfaces.tracing``)."""
+    from powerinfer_tools.bundled import BUNDLED_MODEL
+    from powerinfer_tools.interfaces import tracing
+
+    model = load_model(Checkpoint(BUNDLED_MODEL))
+    tokens = np.array([1, 2, 3, 4])
+    dense = model.forward(tokens, model.new_cache())
+    seen = []
+    with tracing(model, lambda trace: seen.append(trace.layer)):
+        assert model.forward(tokens, model.new_cache()).shape == (4, 0)
+    assert seen == list(range(model.spec.n_layers))
+    assert model.ffn_hook is None and model.activation_thresholds is None
+    np.testing.assert_array_equal(model.forward(tokens, model.new_cache()), dense)

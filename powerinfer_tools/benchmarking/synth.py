@@ -93,7 +93,7 @@ from powerinfer_tools.formats.tensor_table import (
     ArchitectureTable,
 )
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.interfaces import FFNTracer
+from powerinfer_tools.interfaces import FFNTracer, tracing
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
@@ -713,11 +713,8 @@ def activation_statistics(model, tokens: np.ndarray, progress: bool = False) -> 
             layers[trace.layer]["residual_rms"] = float(np.sqrt(np.mean(np.square(trace.residual, dtype=np.float64))))
             bar.update(1)
 
-        model.ffn_hook = record
-        try:
+        with tracing(model, record):
             model.forward(np.asarray(tokens), model.new_cache())
-        finally:
-            model.ffn_hook = None
     per_layer = [layers[i] for i in sorted(layers)]
     means = {name: {key: float(np.mean([layer[name][key] for layer in per_layer])) for key in per_layer[0][name]}
              for name in STATISTICS}

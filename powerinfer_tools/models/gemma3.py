@@ -149,5 +149,5 @@ class Model(llama.Model):
                 rotations[rope] = lambda t, cos=cos, sin=sin: apply_rope(t, cos, sin)
             x = self.layer(i, b, x, cache, start, norm, rotate=rotations[rope])
         cache.advance(len(tokens))
-        return rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T
+        return self.head(rms_norm(x, self.norm, s.norm_eps))
 

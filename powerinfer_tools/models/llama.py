@@ -128,4 +128,4 @@ class Model(DecoderModel):
         for i, b in enumerate(self.blocks):
             x = self.layer(i, b, x, cache, start, norm, rotate=lambda t: apply_rope(t, cos, sin))
         cache.advance(len(tokens))
-        return rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T
+        return self.head(rms_norm(x, self.norm, s.norm_eps))

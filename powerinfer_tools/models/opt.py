@@ -124,4 +124,4 @@ class Model(DecoderModel):
             x = ln(self.final_norm, x)
         if self.project_out is not None:
             x = linear(x, self.project_out)
-        return x @ self.lm_head.T
+        return self.head(x)

@@ -30,7 +30,7 @@ from powerinfer_tools.formats.activation_thresholds import (
     kept,
 )
 from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit
-from powerinfer_tools.interfaces import FFNTracer
+from powerinfer_tools.interfaces import FFNTracer, tracing
 from powerinfer_tools.models.layers import FFNTrace, silu
 from powerinfer_tools.profiling.profiler import windows_of
 from powerinfer_tools.progress import progress_bar
@@ -108,13 +108,10 @@ class _Sampler:
 def _run(model: FFNTracer, windows: list[np.ndarray], hook, running: ActivationThresholds | None, desc: str,
          progress: bool) -> None:
     with progress_bar(total=sum(len(w) for w in windows), desc=desc, unit="tok", enabled=progress) as bar:
-        model.ffn_hook, model.activation_thresholds = hook, running
-        try:
+        with tracing(model, hook, running):
             for window in windows:
                 model.forward(window, model.new_cache())
                 bar.update(len(window))
-        finally:
-            model.ffn_hook, model.activation_thresholds = None, None
 
 
 def calibrate(model: FFNTracer, tokens: np.ndarray, settings: CalibrationSettings,

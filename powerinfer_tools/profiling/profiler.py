@@ -36,7 +36,7 @@ from powerinfer_tools.formats.profile_folder import (
     read_profile_json,
     write_profile_json,
 )
-from powerinfer_tools.interfaces import FFNTracer
+from powerinfer_tools.interfaces import FFNTracer, tracing
 from powerinfer_tools.models.layers import FFNTrace
 from powerinfer_tools.progress import progress_bar
 
@@ -176,11 +176,8 @@ class Profiler:
         window = self.windows[w]
         spec = self.model.spec
         recorder = _WindowRecorder(self.sampler.rows(w, start, len(window)), spec.d_ff, spec.n_experts)
-        self.model.ffn_hook = recorder
-        try:
+        with tracing(self.model, recorder):
             self.model.forward(window, self.model.new_cache())
-        finally:
-            self.model.ffn_hook = None
         # Totals change only once the whole window is through, so a checkpoint never holds half a window.
         row = self.sampler.first_row(start)
         for layer in range(stats.n_layers):
