@@ -14,7 +14,6 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.warmup import LoadOptions, Policy
-from powerinfer_tools.runtime.engine import _UNBUILT
 from powerinfer_tools.runtime.llm import LLM
 
 
@@ -140,11 +139,15 @@ def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compile
     assert second.stdout.startswith("def ") and len(second.stdout) > len("def \n")
 
 
-def test_load_compiled_brings_the_decoder_in_and_leaves_the_engine_as_it_was(bundled_gguf):
-    _load(bundled_gguf("q8_0"), Policy.WAIT)  # compiles (or loads) and marks the kind warm: the next load does not
+def test_load_compiled_runs_a_short_request_in_the_engines_mode_and_leaves_the_engine_as_it_was(bundled_gguf,
+                                                                                              monkeypatch):
+    """What `pitools serve` does before it listens: a prompt within the kernels' token limit and decoded tokens,
+    on the path the first request will take, counted apart from the engine's statistics."""
     engine = _load(bundled_gguf("q8_0"), Policy.WAIT).engine
     mode, stats = engine.mode, engine.stats
-    assert engine._decoder is _UNBUILT
+    steps, forward = [], engine.forward
+    monkeypatch.setattr(engine, "forward", lambda tokens, *a, **k: steps.append((len(tokens), engine.mode))
+                        or forward(tokens, *a, **k))
     warmup.load_compiled(engine)
-    assert engine._decoder is not _UNBUILT  # built (None only where this model cannot use it)
+    assert steps == [(warmup.PROMPT_LENGTHS[0], mode)] + [(1, mode)] * warmup.DECODED_TOKENS
     assert engine.mode is mode and engine.stats is stats and stats.steps == 0
