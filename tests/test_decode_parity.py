@@ -19,7 +19,7 @@ neuron whose activation is ~0. Each test id ends with the path its one-token ste
               through it in chunks: ``CompiledDecoder.usable``), moe-cache (no decoder: an expert's FFN
               behind a neuron cache), split-sparse and split-dense (no decoder: layers on the device)
 
-Combinations that cannot exist are skipped with the reason: ``pitools convert`` writes f32, f16, q8_0 and q4_0
+Combinations that cannot exist are not generated: ``pitools convert`` writes f32, f16, q8_0 and q4_0
 (``formats.quantization.OUTTYPES``), and llama.cpp's quantizer, which writes the other types, takes only
 dense files (its k-quants also need rows of whole 256-value super-blocks: a model of its own, ``K_QUANT``).
 """
@@ -129,14 +129,13 @@ VARIANTS = {
 
 
 def _combinations():
+    """Every variant in every type its files can be stored in: convert writes f32, f16, q8_0 and q4_0; llama.cpp's
+    quantizer, the other types, only dense (GGUF) files."""
     for name, variant in VARIANTS.items():
-        for weight_type in CONVERT_TYPES + tuple(LLAMA_QUANTIZE):
+        types = CONVERT_TYPES + (tuple(LLAMA_QUANTIZE) if variant.kind == "dense" else ())
+        for weight_type in types:
             path = "compiled" if variant.compiled else "general"
-            marks = ()
-            if weight_type in LLAMA_QUANTIZE and variant.kind != "dense":
-                marks = pytest.mark.skip(reason=f"no {weight_type} file of this kind exists: convert writes f32, f16, "
-                                                "q8_0 and q4_0; llama.cpp's quantizer only dense (GGUF) files")
-            yield pytest.param(name, weight_type, id=f"{name}-{weight_type}-{path}", marks=marks)
+            yield pytest.param(name, weight_type, id=f"{name}-{weight_type}-{path}")
 
 
 # --- the model files ----------------------------------------------------------------------------------------
