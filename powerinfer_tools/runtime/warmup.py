@@ -48,10 +48,13 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer_tools import kernels  # (numba is not imported by this: only once a compiled kernel is asked for)
+from powerinfer_tools.formats.model_file import open_model_file
+
 PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
 # The sources of numba code: a change to any of them makes numba recompile, and the markers stale.
 COMPILED_SOURCES = (PACKAGE / "kernels", PACKAGE / "runtime" / "compiled_decode.py")
-PROMPT_LENGTHS = (2, 40)  # one within the kernels' token limit (kernels.MAX_TOKENS = 32), one beyond it
+PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
 DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
 
 
@@ -197,9 +200,6 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
     loaded in depend on it), and return what to call on the loaded engine: it starts the background build
     or warms the engine up, saying so in one line through ``notice`` (a callable, or None). Nothing is said
     or started for a file that then fails to load."""
-    from powerinfer_tools import kernels
-    from powerinfer_tools.formats.model_file import open_model_file
-
     policy = Policy(policy)
     say = notice or (lambda line: None)
     if policy is Policy.REFERENCE:
