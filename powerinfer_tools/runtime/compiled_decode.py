@@ -14,6 +14,8 @@ output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_on
 ``ffn_down_t``; the predictor's two products, on its stored rows, add one each only when the matrix is
 large), and the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is
 compiled loops.
+A layer outside that case (``layer_refusal``: on a device, other biases, mixed layouts) is left to the
+general path for that layer alone (``RuntimeModel.general_layer``); the others still run here.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from gguf import MODEL_TENSOR, GGMLQuantizationType
@@ -549,8 +552,10 @@ class CompiledDecoder:
     """The compiled one-token decode path for a model whose every layer runs on the CPU; see the module doc."""
 
     spec: ModelSpec
-    layers: list[LayerWeights]
-    row_bytes: list[tuple[int, int, int]]  # per layer: a neuron's gate, up and down bytes (for TokenStats)
+    layers: list[LayerWeights | None]  # None: a layer left to the general path (``general`` says why)
+    general: list[str | None]  # per layer: why the general path computes it (``layer_refusal``), or None
+    general_layer: Callable  # ``RuntimeModel.general_layer``: how it does
+    row_bytes: list[tuple[int, int, int] | None]  # per compiled layer: a neuron's gate, up and down bytes (TokenStats)
     cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
@@ -569,14 +574,16 @@ class CompiledDecoder:
         if refusal(model) is not None:
             return None
         s = model.spec
+        general = [layer_refusal(layer) for layer in model.layers]
+        compiled = [layer for layer, reason in zip(model.layers, general) if reason is None]
         ggml = kernels.ggml_routines()
-        matrices = [m for layer in model.layers for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
+        matrices = [m for layer in compiled for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
         max_context = model.context_size
-        hidden = max((predictor.fc1.rows for layer in model.layers for _, predictor in _units(layer) if predictor),
+        hidden = max((predictor.fc1.rows for layer in compiled for _, predictor in _units(layer) if predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
@@ -593,14 +600,17 @@ class CompiledDecoder:
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
-        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] for layer in model.layers]
+        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] if reason is None else [None]
+                 for layer, reason in zip(model.layers, general)]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
-                    if layer.experts else None for layer, weights in zip(model.layers, units)]
+                    if layer.experts and reason is None else None
+                    for layer, weights, reason in zip(model.layers, units, general)]
         row_bytes = [(p.gate.row_bytes, p.up.row_bytes, p.bytes_per_neuron - p.gate.row_bytes - p.up.row_bytes)
-                     for p in (_units(layer)[0][0] for layer in model.layers)]
+                     if reason is None else None  # the general path counts its own
+                     for p, reason in zip((_units(layer)[0][0] for layer in model.layers), general)]
         cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
                 for layer in model.layers]
-        return cls(s, [weights[0] for weights in units], row_bytes, cats,
+        return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats,
                    scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
                    h)
@@ -633,8 +643,12 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for w, (gate_bytes, up_bytes, down_bytes), cats, cache, neurons, mixture in zip(
-                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures):
+        for i, (w, row_bytes, cats, cache, neurons, mixture) in enumerate(zip(
+                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures)):
+            if w is None:  # counts into ``step`` itself
+                residual[:] = self.general_layer(i, residual[None], cache, step)[0]
+                continue
+            gate_bytes, up_bytes, down_bytes = row_bytes
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
             if mixture is not None:
@@ -703,12 +717,13 @@ def refusal(model) -> str | None:
         return f"{s.ffn.value} FFN, not {'/'.join(k.value for k in _KINDS)}"
     if not kernels.available():
         return f"compiled kernels unavailable: {kernels.unavailable_reason()}"
-    return next((f"layer {i}: {reason}" for i, layer in enumerate(model.layers)
-                 if (reason := layer_refusal(layer)) is not None), None)
+    # A layer it refuses is left to the general path (``CompiledDecoder.general``); all of them, the whole token.
+    reasons = [layer_refusal(layer) for layer in model.layers]
+    return f"no layer it computes (layer 0: {reasons[0]})" if all(reasons) else None
 
 
 def layer_refusal(layer) -> str | None:
-    """Why the compiled path cannot compute this layer, or None when it can: it needs the layer all on the
+    """Why the compiled path leaves this layer to the general path, or None when it computes it: it needs the layer all on the
     CPU, no biases but q/k/v's, gated FFNs (one CPU partition each; an expert's not through a neuron cache)
     whose ``ffn_down_t`` the axpy loops decode (``nk.axpy_takes``; other types' products all go through
     ggml's ``vec_dot``), one layout for q/k/v/o with one vec_dot partner type for q/k/v (their input is

@@ -212,15 +212,7 @@ class RuntimeModel(Engine):
         if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
             x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
         else:
-            ropes = {}  # (theta, scaling) -> cos/sin tables: one set, or Gemma 3's global and local ones
-
-            def rope_of(i: int):
-                theta, scaling = s.layer_rope(i)
-                if theta is not None and (theta, scaling) not in ropes:
-                    ropes[theta, scaling] = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, theta,
-                                                        scaling, np.float32)
-                return ropes.get((theta, scaling))
-
+            rope_of = self._ropes(start, len(tokens))
             with single_threaded_blas():
                 for i, (layer, cache) in enumerate(zip(self.layers, caches)):
                     backend = layer.dense.backend
@@ -233,6 +225,29 @@ class RuntimeModel(Engine):
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
         return move(head.matmul(self.output, x), head, self.host)
+
+    def _ropes(self, start: int, n_tokens: int):
+        """``rope_of(i)``: layer ``i``'s cos/sin tables for positions ``start ..`` (None without rotary
+        embeddings), made once per (theta, scaling): one set, or Gemma 3's global and local ones."""
+        s, ropes = self.spec, {}
+
+        def rope_of(i: int):
+            theta, scaling = s.layer_rope(i)
+            if theta is not None and (theta, scaling) not in ropes:
+                ropes[theta, scaling] = rope_tables(np.arange(start, start + n_tokens), s.head_dim, theta, scaling,
+                                                    np.float32)
+            return ropes.get((theta, scaling))
+
+        return rope_of
+
+    def general_layer(self, i: int, x: np.ndarray, cache: KVCache, step: TokenStats) -> np.ndarray:
+        """Layer ``i`` on the general path for the tokens ``x`` (host ``[T, d_model]``) after what ``cache``
+        holds, back on the host: a layer the compiled decoder leaves to this path (``layer_refusal``)."""
+        backend, start = self.layers[i].dense.backend, cache.length
+        with single_threaded_blas():
+            out = self._layer(i, self.layers[i], move(x, self.host, backend), cache, start,
+                              self._ropes(start, len(x))(i), step)
+        return move(out, backend, self.host)
 
     def compiled_decoder(self):
         """The compiled one-token decode path (``compiled_decode.CompiledDecoder``), built on first use; None
@@ -264,10 +279,25 @@ class RuntimeModel(Engine):
         # The last words stand for a refusal of compiled_decoder()'s own that none of these names.
         return refusal(self) or "the compiled decoder is not in use"
 
-    def decode_path(self) -> str:
-        """Which path decodes a token: ``compiled decoder``, or ``general path (why)``."""
+    def layer_paths(self) -> list[str]:
+        """Per layer, which path computes it for a decoded token: ``compiled decoder``, or ``general path
+        (why)``: the whole token's reason, or the layer's own where the decoder leaves that layer to it."""
         reason = self.decode_refusal()
-        return "compiled decoder" if reason is None else f"general path ({reason})"
+        reasons = [reason] * len(self.layers) if reason is not None else self.compiled_decoder().general
+        return ["compiled decoder" if r is None else f"general path ({r})" for r in reasons]
+
+    def decode_path(self) -> str:
+        """Which path decodes a token: ``compiled decoder`` (``, but layers 2, 5 by the general path (why)``
+        where it leaves some to it), or ``general path (why)``."""
+        reason = self.decode_refusal()
+        if reason is not None:
+            return f"general path ({reason})"
+        general = [(i, r) for i, r in enumerate(self.compiled_decoder().general) if r is not None]
+        if not general:
+            return "compiled decoder"
+        label = "layer" if len(general) == 1 else "layers"
+        return (f"compiled decoder, but {label} {', '.join(str(i) for i, _ in general)} by the general path "
+                f"({general[0][1]})")
 
     def execution_report(self) -> list[str]:
         """Lines saying which path and kernels compute each part of this model, as loaded and in its FFN mode
