@@ -43,7 +43,7 @@ from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.models.layers import KVCache, route
+from powerinfer_tools.models.layers import KVCache, mix_experts
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 
 # FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
@@ -461,17 +461,16 @@ def down(x, w, s, rows, fns, n_threads):
 
 
 @njit(nogil=True, cache=True)
-def expert_ffn(x, residual, w, s, weight, kind, sparse, fns, n_threads):
+def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
     """One routed expert of a mixture for one token (``w``: its FFN and predictor): its predicted neurons
-    (all, dense) from the normed input ``s.h``, their activations scaled by the router's ``weight``, the
-    down projection added to ``x``. The predictor reads ``residual``, the stream entering the FFN block
-    (``x`` has already taken other experts' outputs). Returns the number of neurons computed."""
+    (all, dense) from the normed input ``s.h``, the down projection added to ``out`` (zeros: the expert's
+    output, which ``Mixture`` weights). The predictor reads ``residual``, the stream entering the FFN block.
+    Returns the number of neurons computed."""
     n = _predict(residual, w, s, fns) if sparse else w.up.shape[0]
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, x.shape[0])
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, out.shape[0])
     rows = s.active[:n] if sparse else s.all_rows[:n]
     gate_up(w, s, rows, s.all_rows[:n], kind, fns)
-    s.act[:n] *= weight
-    down(x, w, s, rows, fns, n_threads)
+    down(out, w, s, rows, fns, n_threads)
     return n
 
 
@@ -683,15 +682,20 @@ class Mixture:
 
     def decode(self, x: np.ndarray, h: np.ndarray, s: Scratch, k: int, kind: int, sparse: bool, fns, n_threads: int,
                step) -> int:
-        """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), added to
-        ``x``; returns the neurons computed. Routing is ``models.layers.route`` on the float32 router."""
+        """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), mixed
+        (``models.layers.mix_experts``, on the float32 router) and added to ``x``; returns the neurons
+        computed."""
         residual = x.copy()  # what the predictors read: the stream entering the FFN block
-        experts, weights = route((self.router @ h)[None], k)
-        n = 0
-        for e, weight in zip(experts[0], weights[0]):
-            n += expert_ffn(x, residual, self.experts[e], s, np.float32(weight), kind, sparse, fns, n_threads)
+        computed = []
+
+        def expert_output(e: int, tokens: np.ndarray) -> np.ndarray:
+            out = np.zeros((1, x.shape[0]), np.float32)
+            computed.append(expert_ffn(out[0], residual, self.experts[e], s, kind, sparse, fns, n_threads))
             step.bytes_read += self.predictor_bytes[e] if sparse else 0
-        return n
+            return out
+
+        x += mix_experts((self.router @ h)[None], k, len(self.experts), expert_output, residual[None])[0]
+        return sum(computed)
 
 
 def _units(layer) -> list[tuple]:

@@ -21,9 +21,9 @@ from powerinfer_tools.models.layers import (
     Norm,
     decoder_layer,
     embedding_scale,
+    mix_experts,
     normalize,
     rope_tables,
-    route,
     self_attention,
     silu,
     stored_rotation,
@@ -346,19 +346,16 @@ class RuntimeModel(Engine):
     # -- FFN --------------------------------------------------------------------
 
     def _mixture(self, layer: RuntimeLayer, h, residual, step: TokenStats):
-        """A mixture of experts: each expert computes, as one FFN, the tokens the router sends it; the
-        outputs are summed with the router's weights (``models.layers.route``: transformers' rule)."""
-        xp = layer.dense.backend.xp
-        experts, weights = route(h @ layer.router.T, self.spec.n_experts_used)
-        out = xp.zeros_like(h)
-        for e, expert in enumerate(layer.experts):
-            tokens, slot = xp.nonzero(experts == e)
-            if len(tokens):
-                y = self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
-                out[tokens] += y * weights[tokens, slot][:, None]
-                if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
-                    step.bytes_read += expert.predictor.nbytes
-        return out
+        """A mixture of experts (``models.layers.mix_experts``): each expert computes, as one FFN, the tokens
+        the router sends it."""
+
+        def expert_output(e: int, tokens):
+            expert = layer.experts[e]
+            if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
+                step.bytes_read += expert.predictor.nbytes
+            return self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
+
+        return mix_experts(h @ layer.router.T, self.spec.n_experts_used, len(layer.experts), expert_output, h)
 
     def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,
                 residual, step: TokenStats):
