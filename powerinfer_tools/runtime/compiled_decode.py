@@ -45,6 +45,12 @@ from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_floa
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache, mix_experts
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
+from powerinfer_tools.runtime.thresholded_ffn import (
+    cats_bounds,
+    drop_small_down_inputs,
+    thresholded_input,
+    whole_gate,
+)
 
 # FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
 # already computed for every neuron (in the scratch's ``predicted``, by row).
@@ -89,7 +95,7 @@ class LayerWeights(structref.StructRefProxy):
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and q4_0 gate/up rows
     a whole number of its groups wide).
-    ``cats_bounds``: where CATS's threshold lies on the gate product (``_cats_bounds``). ``bq, bk, bv``:
+    ``cats_bounds``: where CATS's threshold lies on the gate product (``thresholded_ffn.cats_bounds``). ``bq, bk, bv``:
     biases, empty when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
@@ -153,25 +159,13 @@ def _qkv(types, fns, wq, wk, wv, x_encoded, cols, q, k, v):
             ggml_vec_dot(fns[types[2], 1], cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * wv.strides[0], xe)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _matvec(vec_dot, w, x_encoded, cols, out):
-    """``out = W · x`` over all rows of ``w``."""
-    for i in prange(w.shape[0]):
-        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
-
-
-@njit(inline="always")
-def _silu(g):
-    return g / (1.0 + math.exp(-g))
-
-
 @njit(inline="always")
 def _activation(kind, g, u):
     if kind == 0:  # ReGLU
         return max(g, 0.0) * u
     if kind == 1:  # dReLU
         return max(g, 0.0) * max(u, 0.0)
-    return _silu(g) * u  # SwiGLU
+    return nk.silu(g) * u  # SwiGLU
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -287,7 +281,7 @@ def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
         return
     ggml_from_float(from_float, x.ctypes.data, x_encoded.ctypes.data, cols)
     if w.size >= PARALLEL_PREDICTOR_BYTES:
-        _matvec(vec_dot, w, x_encoded, cols, out)
+        nk.matvec(vec_dot, w, x_encoded, cols, out)
     else:
         _matvec_serial(vec_dot, w, x_encoded, cols, out)
 
@@ -308,70 +302,6 @@ def _predict(x, w, s, fns):
             s.active[n] = neuron
             n += 1
     return n
-
-
-def _cats_bounds(t: float) -> np.ndarray:
-    """float64 ``[above, band_lo, band_hi]``: |silu(g)| > t exactly where g > above or band_lo < g < band_hi.
-    silu falls from 0 to its minimum -0.2785 at g = -1.2785 and rises after it, so the first is where
-    it climbs past t and the band, where it dips below -t, is empty (0, 0) for larger t."""
-    silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
-
-    def root(lo, hi, value):  # silu - value changes sign on [lo, hi]
-        rising = silu(hi) > silu(lo)
-        for _ in range(200):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (silu(mid) < value) == rising else (lo, mid)
-        return (lo + hi) / 2
-
-    bottom = -1.2784645427610738  # silu's argmin, -1 - W(1/e)
-    t = float(t)
-    above = root(bottom, t + 20.0, t)
-    if t >= -silu(bottom):
-        return np.array([above, 0.0, 0.0])
-    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t)])
-
-
-@njit(inline="always")
-def _cats_keeps(g, t, bounds):
-    """|silu(g)| > t, by comparing g with ``bounds`` (``_cats_bounds(t)``): no exp, except within 1e-6 of
-    a bound, where the comparison gives way to the definition itself."""
-    for b in bounds:
-        if abs(g - b) < 1e-6:
-            return abs(_silu(g)) > t
-    return g > bounds[0] or bounds[1] < g < bounds[2]
-
-
-@njit(nogil=True, cache=True)
-def _thresholded_input(w, s, fns, n_threads):
-    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
-    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
-    |silu| exceeds the threshold; without CATS every neuron is computed."""
-    d_model, d_ff = s.h.shape[0], w.up.shape[0]
-    if w.ffn_in >= 0:
-        for i in range(d_model):
-            if abs(s.h[i]) <= w.ffn_in:
-                s.h[i] = 0.0
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    if w.cats < 0:
-        s.active[:d_ff] = s.all_rows[:d_ff]
-        return d_ff
-    _whole_gate(w, s, d_model, fns, n_threads)
-    n = 0
-    for neuron in range(d_ff):
-        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
-            s.active[n] = neuron
-            n += 1
-    return n
-
-
-@njit(nogil=True, cache=True)
-def _whole_gate(w, s, d_model, fns, n_threads):
-    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
-    if w.gate_gemv:
-        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
-    else:
-        _matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
 
 
 @njit(nogil=True, cache=True)
@@ -400,12 +330,12 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     if w.attn_gemv:
         numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads, w.vnni)
     else:
-        _matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+        nk.matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
     if sparse and w.thresholded:
-        return _thresholded_input(w, s, fns, n_threads)
+        return thresholded_input(w, s, fns, n_threads)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
     n = _predict(x, w, s, fns) if sparse else s.act.shape[0]  # every neuron (up may be interleaved: not its rows)
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -435,19 +365,6 @@ def gate_up(w, s, rows, at, kind, fns):
 
 
 @njit(nogil=True, cache=True)
-def _teal_down(s, rows, threshold):
-    """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
-    ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
-    m = 0
-    for i in range(rows.shape[0]):
-        if abs(s.act[i]) > threshold:
-            s.down_rows[m] = rows[i]
-            s.act[m] = s.act[i]
-            m += 1
-    return m
-
-
-@njit(nogil=True, cache=True)
 def down(x, w, s, rows, fns, n_threads):
     """Add the down projection of ``s.act[:len(rows)]`` (neurons in rows ``rows``) to the residual ``x``."""
     n, d_model = rows.shape[0], x.shape[0]
@@ -456,7 +373,7 @@ def down(x, w, s, rows, fns, n_threads):
         nk.axpy_rows_one_token(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
-        _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
+        nk.matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
 
 
@@ -485,11 +402,11 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     rows = s.active[:n] if sparse else s.all_rows[:n]
     gate_given = sparse and w.cats >= 0
     if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
-        _whole_gate(w, s, x.shape[0], fns, n_threads)
+        whole_gate(w, s, x.shape[0], fns, n_threads)
         gate_given = True
     gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if gate_given else kind, fns)
     if sparse and w.ffn_down >= 0:
-        m = _teal_down(s, rows, w.ffn_down)
+        m = drop_small_down_inputs(s, rows, w.ffn_down)
         down(x, w, s, s.down_rows[:m], fns, n_threads)
         return n, m
     down(x, w, s, rows, fns, n_threads)
@@ -790,7 +707,7 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
         weight_bytes(down), int(down.qtype), p.down_t is not None, numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
-        _cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
+        cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
     )
 

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools import kernels
@@ -25,7 +25,6 @@ from powerinfer_tools.models.layers import (
     normalize,
     rope_tables,
     self_attention,
-    silu,
     stored_rotation,
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
@@ -368,9 +367,10 @@ class RuntimeModel(Engine):
             return np.arange(layer.d_ff), None
         thresholds = layer.dense.thresholds
         if self.mode is FFNMode.SPARSE and thresholds is not None:
-            if thresholds.cats is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
+            chosen = _thresholded().cats_choice(partitions, h, thresholds, layer.d_ff, layer.dense.backend, self.host,
+                                                step)
+            if chosen is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
                 return np.arange(layer.d_ff), None
-            chosen = self._cats(layer, partitions, h, thresholds.cats, step)
         elif self.mode is FFNMode.SPARSE:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
@@ -380,41 +380,6 @@ class RuntimeModel(Engine):
         chosen = move(chosen, layer.dense.backend, self.host)
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
-
-    def _cats(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, threshold: float,
-              step: TokenStats) -> np.ndarray:
-        """CATS's choice: the neurons whose |silu(gate x)| exceeds the layer's threshold, from every
-        partition's full gate product (read here, and counted)."""
-        chosen = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
-        for p in partitions:
-            xh = move(h, layer.dense.backend, p.backend)
-            gate_pre, _ = p.pre_activations(xh, p.backend.xp.asarray(p.row_of[p.neurons]), up=False)
-            chosen[:, p.neurons] = kept(silu(move(gate_pre, p.backend, self.host)), threshold)
-            step.bytes_read += len(p.neurons) * p.gate.row_bytes
-        return chosen
-
-    def _thresholded_block(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, t: LayerThresholds,
-                           step: TokenStats):
-        """A block of tokens (a prompt) under a SiLU model's thresholds: every neuron's gate and up products,
-        the rule's mask, one down projection. At the densities these rules keep (half the neurons per token)
-        a prompt's tokens together need nearly every row; read once here, where choosing first (``_cats``)
-        reads the gate twice and goes through per-token selections made for ReLU models' ~10%."""
-        home, out = layer.dense.backend, None
-        step.neurons_total += layer.d_ff * h.shape[0]
-        for p in partitions:
-            xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
-            gate_pre, up_pre = p.pre_activations(move(h, home, p.backend), rows)
-            gate = silu(gate_pre)  # once, for the choice and the activation (a SiLU model's FFN)
-            chosen = kept(gate, t.cats)
-            activated = gate * up_pre
-            activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
-            computed = int(chosen.sum())
-            step.neurons_active += computed
-            step.neurons_on_device += computed if p.backend.is_device else 0
-            step.bytes_read += len(p.neurons) * p.bytes_per_neuron
-            part = move(p.backend.row_sum(p.down_t, activated, rows), p.backend, home)
-            out = part if out is None else out + part
-        return out
 
     def _firing(self, layer: RuntimeLayer, partitions: list[FFNPartition], h) -> np.ndarray:
         """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
@@ -433,11 +398,12 @@ class RuntimeModel(Engine):
         """One FFN (the layer's, or one expert's) over the tokens ``h``, its neurons split in ``partitions``."""
         home = layer.dense.backend
         thresholds = layer.dense.thresholds if self.mode is FFNMode.SPARSE else None
-        if thresholds is not None and thresholds.ffn_in is not None:  # TEAL: small input entries dropped
-            h = home.xp.where(kept(h, thresholds.ffn_in), h, 0)
-        if thresholds is not None and h.shape[0] > 1:
-            return self._thresholded_block(layer, partitions, h, thresholds, step)
-        down_threshold = thresholds.ffn_down if thresholds is not None else None
+        activation_filter = None
+        if thresholds is not None:
+            h = _thresholded().teal_input(h, thresholds, home.xp)
+            if h.shape[0] > 1:
+                return _thresholded().block(partitions, h, thresholds, layer.d_ff, home, step)
+            activation_filter = _thresholded().teal_down(thresholds)
         active, mask = self._select(layer, partitions, predictor, h, residual, step)
         n_tokens = h.shape[0]
         step.neurons_total += layer.d_ff * n_tokens
@@ -469,7 +435,7 @@ class RuntimeModel(Engine):
             xh = move(h, home, p.backend)
             if part_mask is not None:
                 part_mask = p.backend.xp.asarray(part_mask, dtype=np.float32)
-            return move(p.compute(self.spec.ffn, xh, ids, part_mask, down_threshold), p.backend, home)
+            return move(p.compute(self.spec.ffn, xh, ids, part_mask, activation_filter), p.backend, home)
 
         if len(work) == 1:
             return run(*work[0])
@@ -478,6 +444,13 @@ class RuntimeModel(Engine):
         on_device = self._pool.submit(run, *work[0])
         out = sum(run(*w) for w in work[1:])
         return out + on_device.result()
+
+
+def _thresholded():
+    """``runtime.thresholded_ffn``, imported where a model with thresholds runs (it imports numba)."""
+    from powerinfer_tools.runtime import thresholded_ffn
+
+    return thresholded_ffn
 
 
 def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):
