@@ -20,6 +20,18 @@ from powerinfer_tools.conversion.sparsify import SparsifySettings
 # `pitools run` in tests waits for kernels that are not yet compiled, as the API does, rather than start
 # background builds (whatever the environment says); tests/test_kernel_warmup.py tests the other policies.
 os.environ["PITOOLS_KERNELS"] = "wait"
+# ... and runs sparse where the model can, also in the `pitools` processes tests start: whether sparse pays on
+# this machine (--mode auto) is a matter of timing, tested on its own in tests/test_sparse_verdict.py.
+os.environ["PITOOLS_MODE"] = "sparse"
+
+
+@pytest.fixture(autouse=True)
+def sparse_pays(monkeypatch):
+    """In this process, an auto-mode load (``LLM.load``'s default) finds that sparse pays, without timing
+    anything; tests/test_sparse_verdict.py measures and keeps real verdicts."""
+    from powerinfer_tools.runtime import sparse_verdict
+
+    monkeypatch.setattr(sparse_verdict, "verdict", lambda *args, **kwargs: sparse_verdict.Verdict(1.0, 2.0))
 
 
 def pytest_addoption(parser):

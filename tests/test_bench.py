@@ -65,6 +65,18 @@ def test_ratios_are_medians_of_per_round_ratios():
     assert sparse["bandwidth_fraction"] == pytest.approx(sparse["implied_gbs"] / 1e-6)
     assert sparse["rss_budget"] == int(1100 * 1.15)
     assert "sparse / llama.cpp generation 1.00x" in format_report(rep)
+    # sparse 1, 1, 4 s against dense 2, 2, 2 s per round -> 2, 2, 0.5
+    assert rep["sparse_vs_dense_generation"] == 2.0
+    assert "sparse / our dense generation 2.00x" in format_report(rep)
+    assert "\nsparsity pays on this machine for this model (sparse 2.00x our dense generation)" in format_report(rep)
+
+
+def test_the_report_says_where_sparsity_does_not_pay():
+    settings = BenchSettings(runs=1)
+    rep = report({SPARSE: fake(SPARSE, [1.0], [2.1], settings), DENSE: fake(DENSE, [1.0], [2.0], settings)},
+                 settings, None)
+    assert "sparsity does not pay on this machine for this model (sparse 0.95x our dense generation)" in (
+        format_report(rep))
 
 
 def test_no_baseline_means_no_ratios():

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
+import functools
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -564,6 +565,9 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
                 r = results[name]
                 out[f"{name}_vs_{key}_generation"] = paired_ratio(r.generation_rates(), base.generation_rates())
                 out[f"{name}_vs_{key}_prompt"] = paired_ratio(r.prompt_rates(), base.prompt_rates())
+    if SPARSE in results and DENSE in results:  # whether sparsity pays here (--mode auto's question)
+        out["sparse_vs_dense_generation"] = paired_ratio(results[SPARSE].generation_rates(),
+                                                         results[DENSE].generation_rates())
     return out
 
 
@@ -643,11 +647,23 @@ def format_report(rep: dict) -> str:
                    f"computing {trained['mean_computed']:.1%} of the neurons; " if trained else "")
         lines.append(f"predictors: {quality}{predictors['bytes_per_token'] / 1e6:.2f} MB read per token")
     ratios = [(k, v) for k, v in rep.items() if k.endswith(("_generation", "_prompt"))]
+    names = {"_vs_llamacpp_": " / llama.cpp ", "_vs_powerinfer_": " / powerinfer ", "_vs_dense_": " / our dense "}
     if ratios:
         lines.append("ratios (median of per-round ratios): " + ", ".join(
-            f"{k.replace('_vs_llamacpp_', ' / llama.cpp ').replace('_vs_powerinfer_', ' / powerinfer ')} {v:.2f}x"
+            f"{functools.reduce(lambda text, pair: text.replace(*pair), names.items(), k)} {v:.2f}x"
             for k, v in ratios))
+    if "sparse_vs_dense_generation" in rep:
+        lines.append(_sparsity_verdict(rep["sparse_vs_dense_generation"]))
     return "\n".join(lines)
+
+
+def _sparsity_verdict(gain: float) -> str:
+    """Whether sparse generation, ``gain`` times our dense's, pays here, as ``--mode auto`` decides."""
+    from powerinfer_tools.runtime.sparse_verdict import MIN_GAIN  # (the runtime: only where it reports)
+
+    return (f"sparsity {'pays' if gain >= MIN_GAIN else 'does not pay'} on this machine for this model "
+            f"(sparse {gain:.2f}x our dense generation); `pitools run` (--mode auto) measures it on MODEL itself "
+            f"and runs sparse only where it decodes at least {MIN_GAIN - 1:.0%} faster than dense")
 
 
 def _field(value: float | None, width: int, spec: str, scale: float = 1.0, unit: str = "") -> str:

@@ -13,7 +13,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
-from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.runtime.llm import AUTO, LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
@@ -69,10 +69,11 @@ def runtime_options(f):
         click.option("-c", "--ctx-size", type=int, default=None,
                      help="Context window: positions for prompt and generated tokens together [default: the "
                           "model's trained positions, also the most it takes]."),
-        click.option("--mode", type=click.Choice([FFNMode.SPARSE.value, FFNMode.DENSE.value]),
-                     default=FFNMode.SPARSE.value, show_default=True,
+        click.option("--mode", type=click.Choice([AUTO, FFNMode.SPARSE.value, FFNMode.DENSE.value]),
+                     default=AUTO, show_default=True, envvar="PITOOLS_MODE",
                      help="sparse: compute only the FFN neurons the predictors (or a SiLU model's thresholds) "
-                          "select; dense: all of them."),
+                          "select; dense: all of them; auto: sparse where that decodes faster than dense on this "
+                          "machine (measured once per model file, then kept), else dense. Also PITOOLS_MODE."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "emulated"]), default="cpu", show_default=True,
                      help="Where the split's hot neurons run: cpu ignores the split; emulated is a NumPy stand-in "
                           "for a GPU that checks the budget and counts PCIe bytes (for testing)."),

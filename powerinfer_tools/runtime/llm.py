@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime import warmup
+from powerinfer_tools.runtime import sparse_verdict, warmup
 from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
 from powerinfer_tools.models import load_model_and_tokenizer
@@ -42,6 +42,9 @@ from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, load_profile
 from powerinfer_tools.solver.problem import DEFAULT_RESERVE_BYTES
 from powerinfer_tools.units import format_size
+
+
+AUTO = "auto"  # LLM.load's mode: sparse where it pays on this machine (runtime.sparse_verdict), else dense
 
 
 @dataclass
@@ -84,7 +87,7 @@ class LLM:
     def load(
         cls,
         path: str | Path,
-        mode: FFNMode | str = FFNMode.SPARSE,
+        mode: FFNMode | str = AUTO,
         split: str | Path | None = None,
         use_split: bool = True,
         device: str = "cpu",
@@ -96,8 +99,10 @@ class LLM:
         kernels: warmup.Policy | str = warmup.Policy.WAIT,
         notice: Callable[[str], None] | None = None,
     ) -> "LLM":
-        """``mode``: which FFN neurons a GGUF file's runtime computes (sparse falls back to dense when the file
-        has no predictors). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
+        """``mode``: which FFN neurons a GGUF file's runtime computes: ``sparse`` (dense when the file has no
+        predictors or thresholds), ``dense``, or ``auto``: sparse where that decodes faster than dense on this
+        machine, else dense (``runtime.sparse_verdict``: measured once per file and machine, on the compiled
+        kernels; sparse until they are built). ``device`` is where the split's hot neurons go: ``cuda``, or ``emulated`` for testing.
         ``ctx_size`` bounds the context window (default: the model's trained positions).
 
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
@@ -122,24 +127,23 @@ class LLM:
             split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
         # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
         use_split = use_split and (device != "cpu" or ram is not None)
-        warm_up = warmup.prepare(path, warmup.LoadOptions(device, None if split is None else str(split), use_split, ram,
-                                                          cache_policy), kernels, notice)
+        options = warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy)
+        warm_up = warmup.prepare(path, options, kernels, notice)
         model = load_runtime_model(path, split=split, use_split=use_split,
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
                                    cache_policy=cache_policy, cpu_only=device == "cpu")
-        ffn_mode = FFNMode(mode)
-        if ffn_mode is FFNMode.SPARSE and not model.can_run_sparse:
-            ffn_mode = FFNMode.DENSE
-        model.mode = ffn_mode
+        asked = FFNMode.SPARSE if mode == AUTO else FFNMode(mode)  # sparse: dense where the file has no sparse mode
+        model.mode = FFNMode.DENSE if asked is FFNMode.SPARSE and not model.can_run_sparse else asked
         warm_up(model)
+        tokenizer = GGUFTokenizer(model.metadata, source=str(path))
+        chosen = _auto_mode(model, tokenizer, options, notice) if mode == AUTO else ""
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
         if model.ram is not None:
             where += f", --ram {format_size(ram)} ({cache_policy} cache)"
         if compiled_kernels.reference_chosen():
             where += ", NumPy kernels"
         where += f", tokens decoded by the {model.decode_path()}"  # the whole story: execution_report()
-        return cls(model, GGUFTokenizer(model.metadata, source=str(path)), f"runtime, {ffn_mode.value} FFN{where}", model.context_size,
-                   str(path))
+        return cls(model, tokenizer, f"runtime, {model.mode.value} FFN{chosen}{where}", model.context_size, str(path))
 
     def execution_report(self) -> list[str]:
         """Which path and kernels compute each part of the model (``RuntimeModel.execution_report``); a
@@ -189,6 +193,17 @@ class LLM:
         finally:  # also when the caller stops early (a stop string, a client gone)
             stats.generated_tokens = tokens.sampled
             stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
+
+
+def _auto_mode(model: RuntimeModel, tokenizer, options: warmup.LoadOptions, notice) -> str:
+    """``--mode auto`` on a loaded, warmed-up ``model`` in its sparse mode where it can run one: dense where
+    sparse does not pay on this machine (``runtime.sparse_verdict``); the words that say why, or "" where
+    nothing was decided (no sparse mode to run, or the NumPy reference kernels in use)."""
+    if model.mode is not FFNMode.SPARSE or compiled_kernels.reference_chosen():
+        return ""
+    found = sparse_verdict.verdict(model, tokenizer, options, compiled_kernels.get_threads(), notice)
+    model.mode = FFNMode.SPARSE if found.pays else FFNMode.DENSE
+    return f" (auto: {found.describe()})"
 
 
 def _split_for_budget(path: Path, split, use_split: bool, device: str, vram: int, hardware: str) -> tuple[Path, str]:

@@ -190,7 +190,9 @@ def _background_main(path: str, options_json: str, key: str) -> None:
             from powerinfer_tools.runtime.llm import LLM
 
             options = LoadOptions(**json.loads(options_json))
-            LLM.load(path, kernels=Policy.WAIT, **_load_arguments(options))  # warms up, marks it warm
+            # warms up, marks it warm; sparse, not auto: timing the modes here, beside the run that started
+            # this build, would measure that run's load (the next foreground run measures them)
+            LLM.load(path, mode="sparse", kernels=Policy.WAIT, **_load_arguments(options))
         except BaseException as exc:
             _marker(key, ".failed").write_text(f"{type(exc).__name__}: {exc}\n")
             raise
