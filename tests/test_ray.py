@@ -87,6 +87,11 @@ def cluster():
     temp = Path(tempfile.mkdtemp(prefix="pitools-ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
     crashes = temp / "crashes"
     crashes.mkdir()
+    # Without a token: Ray 2.60 turns token authentication on for a new head when it finds ~/.ray/auth_token
+    # (a `ray.init()` of its own writes one), yet not for a node joining it; set here, nodes and drivers
+    # (this process, and the commands it starts) agree whatever the home folder holds.
+    saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, CRASHES_VARIABLE: str(crashes), "RAY_USAGE_STATS_ENABLED": "0"}
     port = _free_port()
     address, sessions = f"127.0.0.1:{port}", set()
@@ -98,6 +103,10 @@ def cluster():
     finally:
         _stop_sessions(sessions)
         shutil.rmtree(temp, ignore_errors=True)
+        if saved_auth_mode is None:
+            del os.environ["RAY_AUTH_MODE"]
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved_auth_mode
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +116,21 @@ def profile(sparse_tiny, tmp_path_factory):
     return folder
 
 
+def pitools_on_one_thread(*args) -> None:
+    """``pitools ARGS`` in a process of its own with BLAS on one thread, as each Ray task has it
+    (``ray_training.ONE_THREAD``; OpenBLAS reads it when loaded): then what it computes here, a profile
+    or a candidate, has the same bytes as on the cluster."""
+    cli = "from powerinfer_tools.commands.cli import main; main()"
+    result = subprocess.run([sys.executable, "-c", cli, *map(str, args)], env={**os.environ, **ONE_THREAD["env_vars"]},
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.fixture(scope="module")
 def trained_here(profile, tmp_path_factory):
-    """The predictor folder train-predictors writes without --ray, its BLAS on one thread as each Ray task's
-    is (``ray_training.ONE_THREAD``); in a process of its own, as OpenBLAS reads that when loaded."""
+    """The predictor folder train-predictors writes without --ray."""
     out = tmp_path_factory.mktemp("here") / "pred"
-    cli = "from powerinfer_tools.commands.cli import main; main()"
-    subprocess.run([sys.executable, "-c", cli, "train-predictors", str(profile), "-o", str(out), *QUICK],
-                   env={**os.environ, **ONE_THREAD["env_vars"]}, check=True, timeout=600)
+    pitools_on_one_thread("train-predictors", profile, "-o", out, *QUICK)
     return snapshot(out)
 
 
@@ -145,3 +161,24 @@ def test_a_layer_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, 
     result = invoke("train-predictors", profile, "-o", tmp_path / "pred", *QUICK, "--ray", address)
     assert result.exit_code == 0, result.output
     assert snapshot(tmp_path / "pred") == trained_here
+
+
+@pytest.mark.slow
+def test_convert_on_the_cluster_writes_the_same_file(cluster, sparse_tiny, tmp_path):
+    address, crashes = cluster
+    (crashes / "crash-once-0").touch()  # proof that a task trained layer 0 (it crashes once, then passes)
+    for name, ray in (("here", ()), ("cluster", ("--ray", address))):
+        pitools_on_one_thread("convert", sparse_tiny, "-o", tmp_path / f"{name}.gguf", "--tokens", 3000, "-q", *ray)
+    assert not (crashes / "crash-once-0").exists()
+    assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "cluster.gguf").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_a_task_per_expert_with_the_same_result(cluster, tmp_path):
+    address, crashes = cluster
+    (crashes / "crash-once-5").touch()  # unit 5: layer 1's expert 1 (2 layers of 4 experts)
+    for name, ray in (("here", ()), ("cluster", ("--ray", address))):
+        pitools_on_one_thread("synth", "--shape", "test-tiny-moe", "-o", tmp_path / f"{name}.powerinfer.gguf",
+                              "--profile-tokens", 1600, "--epochs", 1, "-q", *ray)
+    assert not (crashes / "crash-once-5").exists(), "no task trained layer 1's expert 1"
+    assert (tmp_path / "here.powerinfer.gguf").read_bytes() == (tmp_path / "cluster.powerinfer.gguf").read_bytes()
