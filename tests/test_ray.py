@@ -5,18 +5,15 @@ line when a layer fails on every attempt; without Ray, ``--ray`` says how to ins
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_checks import fails, invoke, snapshot
+from ray_cluster import two_nodes
 from tiny_models import run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
@@ -33,80 +30,13 @@ def test_without_ray_the_option_says_how_to_install(monkeypatch, tmp_path):
     assert not (tmp_path / "pred").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_start(env: dict, *args: str) -> int:
-    """Start one node, with every port of its own (so that it collides neither with the other node nor
-    with another cluster), in a new session; return the session id its processes share."""
-    ports = ("--node-manager-port", "--object-manager-port", "--metrics-export-port", "--runtime-env-agent-port",
-             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port")
-    command = [str(Path(sys.executable).with_name("ray")), "start", "--num-cpus=1", "--disable-usage-stats",
-               *(f"{port}={_free_port()}" for port in ports), *args]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
-    return process.pid
-
-
-def _session(stat: Path) -> int:
-    return int(stat.read_text().rsplit(")", 1)[1].split()[3])  # pid (comm) state ppid pgrp session ...
-
-
-def _stop_sessions(sessions: set[int]) -> None:
-    """SIGTERM (then SIGKILL) to every process of these sessions: this cluster's, no other."""
-    def ours() -> list[int]:
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if _session(stat) in sessions:
-                    pids.append(int(stat.parent.name))
-            except (OSError, ValueError, IndexError):
-                pass  # ended meanwhile
-        return pids
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in ours():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while ours() and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a second node of one CPU each, in a temp folder of their own; yields (address, crash folder)."""
+    """A head and a second node of one CPU each (``ray_cluster.two_nodes``); yields (address, crash folder)."""
     pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    temp = Path(tempfile.mkdtemp(prefix="pitools-ray-", dir="/tmp"))  # short: Ray's socket paths have a limit
-    crashes = temp / "crashes"
-    crashes.mkdir()
-    # Without a token: Ray 2.60 turns token authentication on for a new head when it finds ~/.ray/auth_token
-    # (a `ray.init()` of its own writes one), yet not for a node joining it; set here, nodes and drivers
-    # (this process, and the commands it starts) agree whatever the home folder holds.
-    saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, CRASHES_VARIABLE: str(crashes), "RAY_USAGE_STATS_ENABLED": "0"}
-    port = _free_port()
-    address, sessions = f"127.0.0.1:{port}", set()
-    try:
-        sessions.add(_ray_start(env, "--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false",
-                                f"--ray-client-server-port={_free_port()}", "--node-ip-address=127.0.0.1"))
-        sessions.add(_ray_start(env, f"--address={address}", "--node-ip-address=127.0.0.1"))
-        yield address, crashes
-    finally:
-        _stop_sessions(sessions)
-        shutil.rmtree(temp, ignore_errors=True)
-        if saved_auth_mode is None:
-            del os.environ["RAY_AUTH_MODE"]
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved_auth_mode
+    with tempfile.TemporaryDirectory(prefix="pitools-ray-crashes-") as crashes, \
+            two_nodes({CRASHES_VARIABLE: crashes}) as address:
+        yield address, Path(crashes)
 
 
 @pytest.fixture(scope="module")
