@@ -11,9 +11,11 @@ for that the guess did not try is trained in a task of its own, then waited for.
 units choose the same size (the common case) the guess has tried every size the real search needs.
 
 Data: each unit's pairs (float16 inputs and packed fired bits, ``trainer.UnitRows``) are read from
-the profile here, on the driver, and put into Ray's object store once; Ray moves them to the node
-that runs the task. The nodes need no shared file system: only this process reads the profile and
-writes the predictor folder. Every node needs pitools (the same version) and Ray installed.
+the profile here, on the driver, and put into Ray's object store once, when its task is submitted;
+Ray moves them to the node that runs the task. About two tasks per CPU of the cluster are under
+way at a time (``TASKS_PER_CPU``), so the store holds that many units' pairs, not the whole
+profile. The nodes need no shared file system: only this process reads the profile and writes the
+predictor folder. Every node needs pitools (the same version) and Ray installed.
 
 Faults: a task whose worker process or node dies is retried by Ray (``MAX_RETRIES``); a task that
 raises, or dies on every attempt, ends the command with one error naming the unit. The predictor
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +56,10 @@ MAX_RETRIES = 3
 # on every node of a CPU type, and the same as `train-predictors` run with OMP_NUM_THREADS=1.
 ONE_THREAD = {"env_vars": {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
 INSTALL_HINT = "--ray needs Ray: pip install 'powerinfer-tools[ray]'"
+
+# Units searching ahead per CPU of the cluster: one running, one waiting with its pairs already
+# moved, so that no CPU waits for the driver to read and send the next unit's.
+TASKS_PER_CPU = 2
 
 # For the fault-tolerance tests (tests/test_ray.py), which start their cluster with this variable
 # naming a folder: a task of unit N that finds the file crash-once-N there deletes it and kills its
@@ -99,8 +106,15 @@ class RayCandidates:
     def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str) -> None:
         self._arguments = (settings, d_ff, device)
         self._units = {job.index: job.unit for job in jobs}
-        self._pairs, self._ahead = {}, {}
-        for job in jobs:
+        self._waiting = deque(jobs)
+        self._pairs, self._ahead = {}, {}  # of the units submitted and not yet loaded
+        self._in_flight = max(1, round(TASKS_PER_CPU * self._ray.cluster_resources().get("CPU", 1)))
+        self._submit()
+
+    def _submit(self) -> None:
+        """Submit the next units' searches until ``_in_flight`` are under way (units without pairs skipped)."""
+        while self._waiting and len(self._pairs) < self._in_flight:
+            job = self._waiting.popleft()
             rows = job.read_rows()
             if rows is None:
                 continue
@@ -110,8 +124,10 @@ class RayCandidates:
                                                               job.guessed_start, *self._arguments)
 
     def load(self, index: int) -> bool:
+        self._submit()  # units load in order: one not submitted yet is the next in line
         self._current = self._pairs.pop(index, None)  # dropping the reference frees the store's copy later
         self._fits = {} if self._current is None else self._result(index, self._ahead.pop(index))
+        self._submit()
         return self._current is not None
 
     def fit(self, index: int, hidden: int) -> Fit:
