@@ -5,6 +5,7 @@ every Ray process of the machine, other people's too)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -33,8 +34,11 @@ def two_nodes(env: dict[str, str]) -> Iterator[str]:
     port = _free_port()
     address, sessions = f"127.0.0.1:{port}", set()
     try:
+        # The head serves Ray Client, on port 10001 unless told another, where its dependency (grpc) is
+        # installed, and refuses a port where it is not (the minimal `pip install ray`).
+        client = [f"--ray-client-server-port={_free_port()}"] if importlib.util.find_spec("grpc") else []
         sessions.add(_ray_start(node_env, "--head", f"--port={port}", f"--temp-dir={temp}",
-                                "--include-dashboard=false", f"--ray-client-server-port={_free_port()}"))
+                                "--include-dashboard=false", *client))
         sessions.add(_ray_start(node_env, f"--address={address}"))
         yield address
     finally:

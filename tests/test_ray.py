@@ -4,7 +4,9 @@ line when a layer fails on every attempt; without Ray, ``--ray`` says how to ins
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 from cli_checks import fails, invoke, snapshot
 from ray_cluster import two_nodes
+from test_predictors import write_synthetic_profile
 from tiny_models import run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
@@ -27,6 +30,16 @@ QUICK = ("--epochs", "2", "--budget", "0.3", "--recall", "0.9", "--min-precision
 def test_without_ray_the_option_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     fails("train-predictors", tmp_path, "-o", tmp_path / "pred", "--ray", "127.0.0.1:1", match=INSTALL_HINT)
+    assert not (tmp_path / "pred").exists()
+
+
+def test_an_address_where_no_cluster_answers_is_one_error(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))  # bound, not listening: connections to it are refused
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+        fails("train-predictors", tmp_path, "-o", tmp_path / "pred", "--ray", address,
+              match=f"--ray {address}: no Ray cluster answers there")
     assert not (tmp_path / "pred").exists()
 
 
@@ -91,6 +104,29 @@ def test_a_layer_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, 
     result = invoke("train-predictors", profile, "-o", tmp_path / "pred", *QUICK, "--ray", address)
     assert result.exit_code == 0, result.output
     assert snapshot(tmp_path / "pred") == trained_here
+
+
+@pytest.mark.slow
+def test_sizes_the_guess_did_not_try_are_trained_in_tasks_of_their_own(cluster, tmp_path):
+    """Layer 0 needs hidden 16, layer 1 passes at the smallest, 8: layer 1's task searched ahead from 8
+    alone, its real search starts at layer 0's 16, and the driver has 16 and 12 trained in tasks of their own."""
+    address, _ = cluster
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4000, 24)).astype(np.float32)
+    x[:, 0] = 1  # a constant feature lets the predictor draw thresholds without a bias
+    planes = rng.standard_normal((48, 23))
+    spread = x[:, 1:] @ (planes / np.linalg.norm(planes, axis=1, keepdims=True)).T > 1.0  # each its own hyperplane
+    skewed = np.zeros((4000, 48), bool)
+    skewed[:, :6] = True  # the same few neurons fire on every token
+    write_synthetic_profile(tmp_path / "prof", x, [spread, skewed])
+    pitools_on_one_thread("train-predictors", tmp_path / "prof", "-o", tmp_path / "here", "--budget", 1, "-q")
+    result = invoke("train-predictors", tmp_path / "prof", "-o", tmp_path / "cluster", "--budget", 1, "-q",
+                    "--ray", address)
+    assert result.exit_code == 0, result.output
+    layers = json.loads((tmp_path / "cluster" / "predictors.json").read_text())["layers"]
+    assert [layer["hidden"] for layer in layers] == [16, 8]
+    assert [t["hidden"] for t in layers[1]["tried"]] == [16, 12, 8]
+    assert snapshot(tmp_path / "cluster") == snapshot(tmp_path / "here")
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,8 +52,8 @@ from powerinfer_tools.predictors.trainer import (
 # raise again on the same pairs).
 MAX_RETRIES = 3
 # Each task trains on one core, its BLAS on one thread: OpenBLAS splits a product's sums differently
-# over another number of threads, which changes the weights' last bits (measured: the bundled test
-# model's predictors differ between one and two threads). One thread makes a task's result the same
+# over another number of threads, which changes the weights' last bits (measured: the predictors of
+# tests/test_ray.py's model differ between one and two threads). One thread makes a task's result the same
 # on every node of a CPU type, and the same as `train-predictors` run with OMP_NUM_THREADS=1.
 ONE_THREAD = {"env_vars": {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
 INSTALL_HINT = "--ray needs Ray: pip install 'powerinfer-tools[ray]'"
@@ -76,6 +77,8 @@ def ray_candidates(address: str | None) -> Iterator[RayCandidates | None]:
         yield None
         return
     ray = _import_ray()
+    if address != "auto":
+        _check_reachable(address)
     try:
         ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, ValueError, RuntimeError) as exc:
@@ -92,6 +95,17 @@ def _import_ray() -> ModuleType:
     except ImportError:
         raise PitoolsError(INSTALL_HINT) from None
     return ray
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a HOST:PORT where nothing listens: Ray itself retries such an address for minutes."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # not HOST:PORT: Ray parses it, and refuses what it cannot
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise PitoolsError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
 
 
 class RayCandidates:
@@ -143,9 +157,8 @@ class RayCandidates:
         except exceptions.RayTaskError as exc:  # the task raised: its error, not Ray's wrapping of it
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
             message = str(cause) if isinstance(cause, PitoolsError) else f"{type(cause).__name__}: {_first_line(cause)}"
-        except exceptions.RayError as exc:
-            message = (f"{type(exc).__name__} after {1 + MAX_RETRIES} attempts (its worker process or node died "
-                       f"each time)")
+        except exceptions.RayError as exc:  # lost: its worker or node died on every attempt, or its data
+            message = f"{type(exc).__name__} (a lost worker or node is retried {MAX_RETRIES} times)"
         raise PitoolsError(f"{self._units[index]}: predictor training failed on the Ray cluster: {message}")
 
 
