@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -58,6 +58,8 @@ MAX_RETRIES = 3
 ONE_THREAD = {"env_vars": {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
 INSTALL_HINT = "--ray needs Ray: pip install 'powerinfer-tools[ray]'"
 
+# While the driver waits for a task, the progress bar shows the units done across the cluster this often.
+PROGRESS_SECONDS = 1.0
 # Units searching ahead per CPU of the cluster: one running, one waiting with its pairs already
 # moved, so that no CPU waits for the driver to read and send the next unit's.
 TASKS_PER_CPU = 2
@@ -117,9 +119,11 @@ class RayCandidates:
         self._search_task = ray.remote(**options)(search_ahead)
         self._fit_task = ray.remote(**options)(fit_one)
 
-    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str) -> None:
-        self._arguments = (settings, d_ff, device)
+    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
+              describe: Callable[[str], None]) -> None:
+        self._arguments, self._describe = (settings, d_ff, device), describe
         self._units = {job.index: job.unit for job in jobs}
+        self._loaded = 0
         self._waiting = deque(jobs)
         self._pairs, self._ahead = {}, {}  # of the units submitted and not yet loaded
         self._in_flight = max(1, round(TASKS_PER_CPU * self._ray.cluster_resources().get("CPU", 1)))
@@ -141,6 +145,7 @@ class RayCandidates:
         self._submit()  # units load in order: one not submitted yet is the next in line
         self._current = self._pairs.pop(index, None)  # dropping the reference frees the store's copy later
         self._fits = {} if self._current is None else self._result(index, self._ahead.pop(index))
+        self._loaded += 1
         self._submit()
         return self._current is not None
 
@@ -153,6 +158,8 @@ class RayCandidates:
     def _result(self, index: int, task):
         exceptions = self._ray.exceptions
         try:
+            while not self._ray.wait([task], timeout=PROGRESS_SECONDS)[0]:
+                self._show_progress(index)
             return self._ray.get(task)
         except exceptions.RayTaskError as exc:  # the task raised: its error, not Ray's wrapping of it
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
@@ -160,6 +167,13 @@ class RayCandidates:
         except exceptions.RayError as exc:  # lost: its worker or node died on every attempt, or its data
             message = f"{type(exc).__name__} (a lost worker or node is retried {MAX_RETRIES} times)"
         raise PitoolsError(f"{self._units[index]}: predictor training failed on the Ray cluster: {message}")
+
+    def _show_progress(self, index: int) -> None:
+        """Units searched so far across the cluster (loaded here, or their search task finished)."""
+        ahead = list(self._ahead.values())
+        finished = len(self._ray.wait(ahead, num_returns=len(ahead), timeout=0)[0]) if ahead else 0
+        self._describe(f"predictors: {self._loaded + finished}/{len(self._units)} units searched on the cluster, "
+                       f"waiting for {self._units[index]}")
 
 
 def search_ahead(rows: UnitRows, index: int, sizes: list[int], start: int, settings: TrainSettings, d_ff: int,

@@ -274,10 +274,12 @@ class UnitJob:
 
 
 class Candidates(Protocol):
-    """Where candidates are trained. ``start`` is told every unit to train, ``load(index)`` comes
-    before unit ``index``'s ``fit``s (in unit order) and says whether it has pairs to train on."""
+    """Where candidates are trained. ``start`` is told every unit to train, and how to describe its
+    progress (the bar's description); ``load(index)`` comes before unit ``index``'s ``fit``s (in unit
+    order) and says whether it has pairs to train on."""
 
-    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str) -> None: ...
+    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
+              describe: Callable[[str], None]) -> None: ...
 
     def load(self, index: int) -> bool: ...
 
@@ -285,9 +287,11 @@ class Candidates(Protocol):
 
 
 class LocalCandidates:
-    """Candidates trained in this process when the search asks for them, one unit's pairs in memory."""
+    """Candidates trained in this process when the search asks for them, one unit's pairs in memory (the
+    trainer describes its progress itself)."""
 
-    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str) -> None:
+    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
+              describe: Callable[[str], None]) -> None:
         self._jobs = {job.index: job for job in jobs}
         self._settings, self._d_ff, self._xp = settings, d_ff, array_module(device)
         self._data: LayerPairs | None = None
@@ -323,14 +327,14 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
         print(warning, file=sys.stderr, flush=True)
     units, d_ff, first = profile_units(profile), profile["d_ff"], len(state.meta["layers"])
     candidates = candidates or LocalCandidates()
-    candidates.start(_unit_jobs(state.meta, units, first, settings, store, n_train, profile_experts(profile)),
-                     settings, d_ff, device)
     bar = progress_bar(total=(len(units) - first) * CANDIDATES_GUESS, unit="candidate", desc="predictors",
                        enabled=progress)
     log = bar.write if progress else (lambda message: None)
-    out.mkdir(parents=True, exist_ok=True)
-    began = time.monotonic()
     with bar:
+        candidates.start(_unit_jobs(state.meta, units, first, settings, store, n_train, profile_experts(profile)),
+                         settings, d_ff, device, bar.set_description)
+        out.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
         for index in range(first, len(units)):
             unit, started = units[index], time.monotonic()
             sizes = _allowed_sizes(state.meta, index, len(units), settings)
