@@ -107,7 +107,7 @@ def main() -> None:
                for name in ("predictors.json", "predictors.safetensors"))
     results.update({"one_process_s": here, "ray_two_nodes_s": cluster, "identical": same,
                     "seconds_per_layer_one_process": [float(n) * (60 if unit == "min" else 1) for n, unit
-                                                      in re.findall(r"^layer .* in ([\d.]+) (s|min), about", log, re.M)],
+                                                      in re.findall(r"^layer .* in ([\d.]+) (s|min), about", log, re.MULTILINE)],
                     "load_average_after": os.getloadavg()[0]})
     print(json.dumps(results, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in results.items()))
 
