@@ -396,6 +396,7 @@ def test_cli_writes_a_silu_model_with_the_rule_asked_for(tmp_path):
     (["--activation", "silu", "--hardness", "easy", "--rank", "8"], "--hardness, --rank: only for --activation relu"),
     (["--target-sparsity", "0.5"], "--target-sparsity: only for --activation silu"),
     (["--activation", "relu", "--sparsity-rule", "cats"], "--sparsity-rule: only for --activation silu"),
+    (["--activation", "silu", "--ray"], "--ray: only for --activation relu"),  # no predictors to train
 ])
 def test_cli_refuses_options_of_the_other_activation(tmp_path, options, match):
     out = tmp_path / "x.powerinfer.gguf"

@@ -96,7 +96,7 @@ from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNTracer, tracing
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
-from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, train_predictors
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.progress import progress_bar
@@ -809,13 +809,14 @@ def _named_shape(shape: str | Shape, layers: int | None) -> tuple[str, Shape]:
 def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting: Planting = Planting(),
                profile_tokens: int | None = None, train: TrainSettings | None = None, work: Path | None = None,
                keep_work: bool = False, force: bool = False, progress: bool = True,
-               layers: int | None = None) -> SynthResult:
+               layers: int | None = None, candidates: Candidates | None = None) -> SynthResult:
     """Write the PowerInfer GGUF ``output`` (with predictors) and its dense companion (``dense_companion``)
     for ``shape``, a name in ``SHAPES`` or a ``Shape``, with ``layers`` layers instead of its own
     when given (a quicker model of the same widths). ``profile_tokens`` defaults to ``default_profile_tokens``.
 
     ``train`` defaults to ``SYNTH_TRAINING``; the f16 checkpoint, profile and predictors go to ``work``
-    (default: beside ``output``), deleted at the end unless ``keep_work``.
+    (default: beside ``output``), deleted at the end unless ``keep_work``. ``candidates`` trains the
+    predictors (``train_predictors``; default: in this process).
     """
     shape_name, shape = _named_shape(shape, layers)
     profile_tokens = profile_tokens or default_profile_tokens(shape)
@@ -832,7 +833,7 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     profile_report, _ = write_report(profile_dir)
     with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
         predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=not resumed,
-                                      progress=progress)
+                                      progress=progress, candidates=candidates)
     # The firing frequencies go into the file (for `pitools solve`); the neurons keep their checkpoint
     # order, so that the dense twin holds the same matrices row for row.
     convert(str(checkpoint_dir), output, outtype, predictors=predictor_dir, profile=profile_dir,

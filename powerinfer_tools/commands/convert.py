@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.conversion.convert import ConversionPlan
 from powerinfer_tools.conversion.convert import convert as convert_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings
@@ -87,10 +89,11 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
               help="Write weights holding NaN or inf as they are instead of refusing them (not with profiling).")
 @click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
+@ray_option
 def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,
             corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool,
             target_sparsity: float | None, sparsity_rule: str, no_sparsity: bool, allow_nonfinite: bool, force: bool,
-            quiet: bool):
+            quiet: bool, ray_address: str | None):
     """Convert SRC, a checkpoint folder, a Hugging Face hub id or a GGUF file, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
@@ -129,10 +132,11 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
         corpus=corpus, tokens=tokens, train=TrainSettings(recall=recall, budget=budget), reorder=reorder,
         target_sparsity=target_sparsity, rule=SparsityRule(sparsity_rule),
     )
-    path, plan = convert_checkpoint(
-        source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,
-        force=force, progress=not quiet, allow_nonfinite=allow_nonfinite,
-    )
+    with ray_candidates(ray_address) as candidates:
+        path, plan = convert_checkpoint(
+            source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,
+            force=force, progress=not quiet, allow_nonfinite=allow_nonfinite, candidates=candidates,
+        )
     if not quiet:
         layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
         click.echo(

@@ -21,12 +21,14 @@ from powerinfer_tools.benchmarking.synth import (
     synthesize,
     synthesize_silu,
 )
+from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.quantization import OUTTYPES
 
 # The options of one activation only, by their parameter names.
-RELU_ONLY = ("density", "hardness", "rank", "noise", "routing_skew", "epochs", "min_precision")
+RELU_ONLY = ("density", "hardness", "rank", "noise", "routing_skew", "epochs", "min_precision", "ray_address")
 SILU_ONLY = ("target_sparsity", "sparsity_rule")
 
 
@@ -77,8 +79,10 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
 @click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@ray_option
 def synth(shape, output, activation, target_sparsity, sparsity_rule, density, layers, hardness, outtype, rank, noise,
-          routing_skew, profile_tokens, epochs, min_precision, seed, work, keep_work, force, as_json, quiet) -> None:
+          routing_skew, profile_tokens, epochs, min_precision, seed, work, keep_work, force, as_json, quiet,
+          ray_address) -> None:
     """Write a synthetic ReLU (or SiLU) LLaMA (or Mixtral) of a real shape, for benchmarking.
 
     Random weights, but the FFN neurons fire with planted power-law
@@ -122,8 +126,9 @@ def synth(shape, output, activation, target_sparsity, sparsity_rule, density, la
                                    noise=planting.noise if noise is None else noise, routing_skew=routing_skew)
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
-    summary = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train,
-                         **common).summary()
+    with ray_candidates(ray_address) as candidates:
+        summary = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train,
+                             candidates=candidates, **common).summary()
     click.echo(json.dumps(summary, indent=2) if as_json else _relu_report(summary))
 
 
@@ -131,7 +136,8 @@ def _check_options(activation: str) -> None:
     """Refuse the options of the other activation (given on the command line, even at their defaults)."""
     context = click.get_current_context()
     others = RELU_ONLY if activation == "silu" else SILU_ONLY
-    given = [f"--{name.replace('_', '-')}" for name in others
+    flags = {param.name: param.opts[0] for param in context.command.params}  # ray_address: --ray
+    given = [flags[name] for name in others
              if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)]
     if given:
         other = "relu" if activation == "silu" else "silu"

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.fileio import check_output_folder
 from powerinfer_tools.formats.predictor_folder import format_predictor_report, predictor_report, read_predictors
@@ -37,8 +39,9 @@ _DEFAULTS = TrainSettings()
               help="Only report on this existing predictor folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@ray_option
 def train_predictors(profile_dir, output, recall, budget, min_precision, epochs, seed, device, force,
-                             report_dir, as_json, quiet) -> None:
+                     report_dir, as_json, quiet, ray_address) -> None:
     """Train the neuron predictors of a profiled model.
 
     DIR is a finished `pitools profile` folder. For every layer an MLP
@@ -66,6 +69,7 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
       pitools train-predictors prof -o pred
       pitools train-predictors prof -o pred --recall 0.97 --budget 0.15
       pitools train-predictors --report pred --json
+      pitools train-predictors prof -o pred --ray 10.0.0.5:6379
     """
     if report_dir is None:
         if profile_dir is None or output is None:
@@ -73,8 +77,9 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
         check_output_folder(output)
         settings = TrainSettings(recall=recall, budget=budget, min_precision=min_precision, epochs=epochs, seed=seed)
         try:
-            meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,
-                                               progress=not quiet)
+            with ray_candidates(ray_address) as candidates:
+                meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,
+                                                   progress=not quiet, candidates=candidates)
         except KeyboardInterrupt as exc:
             raise Interrupted.of(exc).resumable(
                 f"run the same command again to resume after the last layer saved in {output}") from None

@@ -20,7 +20,7 @@ from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.models import DecoderModel, load_model
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
-from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
+from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, train_predictors
 from powerinfer_tools.profiling.calibration import Calibration, CalibrationSettings, calibrate
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
@@ -93,9 +93,10 @@ def prepare_sparsity(
     profile_dir: Path | None = None,
     predictors_dir: Path | None = None,
     progress: bool = True,
+    candidates: Candidates | None = None,
 ) -> SparsityArtifacts:
     """Profile ``source`` (a checkpoint folder or a GGUF file) unless ``profile_dir`` is given, train
-    predictors unless ``predictors_dir`` is given.
+    predictors (by ``candidates``: ``train_predictors``) unless ``predictors_dir`` is given.
 
     Given predictors alone (no profile), neurons keep their order and the file
     carries no firing frequencies (``pitools solve`` then needs a profile).
@@ -107,7 +108,7 @@ def prepare_sparsity(
         profile_checkpoint(source, profile_dir, settings, progress)
     if predictors_dir is None:
         predictors_dir = work / "predictors"
-        train_predictors(profile_dir, predictors_dir, settings.train, progress=progress)
+        train_predictors(profile_dir, predictors_dir, settings.train, progress=progress, candidates=candidates)
     meta, stats = load_profile(profile_dir, require_complete=True)
     units, d_ff = profile_units(meta), meta["d_ff"]
     frequencies = {unit: stats.unit_frequencies(unit, d_ff) for unit in units}

@@ -20,7 +20,11 @@ later layers.
 
 Layers are trained one after another: the matrix products and the fused loss
 gradient already use both cores of a small machine, and a layer's pairs are held
-in memory (float32, scaled) while it trains.
+in memory (float32, scaled) while it trains. Where the candidates are trained is a
+``Candidates`` object's business: here, as the search asks for each
+(``LocalCandidates``), or on a Ray cluster ahead of the search
+(``powerinfer_tools.cluster.ray_training``); the choices are made here, in layer
+order, either way, so both write the same folder.
 
 Training is NumPy, or CuPy when a CUDA GPU is present: the code uses an array
 module ``xp``. Initial weights and the batch order come from NumPy generators
@@ -33,13 +37,17 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.predictor_folder import (
     FORMAT,
     META_FILE,
@@ -48,7 +56,6 @@ from powerinfer_tools.formats.predictor_folder import (
     PredictorFolder,
     read_predictors,
 )
-from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import (
     PAIRS_DIR,
     PairStore,
@@ -160,13 +167,22 @@ class LayerPairs:
         return self.train_x[rows], self._unpack(self.train_fired[rows])
 
 
-def unit_pairs(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts: int,
-               min_train: int) -> LayerPairs | None:
+class UnitRows(NamedTuple):
+    """A unit's pairs as stored (float16 inputs, packed fired bits; memory maps for a layer), the
+    first ``n_train`` to train on: ``LayerPairs(*rows, d_ff)`` prepares them for training."""
+
+    x: np.ndarray
+    fired: np.ndarray
+    n_train: int
+
+
+def unit_rows(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts: int,
+              min_train: int) -> UnitRows | None:
     """A unit's pairs: a layer's all; an expert's, those of the tokens routed to it (its routing bit),
     with its own neurons' fired bits, read a chunk of rows at a time. None for an expert the profile
     routed too few tokens to (fewer than ``min_train`` to train on, or none held out)."""
     if unit.expert is None:
-        return LayerPairs(store.x[unit.layer], store.fired[unit.layer], n_train, d_ff)
+        return UnitRows(store.x[unit.layer], store.fired[unit.layer], n_train)
     x, fired, bits = store.x[unit.layer], store.fired[unit.layer], fired_bits(d_ff, experts)
     neurons = slice(unit.expert * d_ff, (unit.expert + 1) * d_ff)
     rows, packed = [], []
@@ -179,7 +195,7 @@ def unit_pairs(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts
     n_routed_train = int(np.searchsorted(rows, n_train))
     if n_routed_train < min_train or n_routed_train == len(rows):
         return None
-    return LayerPairs(x[rows], np.concatenate(packed), n_routed_train, d_ff)
+    return UnitRows(x[rows], np.concatenate(packed), n_routed_train)
 
 
 def compute_all(d_model: int, d_ff: int) -> Fit:
@@ -238,9 +254,62 @@ def choose_predictor(sizes: list[int], start: int, fit, settings: TrainSettings)
     return chosen, tried, True
 
 
+def train_candidate(data: LayerPairs, index: int, hidden: int, settings: TrainSettings, xp: ModuleType) -> Fit:
+    """Unit ``index``'s candidate of size ``hidden``, seeded by (seed, unit index, hidden size): the
+    same wherever it is trained."""
+    return fit_predictor(data, hidden, settings, xp, (settings.seed, index, hidden))
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """One unit's predictor to train: its pairs (read when called), and the sizes and search start it
+    would get if every earlier unit of this run used exactly its share of the budget. The real ones
+    follow from the earlier units' choices; a cluster searches on this guess ahead of them."""
+
+    index: int
+    unit: FFNUnit
+    read_rows: Callable[[], UnitRows | None]
+    guessed_sizes: list[int]
+    guessed_start: int
+
+
+class Candidates(Protocol):
+    """Where candidates are trained. ``start`` is told every unit to train, and how to describe its
+    progress (the bar's description); ``load(index)`` comes before unit ``index``'s ``fit``s (in unit
+    order) and says whether it has pairs to train on."""
+
+    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
+              describe: Callable[[str], None]) -> None: ...
+
+    def load(self, index: int) -> bool: ...
+
+    def fit(self, index: int, hidden: int) -> Fit: ...
+
+
+class LocalCandidates:
+    """Candidates trained in this process when the search asks for them, one unit's pairs in memory (the
+    trainer describes its progress itself)."""
+
+    def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
+              describe: Callable[[str], None]) -> None:
+        self._jobs = {job.index: job for job in jobs}
+        self._settings, self._d_ff, self._xp = settings, d_ff, array_module(device)
+        self._data: LayerPairs | None = None
+
+    def load(self, index: int) -> bool:
+        self._data = None  # the previous unit's pairs are freed before the next one's are read
+        rows = self._jobs[index].read_rows()
+        self._data = None if rows is None else LayerPairs(*rows, self._d_ff)
+        return self._data is not None
+
+    def fit(self, index: int, hidden: int) -> Fit:
+        return train_candidate(self._data, index, hidden, self._settings, self._xp)
+
+
 def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, device: str = "auto",
-                     force: bool = False, progress: bool = True) -> dict:
+                     force: bool = False, progress: bool = True, candidates: Candidates | None = None) -> dict:
     """Train (or finish training) every layer's predictor from a complete profile; return predictors.json.
+    ``candidates`` trains them (default: ``LocalCandidates``, in this process).
 
     One progress bar counts candidates over all layers (its total re-estimated after every layer
     from the candidates per layer so far); every layer ends with a one-line result."""
@@ -249,7 +318,7 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
     if not profile["pairs_capacity"]:
         raise PitoolsError(f"{profile_dir}: the profile holds no training pairs "
                            f"(none are recorded for {profile['architecture']} models)")
-    xp = array_module(device)
+    array_module(device)  # an unusable --device fails before anything else is read
     identity = _identity(profile_dir, profile, settings)
     state = _resume(out, identity, force)
     store, n_train = open_pairs(profile_dir, profile, settings)  # every input check before the output exists
@@ -257,24 +326,26 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
     if warning:
         print(warning, file=sys.stderr, flush=True)
     units, d_ff, first = profile_units(profile), profile["d_ff"], len(state.meta["layers"])
+    candidates = candidates or LocalCandidates()
     bar = progress_bar(total=(len(units) - first) * CANDIDATES_GUESS, unit="candidate", desc="predictors",
                        enabled=progress)
     log = bar.write if progress else (lambda message: None)
-    out.mkdir(parents=True, exist_ok=True)
-    began = time.monotonic()
     with bar:
+        candidates.start(_unit_jobs(state.meta, units, first, settings, store, n_train, profile_experts(profile)),
+                         settings, d_ff, device, bar.set_description)
+        out.mkdir(parents=True, exist_ok=True)
+        began = time.monotonic()
         for index in range(first, len(units)):
             unit, started = units[index], time.monotonic()
             sizes = _allowed_sizes(state.meta, index, len(units), settings)
-            data = unit_pairs(store, unit, n_train, d_ff, profile_experts(profile), settings.batch_size)
 
-            def fit(hidden: int, unit=unit, index=index, data=data) -> Fit:
+            def fit(hidden: int, unit=unit, index=index) -> Fit:
                 bar.set_description(f"predictors: {unit}, hidden {hidden}")
-                candidate = fit_predictor(data, hidden, settings, xp, (settings.seed, index, hidden))
+                candidate = candidates.fit(index, hidden)
                 bar.update(1)
                 return candidate
 
-            if data is None:
+            if not candidates.load(index):
                 chosen, tried, reached = compute_all(profile["d_model"], d_ff), [], False
             else:
                 chosen, tried, reached = choose_predictor(sizes, _search_start(state.meta["layers"], sizes), fit,
@@ -288,6 +359,21 @@ def train_predictors(profile_dir: Path, out: Path, settings: TrainSettings, devi
             eta = (time.monotonic() - began) / done * left
             log(_result_line(state.meta["layers"][-1], unit, index, len(units), time.monotonic() - started, eta))
     return state.meta
+
+
+def _unit_jobs(meta: dict, units: list[FFNUnit], first: int, settings: TrainSettings, store: PairStore,
+               n_train: int, experts: int) -> list[UnitJob]:
+    """The units from ``first`` on, each guessing the sizes of the first (an equal share of what the
+    finished units left of the budget) and, but for the first's own, the smallest as its start: a
+    search from it tries the size it chooses and the failing one below, all that a search from the
+    previous unit's choice needs when that is the same size."""
+    if first == len(units):
+        return []
+    sizes = _allowed_sizes(meta, first, len(units), settings)
+    return [UnitJob(index, units[index],
+                    partial(unit_rows, store, units[index], n_train, meta["d_ff"], experts, settings.batch_size),
+                    sizes, _search_start(meta["layers"], sizes) if index == first else sizes[0])
+            for index in range(first, len(units))]
 
 
 def _identity(profile_dir: Path, profile: dict, settings: TrainSettings) -> dict:

@@ -1,0 +1,1 @@
+"""Work spread over a cluster of machines (Ray, the optional ``ray`` extra)."""
