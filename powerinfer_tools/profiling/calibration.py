@@ -34,7 +34,7 @@ from powerinfer_tools.formats.activation_thresholds import (
     SparsityRule,
     kept,
 )
-from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit
+from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ModelSpec
 from powerinfer_tools.interfaces import tracing
 from powerinfer_tools.models import DecoderModel
 from powerinfer_tools.models.layers import FFNTrace, silu
@@ -50,14 +50,22 @@ SAMPLE_TOKENS = 8192
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    target_sparsity: float
+    target_sparsity: float  # every layer's; with ``layer_targets``, their mean (what the file records)
     rule: SparsityRule = SparsityRule.CATS
     seq_len: int = 256
     seed: int = 0
+    layer_targets: tuple[float, ...] | None = None  # one per layer: an allocation (profiling/quality.py)
 
     def __post_init__(self):
-        if not 0 <= self.target_sparsity < 1:
+        if not all(0 <= t < 1 for t in (self.target_sparsity, *(self.layer_targets or ()))):
             raise PitoolsError(f"--target-sparsity must be in [0, 1), got {self.target_sparsity}")
+
+    def targets(self, n_layers: int) -> tuple[float, ...]:
+        if self.layer_targets is None:
+            return (self.target_sparsity,) * n_layers
+        if len(self.layer_targets) != n_layers:
+            raise PitoolsError(f"{len(self.layer_targets)} layer targets for a model of {n_layers} layers")
+        return self.layer_targets
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,15 @@ class Calibration:
     tokens: int
 
 
-class _Sampler:
+class Sampler:
     """A uniform random subset of one layer's magnitudes of each kind, at most ``SAMPLES`` (expected). Kinds of
     the same width are sampled at the same positions, so that one can be read conditionally on another."""
+
+    @classmethod
+    def of(cls, rule: SparsityRule, spec: ModelSpec, n_tokens: int, rng: np.random.Generator) -> Sampler:
+        """A sampler of the magnitudes ``rule``'s thresholds are set from, over ``n_tokens`` of ``spec``'s model."""
+        widths = {"cats": spec.d_ff, "ffn_in": spec.d_model, "ffn_down": spec.d_ff}
+        return cls(n_tokens, {kind: widths[kind] for kind in rule.thresholds}, rng)
 
     def __init__(self, n_tokens: int, widths: dict[str, int], rng: np.random.Generator):
         self.widths, self.rng = widths, rng
@@ -95,7 +109,7 @@ def _quantile(values: np.ndarray, q: float) -> float:
     return float(np.quantile(values, q)) if values.size else 0.0
 
 
-def _layer_thresholds(sampler: _Sampler, rule: SparsityRule, target: float) -> LayerThresholds:
+def layer_thresholds(sampler: Sampler, rule: SparsityRule, target: float) -> LayerThresholds:
     """One layer's thresholds for ``rule`` at ``target``, from its sampled magnitudes."""
     if rule is SparsityRule.CATS_TEAL:
         cats = _quantile(sampler.values("cats"), target)
@@ -104,22 +118,25 @@ def _layer_thresholds(sampler: _Sampler, rule: SparsityRule, target: float) -> L
     return LayerThresholds(**{kind: _quantile(sampler.values(kind), target) for kind in rule.thresholds})
 
 
-def calibrate(model: DecoderModel, tokens: np.ndarray, settings: CalibrationSettings,
-              progress: bool = True) -> Calibration:
-    """Thresholds for ``settings.rule`` at ``settings.target_sparsity`` from ``model`` (a reference engine)
-    run on ``tokens``, and the neuron frequencies they give."""
-    spec = model.spec
+def check_thresholdable(spec: ModelSpec) -> None:
     if spec.ffn is not FFNKind.SWIGLU or spec.moe:
         raise PitoolsError(f"thresholded sparsity (--target-sparsity) is for SiLU (SwiGLU) models without experts; "
                            f"this model's FFN is {spec.ffn.value}{' with experts' if spec.moe else ''}")
+
+
+def calibrate(model: DecoderModel, tokens: np.ndarray, settings: CalibrationSettings,
+              progress: bool = True) -> Calibration:
+    """Thresholds for ``settings.rule`` at ``settings.target_sparsity`` (each layer at its ``layer_targets``) from
+    ``model`` (a reference engine) run on ``tokens``, and the neuron frequencies they give."""
+    spec = model.spec
+    check_thresholdable(spec)
     if len(tokens) == 0:
         raise PitoolsError("no calibration tokens")
-    rule, target = settings.rule, settings.target_sparsity
+    rule, target, layer_targets = settings.rule, settings.target_sparsity, settings.targets(spec.n_layers)
     windows = windows_of(np.asarray(tokens), min(settings.seq_len, spec.max_positions))
     sampled = np.unique(np.linspace(0, len(windows) - 1, min(len(windows), -(-SAMPLE_TOKENS // len(windows[0])))
                                     ).round().astype(int))
     sampled_tokens = sum(len(windows[i]) for i in sampled)
-    widths = {"cats": spec.d_ff, "ffn_in": spec.d_model, "ffn_down": spec.d_ff}
     rng = np.random.default_rng(settings.seed)
     # Each window is run from an empty sequence once per layer (twice where sampled): no key or value is needed
     # beyond the call that makes it, so none is kept (a cache for all windows would be ~12 MB each at SmolLM2's).
@@ -136,11 +153,11 @@ def calibrate(model: DecoderModel, tokens: np.ndarray, settings: CalibrationSett
 
     with progress_bar(total=spec.n_layers, desc="calibrate", unit="layer", enabled=progress) as bar:
         for layer in range(spec.n_layers):
-            sampler = _Sampler(sampled_tokens, {kind: widths[kind] for kind in rule.thresholds}, rng)
+            sampler = Sampler.of(rule, spec, sampled_tokens, rng)
             with tracing(model, sampler.add, ActivationThresholds(rule, target, tuple(layers))):
                 for i in sampled:
                     stages[i].layers[layer](streams[i])
-            layers[layer] = _layer_thresholds(sampler, rule, target)
+            layers[layer] = layer_thresholds(sampler, rule, layer_targets[layer])
             with tracing(model, count_read, ActivationThresholds(rule, target, tuple(layers))):
                 streams = [s.layers[layer](x) for s, x in zip(stages, streams)]
             bar.update(1)
