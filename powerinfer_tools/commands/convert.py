@@ -35,15 +35,13 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
 
 
 def quality_loss(text: str) -> float:
-    """``--max-quality-loss``'s relative perplexity increase: a percentage ("5%") or a fraction ("0.05")."""
+    """``--max-quality-loss``'s relative perplexity increase: a percentage ("5%") or a fraction ("0.05"); its range
+    is ``SparsifySettings``'s to check."""
     number = text.strip().removesuffix("%")
     try:
-        value = float(number) / (100 if number != text.strip() else 1)
+        return float(number) / (100 if number != text.strip() else 1)
     except ValueError:
         raise PitoolsError(f"--max-quality-loss takes a percentage (5%) or a fraction (0.05), not {text!r}") from None
-    if not 0 < value <= 1:  # NaN fails too
-        raise PitoolsError(f"--max-quality-loss must be above 0% and at most 100% (a fraction at most 1), not {text!r}")
-    return value
 
 
 @click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})

@@ -45,8 +45,9 @@ class SparsifySettings:
         if self.target_sparsity is not None and self.max_quality_loss is not None:
             raise PitoolsError("--target-sparsity and --max-quality-loss are two ways to choose the sparsity: "
                                "give one")
-        if self.max_quality_loss is not None and not 0 < self.max_quality_loss <= 1:
-            raise PitoolsError(f"--max-quality-loss must be above 0% and at most 100%, got {self.max_quality_loss:.2%}")
+        if self.max_quality_loss is not None and not 0 < self.max_quality_loss <= 1:  # NaN fails too
+            raise PitoolsError(f"--max-quality-loss must be above 0% and at most 100% (a fraction at most 1), "
+                               f"got {self.max_quality_loss:.2%}")
 
     @property
     def thresholded(self) -> bool:
@@ -70,7 +71,7 @@ def work_folder(output: Path) -> Path:
     return output.with_name(output.name + ".work")
 
 
-def _model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
+def model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
     """The reference engine on ``source`` (a checkpoint folder or a GGUF file), the calibration corpus
     (by default the heldout.txt beside the model) and its tokens, read by the model's own tokenizer."""
     checkpoint = open_source(source)
@@ -81,7 +82,7 @@ def _model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderM
 
 def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
     """Profile (or finish profiling) ``source``, a checkpoint folder or a GGUF file, into ``profile_dir``."""
-    model, corpus, tokens = _model_on_corpus(source, settings)
+    model, corpus, tokens = model_on_corpus(source, settings)
     seq_len = min(settings.seq_len, model.spec.max_positions)
     Profiler(model, str(source), tokens, corpus.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
         progress=progress
@@ -91,7 +92,7 @@ def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettin
 def calibrate_checkpoint(source: Path, settings: SparsifySettings, progress: bool) -> Calibration:
     """Thresholds for ``source``'s model at ``settings.target_sparsity``, or within ``settings.max_quality_loss``,
     calibrated on its corpus."""
-    model, _, tokens = _model_on_corpus(source, settings)
+    model, _, tokens = model_on_corpus(source, settings)
     if settings.max_quality_loss is not None:
         return choose_sparsity(model, tokens, settings.rule, settings.max_quality_loss, settings.seq_len,
                                progress=progress)
