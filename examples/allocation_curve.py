@@ -1,13 +1,13 @@
-"""Held-out perplexity against overall sparsity with every layer equally sparse (the uniform allocation), as
-``pitools convert --max-quality-loss`` measures its per-layer (greedy) allocation's (``profiling/quality.py``).
+"""Held-out perplexity against overall sparsity, the greedy per-layer allocation against the uniform one (every
+layer equally sparse), as ``pitools convert --max-quality-loss`` measures both and keeps the better
+(``profiling/quality.py``).
 
-    python examples/allocation_curve.py MODEL.gguf --corpus calib.txt [--tokens 25000] [--rule cats] [--json out.json]
+    python examples/allocation_curve.py MODEL.gguf --corpus calib.txt [--tokens 12000] [--rule cats] [--json out.json]
 
 The calibration tokens are split as ``--max-quality-loss`` splits them (the last fifth, at most 2,048 tokens, held
 out), the sensitivity run samples each layer's magnitudes on the dense model with the same seed, and each point's
-thresholds are those quantiles with every layer at the point. So the rows compare with the curve that
-``convert --max-quality-loss`` prints for the same model, corpus, --tokens and rule point by point; the greedy
-allocation of each point is printed too.
+thresholds are those quantiles. So the rows are the perplexities ``convert --max-quality-loss`` compares for the
+same model, corpus, --tokens and rule.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def main() -> None:
     for point in quality.POINTS:
         allocation = quality.allocate(found.costs, point)
         rows.append({"sparsity": point, "uniform": held_out((point,) * model.spec.n_layers, point),
-                     "allocation": allocation})
+                     "greedy": held_out(allocation, point), "allocation": allocation})
         print(f"{point:4.0%}  uniform {rows[-1]['uniform']:.3f} ({rows[-1]['uniform'] / dense - 1:+.1%})  "
-              f"greedy per layer {allocation}", flush=True)
+              f"greedy {rows[-1]['greedy']:.3f} ({rows[-1]['greedy'] / dense - 1:+.1%}) per layer {allocation}",
+              flush=True)
     timings["perplexity_s"] = time.monotonic() - start
     report = {"model": str(args.model), "rule": rule.value, "calibration_tokens": len(rest),
               "held_out_tokens": len(held), "dense": dense, "points": rows, **timings}
