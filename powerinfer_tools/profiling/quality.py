@@ -73,6 +73,8 @@ class Sensitivity:
 
 def sensitivity(model: DecoderModel, tokens: np.ndarray, rule: SparsityRule, seq_len: int,
                 rng: np.random.Generator, progress: bool) -> Sensitivity:
+    """Each layer's cost at every sparsity of ``GRID`` and its magnitudes, from ``model`` run dense on the first
+    ``SENSITIVITY_TOKENS`` of ``tokens``."""
     spec = model.spec
     windows = windows_of(tokens[:SENSITIVITY_TOKENS], seq_len)
     samplers = [Sampler.of(rule, spec, sum(map(len, windows)), rng) for _ in range(spec.n_layers)]
