@@ -127,7 +127,7 @@ def test_sparse_runtime_computes_the_rule_as_the_reference_engine(silu_model, th
     logits must agree closely on most tokens and every token's top choice must be the same."""
     runtime = load_runtime_model(thresholded_files[rule])
     runtime.mode = FFNMode.SPARSE
-    runtime.compiled_decoding = compiled  # off: one token through RuntimeModel._cats and FFNPartition.compute
+    runtime.compiled_decoding = compiled  # off: one token through thresholded_ffn.cats_choice and FFNPartition.compute
     reference = load_model(Checkpoint(silu_model))
     reference.activation_thresholds = read_thresholds(open_model_file(thresholded_files[rule]).get, 2, "f")
     tokens = np.arange(3, 40, 3)

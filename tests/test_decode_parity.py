@@ -18,6 +18,8 @@ neuron whose activation is ~0. Each test id ends with the path its one-token ste
     general   cache-dense (the decoder is built, but a dense step under a neuron cache streams every neuron
               through it in chunks: ``CompiledDecoder.usable``), moe-cache (no decoder: an expert's FFN
               behind a neuron cache), split-sparse and split-dense (no decoder: layers on the device)
+    mixed     split-one-layer (layer 0 on the device, left to the general path; the compiled decoder runs
+              layer 1: ``CompiledDecoder.general``)
 
 Combinations that cannot exist are not generated: ``pitools convert`` writes f32, f16, q8_0 and q4_0
 (``formats.quantization.OUTTYPES``), and llama.cpp's quantizer, which writes the other types, takes only
@@ -108,6 +110,8 @@ class Variant:
     decoder: bool | None = None  # whether it has one (``compiled_decoder()``), when not the same as ``compiled``
     thresholded: bool = False  # CATS/TEAL: Tolerance.thresholded
     load: str = ""  # "cache": a RAM budget of the file less half its FFN; "split": a split on the emulated device
+    # (every layer; "split-one": layer 0's only)
+    general_layers: int = 0  # of a compiled one-token step: the layers it leaves to the general path
 
 
 VARIANTS = {
@@ -125,6 +129,7 @@ VARIANTS = {
     "moe-cache": Variant("moe-predicted", FFNMode.SPARSE, False, load="cache"),  # experts behind caches: none
     "split-sparse": Variant("predicted", FFNMode.SPARSE, False, load="split"),  # layers on a device: none
     "split-dense": Variant("predicted", FFNMode.DENSE, False, load="split"),
+    "split-one-layer": Variant("predicted", FFNMode.SPARSE, True, load="split-one", general_layers=1),
 }
 
 
@@ -134,7 +139,7 @@ def _combinations():
     for name, variant in VARIANTS.items():
         types = CONVERT_TYPES + (tuple(LLAMA_QUANTIZE) if variant.kind == "dense" else ())
         for weight_type in types:
-            path = "compiled" if variant.compiled else "general"
+            path = "general" if not variant.compiled else "mixed" if variant.general_layers else "compiled"
             yield pytest.param(name, weight_type, id=f"{name}-{weight_type}-{path}")
 
 
@@ -261,14 +266,14 @@ def reference_kernels():
     kernels.use_reference(None)
 
 
-def _split(path, folder):
-    """A split placing 30% of each layer's neurons, and layer 0's dense block, on the (emulated) device."""
-    split = folder / "m.gpuidx"
+def _split(path, folder, layers: int):
+    """A split placing 30% of the neurons of each of the first ``layers`` layers, and layer 0's dense block, on
+    the (emulated) device."""
+    split = folder / f"m-{layers}.gpuidx"
     if not split.exists():
         neurons = len(open_model_file(path)[tensor_name(MODEL_TENSOR.FFN_UP, 0)].data)
-        n_layers = TINY["num_hidden_layers"]
         rng = np.random.default_rng(0)
-        masks = tuple(rng.random(neurons) < 0.3 for _ in range(n_layers))
+        masks = tuple(rng.random(neurons) < (0.3 if i < layers else 0) for i in range(TINY["num_hidden_layers"]))
         write_gpu_split(split, GpuSplit(masks, vram_capacity=10**9, dense_on_gpu=(True, False)))
     return split
 
@@ -278,8 +283,9 @@ def _load(variant: Variant, path, folder) -> RuntimeModel:
     if variant.load == "cache":
         ffn = sum(t.nbytes for name, t in open_model_file(path).tensors.items() if ".ffn_" in name)
         options["ram"] = os.path.getsize(path) - ffn // 2
-    elif variant.load == "split":
-        options.update(split=_split(path, folder), device="emulated")
+    elif variant.load.startswith("split"):
+        layers = 1 if variant.load == "split-one" else TINY["num_hidden_layers"]
+        options.update(split=_split(path, folder, layers), device="emulated")
     model = load_runtime_model(path, **options)
     model.mode = variant.mode
     return model
@@ -319,9 +325,14 @@ def test_compiled_kernels_compute_what_the_numpy_reference_does(name, weight_typ
     monkeypatch.setattr(RuntimeModel, "_layer", counted_layer)
     ours = _load(variant, path, tmp_path)
     block, steps = _logits(ours)
-    # The one-token steps took the path the test id names; the two blocks (and every general step) ran each layer.
+    # The one-token steps took the path the test id names; the two blocks (and every general step) ran each layer,
+    # a compiled step the layers it leaves to the general path.
     general_steps = 0 if variant.compiled else ONE_TOKEN_STEPS
-    assert calls == {"compiled": ONE_TOKEN_STEPS - general_steps, "general": (2 + general_steps) * len(ours.layers)}
+    assert calls == {"compiled": ONE_TOKEN_STEPS - general_steps,
+                     "general": (2 + general_steps) * len(ours.layers) + (ONE_TOKEN_STEPS - general_steps)
+                     * variant.general_layers}
+    assert sum(path != "compiled decoder" for path in ours.layer_paths()) == (
+        variant.general_layers if variant.compiled else len(ours.layers))
     has_decoder = variant.compiled if variant.decoder is None else variant.decoder
     assert (ours.compiled_decoder() is not None) == has_decoder
     record_property("decode_path", ours.decode_path())
@@ -357,5 +368,5 @@ def test_compiled_kernels_compute_what_the_numpy_reference_does(name, weight_typ
             assert abs(ours_active - reference_active) <= NEURON_SHARE * total
     if variant.load == "cache":
         assert ours.ram is not None and ours.stats.cache_misses > 0 and reference.stats.cache_misses > 0
-    if variant.load == "split":
+    if variant.load.startswith("split"):
         assert 0 < ours.stats.neurons_on_device < ours_active

@@ -22,6 +22,7 @@ from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.compiled_decode import CompiledDecoder
+from powerinfer_tools.runtime.engine import RuntimeModel
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -59,13 +60,28 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     assert LLM.load(sparse_bundled).description.endswith(", tokens decoded by the compiled decoder")
 
 
-def test_a_down_projection_bias_sends_every_layer_to_the_general_path(sparse_bundled):
+def test_a_layer_the_compiled_decoder_refuses_is_left_to_the_general_path(sparse_bundled):
     model = load_runtime_model(sparse_bundled)
+    model.mode = FFNMode.SPARSE
     model.layers[2].dense.biases["down"] = np.zeros(model.spec.d_model, np.float32)  # the general path adds it
-    assert model.decode_refusal() == "layer 2: down bias (the compiled decoder adds q/k/v's only)"
+    assert model.decode_refusal() is None
+    why = "down bias (the compiled decoder adds q/k/v's only)"
+    assert model.decode_path() == f"compiled decoder, but layer 2 by the general path ({why})"
+    lines = layer_lines(model)
+    assert [line.split(":")[0] for line in lines] == ["layers 0-1", "layer 2", "layers 3-5"]
+    assert lines[0].startswith("layers 0-1: compiled decoder | ") and lines[2].startswith("layers 3-5: compiled decoder")
+    assert lines[1].startswith(f"layer 2: general path ({why}) | ")
+    assert re.search(r"\| gate/up q4_0, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours$", lines[1])
+
+
+def test_every_layer_refused_sends_the_token_to_the_general_path(sparse_bundled):
+    model = load_runtime_model(sparse_bundled)
+    for layer in model.layers:
+        layer.dense.biases["down"] = np.zeros(model.spec.d_model, np.float32)
+    assert model.compiled_decoder() is None
+    assert model.decode_refusal() == "no layer it computes (layer 0: down bias (the compiled decoder adds q/k/v's only))"
     [line] = layer_lines(model)
-    assert line.startswith("layers 0-5: general path (layer 2: down bias (the compiled decoder adds q/k/v's only)) | ")
-    assert re.search(r"\| gate/up q4_0, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours$", line)
+    assert line.startswith("layers 0-5: general path (no layer it computes (layer 0: down bias ")
 
 
 def test_neurons_on_an_emulated_device_take_the_general_path_and_are_grouped_apart(sparse_bundled, tmp_path):
@@ -76,9 +92,11 @@ def test_neurons_on_an_emulated_device_take_the_general_path_and_are_grouped_apa
     write_gpu_split(split, GpuSplit(tuple(masks), vram_capacity=10**9, dense_on_gpu=(False,) * spec.n_layers))
     model = load_runtime_model(sparse_bundled, split=split, device="emulated")
     model.mode = FFNMode.SPARSE
-    assert model.decode_refusal() == "layer 1: FFN neurons split between devices"
+    assert model.decode_refusal() is None
     lines = layer_lines(model)
     assert [line.split(":")[0] for line in lines] == ["layer 0", "layer 1", "layers 2-5"]
+    assert lines[1].startswith("layer 1: general path (FFN neurons split between devices) | ")
+    assert " compiled decoder |" in lines[0] and " compiled decoder |" in lines[2]
     assert "FFN sparse, predicted (predictor hidden size 16), 25% of the neurons on emulated-device |" in lines[1]
     assert "| gate/up q4_0 on emulated-device / q4_0, " in lines[1]
     assert "emulated-device" not in lines[0] + lines[2]
@@ -108,16 +126,22 @@ def test_numpy_kernels_are_named_in_every_product(sparse_bundled):
     assert report[2] == "output head: q8_0, NumPy reference"
 
 
-def spy_on_the_decoder(monkeypatch) -> list[int]:
-    """Counts the tokens the compiled decoder computes from now on."""
-    calls, real = [], CompiledDecoder.forward
+def spy_on_the_decoder(monkeypatch) -> tuple[list[int], list[int]]:
+    """From now on: the tokens of each step the compiled decoder computes, and the layers it leaves to the
+    general path (``RuntimeModel.general_layer``), in order."""
+    calls, left, real, real_layer = [], [], CompiledDecoder.forward, RuntimeModel.general_layer
 
     def forward(self, x, *args, **kwargs):
         calls.append(len(x))
         return real(self, x, *args, **kwargs)
 
+    def general_layer(self, i, *args, **kwargs):
+        left.append(i)
+        return real_layer(self, i, *args, **kwargs)
+
     monkeypatch.setattr(CompiledDecoder, "forward", forward)
-    return calls
+    monkeypatch.setattr(RuntimeModel, "general_layer", general_layer)
+    return calls, left
 
 
 def down_bias(model) -> None:
@@ -134,20 +158,24 @@ def decoding_off(model) -> None:
     (FFNMode.ORACLE, None, None),
 ], ids=["sparse", "dense", "down-bias", "decoding-off", "sparse-ram", "dense-ram", "oracle"])
 def test_the_reported_path_is_the_path_taken(sparse_bundled, monkeypatch, mode, ram, change):
+    calls, left = spy_on_the_decoder(monkeypatch)  # before the decoder is built: it keeps general_layer
     model = load_runtime_model(sparse_bundled, ram=ram)
     model.mode = mode
     if change is not None:
         change(model)
     compiled = model.decode_refusal() is None
     assert (" compiled decoder |" in layer_lines(model)[0]) == compiled
-    calls = spy_on_the_decoder(monkeypatch)
     step = model.step_fn()
     step(np.arange(1, 4))
     assert calls == []  # a prompt: the general path, always
     for token in (7, 11):
         step(np.array([token]))
     assert calls == ([1, 1] if compiled else [])
-    assert compiled == (mode is not FFNMode.ORACLE and change is None and (ram is None or mode is FFNMode.SPARSE))
+    assert compiled == (mode is not FFNMode.ORACLE and change is not decoding_off
+                        and (ram is None or mode is FFNMode.SPARSE))
+    assert left == ([2, 2] if change is down_bias else [])  # the layer the report says the general path runs
+    assert [i for i, line in enumerate(model.layer_paths()) if line.startswith("general path")] == (
+        [2] if change is down_bias else [] if compiled else list(range(6)))
 
 
 def test_run_verbose_prints_the_report_on_stderr_and_still_generates(sparse_bundled):

@@ -19,6 +19,8 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import numba
 from llvmlite import ir
@@ -214,6 +216,18 @@ def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
         row_addr = w_addr + rows[i] * row_bytes
         for t in range(n_tokens):  # tokens innermost: the weight row comes from memory once
             ggml_vec_dot(vec_dot, cols, out_addr + t * out_stride + i * 4, row_addr, xe_addr + t * xe_stride)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def matvec(vec_dot, w, x_encoded, cols, out):
+    """``out = W · x`` over all rows of ``w`` (raw rows, ``x`` encoded as ``vec_dot``'s partner type)."""
+    for i in prange(w.shape[0]):
+        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
+
+
+@njit(inline="always")
+def silu(g):
+    return g / (1.0 + math.exp(-g))
 
 
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------

@@ -289,21 +289,34 @@ def route(router_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return experts, weights / weights.sum(axis=-1, keepdims=True)
 
 
-def mixture_of_experts(kind: FFNKind, w: MoEWeights, k: int, x: np.ndarray, layer: int,
-                       hook: Optional[FFNHook] = None, residual: Optional[np.ndarray] = None) -> np.ndarray:
-    """A mixture of experts over ``x [T, d_model]``: each token's ``k`` routed experts, weighted by the
-    router. Each expert runs once on the tokens routed to it (the ``hook`` sees them, with the expert)."""
+def mix_experts(router_logits: np.ndarray, k: int, n_experts: int, expert_output: Callable, x: np.ndarray
+                ) -> np.ndarray:
+    """The output of a mixture of experts for the tokens ``x [T, d_model]`` whose router logits are
+    ``router_logits [T, n_experts]``: each token's ``k`` routed experts (``route``), their outputs weighted by
+    the router and summed. ``expert_output(e, tokens)`` is expert ``e``'s FFN output ``[len(tokens), d_model]``
+    for the tokens routed to it (indices into ``x``), called once per expert with any. Every engine mixes
+    its experts here: the reference engine, the runtime's general path and its compiled one-token path."""
     xp = array_namespace(x)
-    residual = x if residual is None else residual
-    experts, weights = route(linear(x, w.router), k)
+    experts, weights = route(router_logits, k)
     out = xp.zeros_like(x)
-    for e, expert in enumerate(w.experts):
+    for e in range(n_experts):
         tokens, slot = xp.nonzero(experts == e)  # a token routes to an expert at most once
         if len(tokens):
-            traced = None if hook is None else partial(_expert_trace, hook, e, tokens)
-            y = feed_forward(kind, expert, x[tokens], layer, traced, residual=residual[tokens])
-            out[tokens] += y * weights[tokens, slot][:, None]
+            out[tokens] += expert_output(e, tokens) * weights[tokens, slot][:, None]
     return out
+
+
+def mixture_of_experts(kind: FFNKind, w: MoEWeights, k: int, x: np.ndarray, layer: int,
+                       hook: Optional[FFNHook] = None, residual: Optional[np.ndarray] = None) -> np.ndarray:
+    """A mixture of experts over ``x [T, d_model]`` (``mix_experts``). Each expert runs once on the tokens
+    routed to it (the ``hook`` sees them, with the expert)."""
+    residual = x if residual is None else residual
+
+    def expert_output(e: int, tokens: np.ndarray) -> np.ndarray:
+        traced = None if hook is None else partial(_expert_trace, hook, e, tokens)
+        return feed_forward(kind, w.experts[e], x[tokens], layer, traced, residual=residual[tokens])
+
+    return mix_experts(linear(x, w.router), k, len(w.experts), expert_output, x)
 
 
 def _expert_trace(hook: FFNHook, expert: int, tokens: np.ndarray, trace: FFNTrace) -> None:

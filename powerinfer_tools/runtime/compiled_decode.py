@@ -14,6 +14,8 @@ output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_on
 ``ffn_down_t``; the predictor's two products, on its stored rows, add one each only when the matrix is
 large), and the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is
 compiled loops.
+A layer outside that case (``layer_refusal``: on a device, other biases, mixed layouts) is left to the
+general path for that layer alone (``RuntimeModel.general_layer``); the others still run here.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
 of inputs that can flip with it).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from gguf import MODEL_TENSOR, GGMLQuantizationType
@@ -40,8 +43,14 @@ from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.models.layers import KVCache, route
+from powerinfer_tools.models.layers import KVCache, mix_experts
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
+from powerinfer_tools.runtime.thresholded_ffn import (
+    cats_bounds,
+    drop_small_down_inputs,
+    thresholded_input,
+    whole_gate,
+)
 
 # FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
 # already computed for every neuron (in the scratch's ``predicted``, by row).
@@ -86,7 +95,7 @@ class LayerWeights(structref.StructRefProxy):
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and q4_0 gate/up rows
     a whole number of its groups wide).
-    ``cats_bounds``: where CATS's threshold lies on the gate product (``_cats_bounds``). ``bq, bk, bv``:
+    ``cats_bounds``: where CATS's threshold lies on the gate product (``thresholded_ffn.cats_bounds``). ``bq, bk, bv``:
     biases, empty when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
 
@@ -150,25 +159,13 @@ def _qkv(types, fns, wq, wk, wv, x_encoded, cols, q, k, v):
             ggml_vec_dot(fns[types[2], 1], cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * wv.strides[0], xe)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _matvec(vec_dot, w, x_encoded, cols, out):
-    """``out = W · x`` over all rows of ``w``."""
-    for i in prange(w.shape[0]):
-        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
-
-
-@njit(inline="always")
-def _silu(g):
-    return g / (1.0 + math.exp(-g))
-
-
 @njit(inline="always")
 def _activation(kind, g, u):
     if kind == 0:  # ReGLU
         return max(g, 0.0) * u
     if kind == 1:  # dReLU
         return max(g, 0.0) * max(u, 0.0)
-    return _silu(g) * u  # SwiGLU
+    return nk.silu(g) * u  # SwiGLU
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -284,7 +281,7 @@ def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
         return
     ggml_from_float(from_float, x.ctypes.data, x_encoded.ctypes.data, cols)
     if w.size >= PARALLEL_PREDICTOR_BYTES:
-        _matvec(vec_dot, w, x_encoded, cols, out)
+        nk.matvec(vec_dot, w, x_encoded, cols, out)
     else:
         _matvec_serial(vec_dot, w, x_encoded, cols, out)
 
@@ -305,70 +302,6 @@ def _predict(x, w, s, fns):
             s.active[n] = neuron
             n += 1
     return n
-
-
-def _cats_bounds(t: float) -> np.ndarray:
-    """float64 ``[above, band_lo, band_hi]``: |silu(g)| > t exactly where g > above or band_lo < g < band_hi.
-    silu falls from 0 to its minimum -0.2785 at g = -1.2785 and rises after it, so the first is where
-    it climbs past t and the band, where it dips below -t, is empty (0, 0) for larger t."""
-    silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
-
-    def root(lo, hi, value):  # silu - value changes sign on [lo, hi]
-        rising = silu(hi) > silu(lo)
-        for _ in range(200):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (silu(mid) < value) == rising else (lo, mid)
-        return (lo + hi) / 2
-
-    bottom = -1.2784645427610738  # silu's argmin, -1 - W(1/e)
-    t = float(t)
-    above = root(bottom, t + 20.0, t)
-    if t >= -silu(bottom):
-        return np.array([above, 0.0, 0.0])
-    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t)])
-
-
-@njit(inline="always")
-def _cats_keeps(g, t, bounds):
-    """|silu(g)| > t, by comparing g with ``bounds`` (``_cats_bounds(t)``): no exp, except within 1e-6 of
-    a bound, where the comparison gives way to the definition itself."""
-    for b in bounds:
-        if abs(g - b) < 1e-6:
-            return abs(_silu(g)) > t
-    return g > bounds[0] or bounds[1] < g < bounds[2]
-
-
-@njit(nogil=True, cache=True)
-def _thresholded_input(w, s, fns, n_threads):
-    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
-    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
-    |silu| exceeds the threshold; without CATS every neuron is computed."""
-    d_model, d_ff = s.h.shape[0], w.up.shape[0]
-    if w.ffn_in >= 0:
-        for i in range(d_model):
-            if abs(s.h[i]) <= w.ffn_in:
-                s.h[i] = 0.0
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    if w.cats < 0:
-        s.active[:d_ff] = s.all_rows[:d_ff]
-        return d_ff
-    _whole_gate(w, s, d_model, fns, n_threads)
-    n = 0
-    for neuron in range(d_ff):
-        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
-            s.active[n] = neuron
-            n += 1
-    return n
-
-
-@njit(nogil=True, cache=True)
-def _whole_gate(w, s, d_model, fns, n_threads):
-    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
-    if w.gate_gemv:
-        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
-    else:
-        _matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
 
 
 @njit(nogil=True, cache=True)
@@ -397,12 +330,12 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     if w.attn_gemv:
         numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads, w.vnni)
     else:
-        _matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+        nk.matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
     if sparse and w.thresholded:
-        return _thresholded_input(w, s, fns, n_threads)
+        return thresholded_input(w, s, fns, n_threads)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
     n = _predict(x, w, s, fns) if sparse else s.act.shape[0]  # every neuron (up may be interleaved: not its rows)
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -432,19 +365,6 @@ def gate_up(w, s, rows, at, kind, fns):
 
 
 @njit(nogil=True, cache=True)
-def _teal_down(s, rows, threshold):
-    """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
-    ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
-    m = 0
-    for i in range(rows.shape[0]):
-        if abs(s.act[i]) > threshold:
-            s.down_rows[m] = rows[i]
-            s.act[m] = s.act[i]
-            m += 1
-    return m
-
-
-@njit(nogil=True, cache=True)
 def down(x, w, s, rows, fns, n_threads):
     """Add the down projection of ``s.act[:len(rows)]`` (neurons in rows ``rows``) to the residual ``x``."""
     n, d_model = rows.shape[0], x.shape[0]
@@ -453,22 +373,21 @@ def down(x, w, s, rows, fns, n_threads):
         nk.axpy_rows_one_token(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
-        _matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
+        nk.matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
 
 
 @njit(nogil=True, cache=True)
-def expert_ffn(x, residual, w, s, weight, kind, sparse, fns, n_threads):
+def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
     """One routed expert of a mixture for one token (``w``: its FFN and predictor): its predicted neurons
-    (all, dense) from the normed input ``s.h``, their activations scaled by the router's ``weight``, the
-    down projection added to ``x``. The predictor reads ``residual``, the stream entering the FFN block
-    (``x`` has already taken other experts' outputs). Returns the number of neurons computed."""
+    (all, dense) from the normed input ``s.h``, the down projection added to ``out`` (zeros: the expert's
+    output, which ``Mixture`` weights). The predictor reads ``residual``, the stream entering the FFN block.
+    Returns the number of neurons computed."""
     n = _predict(residual, w, s, fns) if sparse else w.up.shape[0]
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, x.shape[0])
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, out.shape[0])
     rows = s.active[:n] if sparse else s.all_rows[:n]
     gate_up(w, s, rows, s.all_rows[:n], kind, fns)
-    s.act[:n] *= weight
-    down(x, w, s, rows, fns, n_threads)
+    down(out, w, s, rows, fns, n_threads)
     return n
 
 
@@ -483,11 +402,11 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     rows = s.active[:n] if sparse else s.all_rows[:n]
     gate_given = sparse and w.cats >= 0
     if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
-        _whole_gate(w, s, x.shape[0], fns, n_threads)
+        whole_gate(w, s, x.shape[0], fns, n_threads)
         gate_given = True
     gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if gate_given else kind, fns)
     if sparse and w.ffn_down >= 0:
-        m = _teal_down(s, rows, w.ffn_down)
+        m = drop_small_down_inputs(s, rows, w.ffn_down)
         down(x, w, s, s.down_rows[:m], fns, n_threads)
         return n, m
     down(x, w, s, rows, fns, n_threads)
@@ -549,8 +468,10 @@ class CompiledDecoder:
     """The compiled one-token decode path for a model whose every layer runs on the CPU; see the module doc."""
 
     spec: ModelSpec
-    layers: list[LayerWeights]
-    row_bytes: list[tuple[int, int, int]]  # per layer: a neuron's gate, up and down bytes (for TokenStats)
+    layers: list[LayerWeights | None]  # None: a layer left to the general path (``general`` says why)
+    general: list[str | None]  # per layer: why the general path computes it (``layer_refusal``), or None
+    general_layer: Callable  # ``RuntimeModel.general_layer``: how it does
+    row_bytes: list[tuple[int, int, int] | None]  # per compiled layer: a neuron's gate, up and down bytes (TokenStats)
     cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
@@ -569,14 +490,16 @@ class CompiledDecoder:
         if refusal(model) is not None:
             return None
         s = model.spec
+        general = [layer_refusal(layer) for layer in model.layers]
+        compiled = [layer for layer, reason in zip(model.layers, general) if reason is None]
         ggml = kernels.ggml_routines()
-        matrices = [m for layer in model.layers for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
+        matrices = [m for layer in compiled for unit in _units(layer) for m in _unit_matrices(layer, *unit)]
         fns = np.zeros((max(int(m.qtype) for m in matrices) + 1, 2), dtype=np.int64)
         for m in matrices:
             fns[int(m.qtype)] = ggml.routines[m.qtype].from_float, ggml.routines[m.qtype].vec_dot
         encoded = max(ggml.routines[m.qtype].encoded_bytes(m.cols) for m in matrices)
         max_context = model.context_size
-        hidden = max((predictor.fc1.rows for layer in model.layers for _, predictor in _units(layer) if predictor),
+        hidden = max((predictor.fc1.rows for layer in compiled for _, predictor in _units(layer) if predictor),
                      default=1)
         q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         f32 = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
@@ -593,14 +516,17 @@ class CompiledDecoder:
         )
         inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
-        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] for layer in model.layers]
+        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] if reason is None else [None]
+                 for layer, reason in zip(model.layers, general)]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
-                    if layer.experts else None for layer, weights in zip(model.layers, units)]
+                    if layer.experts and reason is None else None
+                    for layer, weights, reason in zip(model.layers, units, general)]
         row_bytes = [(p.gate.row_bytes, p.up.row_bytes, p.bytes_per_neuron - p.gate.row_bytes - p.up.row_bytes)
-                     for p in (_units(layer)[0][0] for layer in model.layers)]
+                     if reason is None else None  # the general path counts its own
+                     for p, reason in zip((_units(layer)[0][0] for layer in model.layers), general)]
         cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
                 for layer in model.layers]
-        return cls(s, [weights[0] for weights in units], row_bytes, cats,
+        return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats,
                    scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
                    h)
@@ -633,8 +559,12 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for w, (gate_bytes, up_bytes, down_bytes), cats, cache, neurons, mixture in zip(
-                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures):
+        for i, (w, row_bytes, cats, cache, neurons, mixture) in enumerate(zip(
+                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures)):
+            if w is None:  # counts into ``step`` itself
+                residual[:] = self.general_layer(i, residual[None], cache, step)[0]
+                continue
+            gate_bytes, up_bytes, down_bytes = row_bytes
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
             if mixture is not None:
@@ -669,15 +599,20 @@ class Mixture:
 
     def decode(self, x: np.ndarray, h: np.ndarray, s: Scratch, k: int, kind: int, sparse: bool, fns, n_threads: int,
                step) -> int:
-        """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), added to
-        ``x``; returns the neurons computed. Routing is ``models.layers.route`` on the float32 router."""
+        """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), mixed
+        (``models.layers.mix_experts``, on the float32 router) and added to ``x``; returns the neurons
+        computed."""
         residual = x.copy()  # what the predictors read: the stream entering the FFN block
-        experts, weights = route((self.router @ h)[None], k)
-        n = 0
-        for e, weight in zip(experts[0], weights[0]):
-            n += expert_ffn(x, residual, self.experts[e], s, np.float32(weight), kind, sparse, fns, n_threads)
+        computed = []
+
+        def expert_output(e: int, tokens: np.ndarray) -> np.ndarray:
+            out = np.zeros((1, x.shape[0]), np.float32)
+            computed.append(expert_ffn(out[0], residual, self.experts[e], s, kind, sparse, fns, n_threads))
             step.bytes_read += self.predictor_bytes[e] if sparse else 0
-        return n
+            return out
+
+        x += mix_experts((self.router @ h)[None], k, len(self.experts), expert_output, residual[None])[0]
+        return sum(computed)
 
 
 def _units(layer) -> list[tuple]:
@@ -703,12 +638,13 @@ def refusal(model) -> str | None:
         return f"{s.ffn.value} FFN, not {'/'.join(k.value for k in _KINDS)}"
     if not kernels.available():
         return f"compiled kernels unavailable: {kernels.unavailable_reason()}"
-    return next((f"layer {i}: {reason}" for i, layer in enumerate(model.layers)
-                 if (reason := layer_refusal(layer)) is not None), None)
+    # A layer it refuses is left to the general path (``CompiledDecoder.general``); all of them, the whole token.
+    reasons = [layer_refusal(layer) for layer in model.layers]
+    return f"no layer it computes (layer 0: {reasons[0]})" if all(reasons) else None
 
 
 def layer_refusal(layer) -> str | None:
-    """Why the compiled path cannot compute this layer, or None when it can: it needs the layer all on the
+    """Why the compiled path leaves this layer to the general path, or None when it computes it: it needs the layer all on the
     CPU, no biases but q/k/v's, gated FFNs (one CPU partition each; an expert's not through a neuron cache)
     whose ``ffn_down_t`` the axpy loops decode (``nk.axpy_takes``; other types' products all go through
     ggml's ``vec_dot``), one layout for q/k/v/o with one vec_dot partner type for q/k/v (their input is
@@ -771,7 +707,7 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
         weight_bytes(down), int(down.qtype), p.down_t is not None, numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
-        _cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
+        cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
     )
 

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools import kernels
@@ -21,11 +21,10 @@ from powerinfer_tools.models.layers import (
     Norm,
     decoder_layer,
     embedding_scale,
+    mix_experts,
     normalize,
     rope_tables,
-    route,
     self_attention,
-    silu,
     stored_rotation,
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
@@ -212,15 +211,7 @@ class RuntimeModel(Engine):
         if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
             x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
         else:
-            ropes = {}  # (theta, scaling) -> cos/sin tables: one set, or Gemma 3's global and local ones
-
-            def rope_of(i: int):
-                theta, scaling = s.layer_rope(i)
-                if theta is not None and (theta, scaling) not in ropes:
-                    ropes[theta, scaling] = rope_tables(np.arange(start, start + len(tokens)), s.head_dim, theta,
-                                                        scaling, np.float32)
-                return ropes.get((theta, scaling))
-
+            rope_of = self._ropes(start, len(tokens))
             with single_threaded_blas():
                 for i, (layer, cache) in enumerate(zip(self.layers, caches)):
                     backend = layer.dense.backend
@@ -233,6 +224,29 @@ class RuntimeModel(Engine):
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
         return move(head.matmul(self.output, x), head, self.host)
+
+    def _ropes(self, start: int, n_tokens: int):
+        """``rope_of(i)``: layer ``i``'s cos/sin tables for positions ``start ..`` (None without rotary
+        embeddings), made once per (theta, scaling): one set, or Gemma 3's global and local ones."""
+        s, ropes = self.spec, {}
+
+        def rope_of(i: int):
+            theta, scaling = s.layer_rope(i)
+            if theta is not None and (theta, scaling) not in ropes:
+                ropes[theta, scaling] = rope_tables(np.arange(start, start + n_tokens), s.head_dim, theta, scaling,
+                                                    np.float32)
+            return ropes.get((theta, scaling))
+
+        return rope_of
+
+    def general_layer(self, i: int, x: np.ndarray, cache: KVCache, step: TokenStats) -> np.ndarray:
+        """Layer ``i`` on the general path for the tokens ``x`` (host ``[T, d_model]``) after what ``cache``
+        holds, back on the host: a layer the compiled decoder leaves to this path (``layer_refusal``)."""
+        backend, start = self.layers[i].dense.backend, cache.length
+        with single_threaded_blas():
+            out = self._layer(i, self.layers[i], move(x, self.host, backend), cache, start,
+                              self._ropes(start, len(x))(i), step)
+        return move(out, backend, self.host)
 
     def compiled_decoder(self):
         """The compiled one-token decode path (``compiled_decode.CompiledDecoder``), built on first use; None
@@ -264,10 +278,25 @@ class RuntimeModel(Engine):
         # The last words stand for a refusal of compiled_decoder()'s own that none of these names.
         return refusal(self) or "the compiled decoder is not in use"
 
-    def decode_path(self) -> str:
-        """Which path decodes a token: ``compiled decoder``, or ``general path (why)``."""
+    def layer_paths(self) -> list[str]:
+        """Per layer, which path computes it for a decoded token: ``compiled decoder``, or ``general path
+        (why)``: the whole token's reason, or the layer's own where the decoder leaves that layer to it."""
         reason = self.decode_refusal()
-        return "compiled decoder" if reason is None else f"general path ({reason})"
+        reasons = [reason] * len(self.layers) if reason is not None else self.compiled_decoder().general
+        return ["compiled decoder" if r is None else f"general path ({r})" for r in reasons]
+
+    def decode_path(self) -> str:
+        """Which path decodes a token: ``compiled decoder`` (``, but layers 2, 5 by the general path (why)``
+        where it leaves some to it), or ``general path (why)``."""
+        reason = self.decode_refusal()
+        if reason is not None:
+            return f"general path ({reason})"
+        general = [(i, r) for i, r in enumerate(self.compiled_decoder().general) if r is not None]
+        if not general:
+            return "compiled decoder"
+        label = "layer" if len(general) == 1 else "layers"
+        return (f"compiled decoder, but {label} {', '.join(str(i) for i, _ in general)} by the general path "
+                f"({general[0][1]})")
 
     def execution_report(self) -> list[str]:
         """Lines saying which path and kernels compute each part of this model, as loaded and in its FFN mode
@@ -316,19 +345,16 @@ class RuntimeModel(Engine):
     # -- FFN --------------------------------------------------------------------
 
     def _mixture(self, layer: RuntimeLayer, h, residual, step: TokenStats):
-        """A mixture of experts: each expert computes, as one FFN, the tokens the router sends it; the
-        outputs are summed with the router's weights (``models.layers.route``: transformers' rule)."""
-        xp = layer.dense.backend.xp
-        experts, weights = route(h @ layer.router.T, self.spec.n_experts_used)
-        out = xp.zeros_like(h)
-        for e, expert in enumerate(layer.experts):
-            tokens, slot = xp.nonzero(experts == e)
-            if len(tokens):
-                y = self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
-                out[tokens] += y * weights[tokens, slot][:, None]
-                if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
-                    step.bytes_read += expert.predictor.nbytes
-        return out
+        """A mixture of experts (``models.layers.mix_experts``): each expert computes, as one FFN, the tokens
+        the router sends it."""
+
+        def expert_output(e: int, tokens):
+            expert = layer.experts[e]
+            if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
+                step.bytes_read += expert.predictor.nbytes
+            return self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
+
+        return mix_experts(h @ layer.router.T, self.spec.n_experts_used, len(layer.experts), expert_output, h)
 
     def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,
                 residual, step: TokenStats):
@@ -341,9 +367,10 @@ class RuntimeModel(Engine):
             return np.arange(layer.d_ff), None
         thresholds = layer.dense.thresholds
         if self.mode is FFNMode.SPARSE and thresholds is not None:
-            if thresholds.cats is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
+            chosen = _thresholded().cats_choice(partitions, h, thresholds, layer.d_ff, layer.dense.backend, self.host,
+                                                step)
+            if chosen is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
                 return np.arange(layer.d_ff), None
-            chosen = self._cats(layer, partitions, h, thresholds.cats, step)
         elif self.mode is FFNMode.SPARSE:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
@@ -353,41 +380,6 @@ class RuntimeModel(Engine):
         chosen = move(chosen, layer.dense.backend, self.host)
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
-
-    def _cats(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, threshold: float,
-              step: TokenStats) -> np.ndarray:
-        """CATS's choice: the neurons whose |silu(gate x)| exceeds the layer's threshold, from every
-        partition's full gate product (read here, and counted)."""
-        chosen = np.zeros((h.shape[0], layer.d_ff), dtype=bool)
-        for p in partitions:
-            xh = move(h, layer.dense.backend, p.backend)
-            gate_pre, _ = p.pre_activations(xh, p.backend.xp.asarray(p.row_of[p.neurons]), up=False)
-            chosen[:, p.neurons] = kept(silu(move(gate_pre, p.backend, self.host)), threshold)
-            step.bytes_read += len(p.neurons) * p.gate.row_bytes
-        return chosen
-
-    def _thresholded_block(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, t: LayerThresholds,
-                           step: TokenStats):
-        """A block of tokens (a prompt) under a SiLU model's thresholds: every neuron's gate and up products,
-        the rule's mask, one down projection. At the densities these rules keep (half the neurons per token)
-        a prompt's tokens together need nearly every row; read once here, where choosing first (``_cats``)
-        reads the gate twice and goes through per-token selections made for ReLU models' ~10%."""
-        home, out = layer.dense.backend, None
-        step.neurons_total += layer.d_ff * h.shape[0]
-        for p in partitions:
-            xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
-            gate_pre, up_pre = p.pre_activations(move(h, home, p.backend), rows)
-            gate = silu(gate_pre)  # once, for the choice and the activation (a SiLU model's FFN)
-            chosen = kept(gate, t.cats)
-            activated = gate * up_pre
-            activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
-            computed = int(chosen.sum())
-            step.neurons_active += computed
-            step.neurons_on_device += computed if p.backend.is_device else 0
-            step.bytes_read += len(p.neurons) * p.bytes_per_neuron
-            part = move(p.backend.row_sum(p.down_t, activated, rows), p.backend, home)
-            out = part if out is None else out + part
-        return out
 
     def _firing(self, layer: RuntimeLayer, partitions: list[FFNPartition], h) -> np.ndarray:
         """The neurons that truly fire: computed from every partition's full gate/up (oracle mode)."""
@@ -406,11 +398,12 @@ class RuntimeModel(Engine):
         """One FFN (the layer's, or one expert's) over the tokens ``h``, its neurons split in ``partitions``."""
         home = layer.dense.backend
         thresholds = layer.dense.thresholds if self.mode is FFNMode.SPARSE else None
-        if thresholds is not None and thresholds.ffn_in is not None:  # TEAL: small input entries dropped
-            h = home.xp.where(kept(h, thresholds.ffn_in), h, 0)
-        if thresholds is not None and h.shape[0] > 1:
-            return self._thresholded_block(layer, partitions, h, thresholds, step)
-        down_threshold = thresholds.ffn_down if thresholds is not None else None
+        activation_filter = None
+        if thresholds is not None:
+            h = _thresholded().teal_input(h, thresholds, home.xp)
+            if h.shape[0] > 1:
+                return _thresholded().block(partitions, h, thresholds, layer.d_ff, home, step)
+            activation_filter = _thresholded().teal_down(thresholds)
         active, mask = self._select(layer, partitions, predictor, h, residual, step)
         n_tokens = h.shape[0]
         step.neurons_total += layer.d_ff * n_tokens
@@ -442,7 +435,7 @@ class RuntimeModel(Engine):
             xh = move(h, home, p.backend)
             if part_mask is not None:
                 part_mask = p.backend.xp.asarray(part_mask, dtype=np.float32)
-            return move(p.compute(self.spec.ffn, xh, ids, part_mask, down_threshold), p.backend, home)
+            return move(p.compute(self.spec.ffn, xh, ids, part_mask, activation_filter), p.backend, home)
 
         if len(work) == 1:
             return run(*work[0])
@@ -451,6 +444,13 @@ class RuntimeModel(Engine):
         on_device = self._pool.submit(run, *work[0])
         out = sum(run(*w) for w in work[1:])
         return out + on_device.result()
+
+
+def _thresholded():
+    """``runtime.thresholded_ffn``, imported where a model with thresholds runs (it imports numba)."""
+    from powerinfer_tools.runtime import thresholded_ffn
+
+    return thresholded_ffn
 
 
 def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):

@@ -8,8 +8,8 @@ what ``pitools run --verbose`` prints, ``pitools bench`` records and ``LLM.descr
     prompts (blocks of tokens): general path | sparse FFN: each token's own predicted neurons (kernels.batched)
 
 A layer's line tells how a decoded token runs it: by the compiled decoder (``compiled_decode``) or, when
-that refuses the model or the step, by the general path (``RuntimeModel._layer``), and then which kernel
-each product takes. Every fact is read from the predicates the code chooses by (the decoder's
+that refuses the model, the step or this layer, by the general path (``RuntimeModel._layer``), and then
+which kernel each product takes. Every fact is read from the predicates the code chooses by (the decoder's
 ``refusal``/``step_refusal`` and kernel choices, ``kernels.available``, ``numba_vnni.usable``,
 ``numba_kernels.axpy_takes``, ``isinstance(m, InterleavedQ4)``), never from a copy of their rules.
 Consecutive layers alike but for their sizes (a predictor's hidden size, a calibrated threshold, a neuron
@@ -56,9 +56,7 @@ class LayerExecution:
 
 def execution_report(model) -> list[str]:
     """The report's lines for ``model`` (a ``RuntimeModel``), as loaded and in its FFN mode."""
-    path = model.decode_path()
-    compiled = model.decode_refusal() is None
-    layers = [_layer_execution(model, layer, path, compiled) for layer in model.layers]
+    layers = [_layer_execution(model, layer, path) for layer, path in zip(model.layers, model.layer_paths())]
     lines = [f"kernels: {kernels.describe()}"]
     first = 0
     for i in range(1, len(layers) + 1):
@@ -70,8 +68,8 @@ def execution_report(model) -> list[str]:
     return lines
 
 
-def _layer_execution(model, layer, path: str, compiled: bool) -> LayerExecution:
-    if compiled:  # compiled_decode needs numba: imported where the decoder is in use
+def _layer_execution(model, layer, path: str) -> LayerExecution:
+    if path == "compiled decoder":  # compiled_decode needs numba: imported where the decoder is in use
         from powerinfer_tools.runtime import compiled_decode
 
         attention = compiled_decode.attention_kernel(layer.dense)

@@ -11,11 +11,10 @@ with those activations as weights. The partial outputs add up to the FFN output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-from powerinfer_tools.formats.activation_thresholds import kept
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -100,20 +99,20 @@ class FFNPartition:
     def _activations(self, kind: FFNKind, x, rows):
         return activate(kind, *self.pre_activations(x, rows))
 
-    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None, down_threshold: Optional[float] = None):
+    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None, activation_filter: Optional[Callable] = None):
         """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
 
         ``mask [T, len(active)]`` zeroes the neurons a token did not select; without
-        it every active neuron counts for every token. With ``down_threshold`` (TEAL on the down
-        projection's input), activations of no larger magnitude are dropped too.
+        it every active neuron counts for every token. ``activation_filter(activated, xp)`` may drop further
+        activations before the down projection (TEAL on its input: ``thresholded_ffn.teal_down``).
         """
         rows = self.row_of[active]
         device_rows = self.backend.xp.asarray(rows)  # one upload for the products of gate, up and down
         activated = self._activations(kind, x, device_rows)
         if mask is not None:
             activated = activated * mask
-        if down_threshold is not None:
-            activated = self.backend.xp.where(kept(activated, down_threshold), activated, 0)
+        if activation_filter is not None:
+            activated = activation_filter(activated, self.backend.xp)
         if self.down_t is None:
             if len(rows) != self.down.cols:
                 raise RuntimeError(
