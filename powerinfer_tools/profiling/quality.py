@@ -153,8 +153,8 @@ def describe(thresholds: ActivationThresholds) -> list[str]:
     """The report of thresholds chosen by quality: the curve and the point chosen."""
     choice = thresholds.choice
     dense = choice.curve_perplexity[0]
-    lines = [f"held-out perplexity by sparsity ({thresholds.rule.value}, the better of the greedy and the uniform "
-             f"allocation; dense {dense:.3f}):"]
+    lines = [(f"held-out perplexity by sparsity ({thresholds.rule.value}, the better of the greedy and the uniform "
+              f"allocation; dense {dense:.3f}):")]
     lines += [f"  {s:4.0%}  {p:8.3f}  {p / dense - 1:+7.2%}" for s, p in
               zip(choice.curve_sparsity[1:], choice.curve_perplexity[1:])]
     lines.append(f"chose {thresholds.target:.0%} sparsity within {choice.max_loss:.1%}: calibrated, held-out "
