@@ -15,7 +15,9 @@ Two published rules skip the small ones without retraining:
 ``cats+teal`` is CATS, then TEAL on the down projection's input among the neurons CATS kept.
 
 Thresholds are per layer, each set to the layer's quantile of its magnitudes on calibration text
-(``profiling/calibration.py``): every layer at the target sparsity, the uniform allocation. The reference
+(``profiling/calibration.py``): every layer at the target sparsity (the uniform allocation), or, chosen by
+quality (``convert --max-quality-loss``, ``profiling/quality.py``), each layer at its own, the file then recording
+how (``QualityChoice``). The reference
 engine's ``models.layers.feed_forward`` computes the rule in NumPy: the definition the runtime's kernels
 are tested against.
 """
@@ -29,7 +31,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 # The metadata keys are spelled with our others (RULE_KEY: a SparsityRule value; TARGET_KEY: the sparsity the
 # thresholds were calibrated for), and typed in formats/metadata_keys.py.
-from powerinfer_tools.formats.constants import (SPARSITY_RULE_KEY as RULE_KEY, SPARSITY_TARGET_KEY as TARGET_KEY,
+from powerinfer_tools.formats.constants import (SPARSITY_CURVE_PERPLEXITY_KEY, SPARSITY_CURVE_SPARSITY_KEY,
+                                                SPARSITY_MAX_LOSS_KEY, SPARSITY_PERPLEXITY_KEY,
+                                                SPARSITY_RULE_KEY as RULE_KEY, SPARSITY_TARGET_KEY as TARGET_KEY,
                                                 SPARSITY_THRESHOLD_KEY)
 from powerinfer_tools.formats.metadata_keys import read_key
 
@@ -64,10 +68,28 @@ class LayerThresholds:
 
 
 @dataclass(frozen=True)
+class QualityChoice:
+    """How thresholds were chosen by quality: the relative perplexity increase over dense allowed, the held-out
+    perplexity of the thresholds chosen, and the curve the choice was made on (overall sparsity and held-out
+    perplexity of each point tried, the first dense)."""
+
+    max_loss: float
+    perplexity: float
+    curve_sparsity: tuple[float, ...]
+    curve_perplexity: tuple[float, ...]
+
+    @property
+    def loss(self) -> float:
+        """The chosen thresholds' relative perplexity increase over dense."""
+        return self.perplexity / self.curve_perplexity[0] - 1
+
+
+@dataclass(frozen=True)
 class ActivationThresholds:
     rule: SparsityRule
-    target: float  # the sparsity each threshold was calibrated for, in [0, 1)
+    target: float  # the sparsity the thresholds were calibrated for (the layers' mean), in [0, 1)
     layers: tuple[LayerThresholds, ...]
+    choice: QualityChoice | None = None  # chosen by quality, rather than at a target given
 
     def add_to(self, writer) -> None:
         """Write into a ``GGUFWriter``'s metadata."""
@@ -75,6 +97,11 @@ class ActivationThresholds:
         writer.add_float32(TARGET_KEY, self.target)
         for name in self.rule.thresholds:
             writer.add_array(threshold_key(name), [float(getattr(t, name)) for t in self.layers])
+        if self.choice is not None:
+            writer.add_float32(SPARSITY_MAX_LOSS_KEY, self.choice.max_loss)
+            writer.add_float32(SPARSITY_PERPLEXITY_KEY, self.choice.perplexity)
+            writer.add_array(SPARSITY_CURVE_SPARSITY_KEY, list(self.choice.curve_sparsity))
+            writer.add_array(SPARSITY_CURVE_PERPLEXITY_KEY, list(self.choice.curve_perplexity))
 
 
 def read_thresholds(get: Callable[[str], Any], n_layers: int, source: str) -> Optional[ActivationThresholds]:
@@ -92,7 +119,18 @@ def read_thresholds(get: Callable[[str], Any], n_layers: int, source: str) -> Op
     target = read_key(get, TARGET_KEY, source, required=needed)
     values = {name: read_key(get, threshold_key(name), source, n_layers, required=needed) for name in rule.thresholds}
     layers = tuple(LayerThresholds(**{name: float(v[i]) for name, v in values.items()}) for i in range(n_layers))
-    return ActivationThresholds(rule, float(target), layers)
+    return ActivationThresholds(rule, float(target), layers, _read_choice(get, source))
+
+
+def _read_choice(get: Callable[[str], Any], source: str) -> QualityChoice | None:
+    max_loss = read_key(get, SPARSITY_MAX_LOSS_KEY, source)
+    if max_loss is None:
+        return None
+    needed = f"thresholds chosen by quality ({SPARSITY_MAX_LOSS_KEY})"
+    sparsity = read_key(get, SPARSITY_CURVE_SPARSITY_KEY, source, required=needed)
+    return QualityChoice(float(max_loss), float(read_key(get, SPARSITY_PERPLEXITY_KEY, source, required=needed)),
+                         tuple(map(float, sparsity)), tuple(map(float, read_key(
+                             get, SPARSITY_CURVE_PERPLEXITY_KEY, source, len(sparsity), required=needed))))
 
 
 def kept(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:

@@ -77,6 +77,13 @@ FFN_BUNDLE_STRIDE_KEY = "pitools.ffn_bundle.stride"
 SPARSITY_RULE_KEY = "pitools.sparsity.rule"
 SPARSITY_TARGET_KEY = "pitools.sparsity.target"
 SPARSITY_THRESHOLD_KEY = "pitools.sparsity.threshold.{name}"
+# Thresholds chosen by quality (``convert --max-quality-loss``): the relative perplexity increase allowed (float32),
+# the held-out perplexity of the file's thresholds (float32), and the quality-vs-sparsity curve the choice was
+# made on: each point's overall sparsity (the first 0: dense) and held-out perplexity (float32 arrays, alike long).
+SPARSITY_MAX_LOSS_KEY = "pitools.sparsity.max_quality_loss"
+SPARSITY_PERPLEXITY_KEY = "pitools.sparsity.perplexity"
+SPARSITY_CURVE_SPARSITY_KEY = "pitools.sparsity.curve.sparsity"
+SPARSITY_CURVE_PERPLEXITY_KEY = "pitools.sparsity.curve.perplexity"
 
 
 # A layer's profiled firing probability per neuron (float32 array, file order), which ``pitools solve`` places

@@ -19,6 +19,7 @@ from powerinfer_tools.models.layers import silu
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model, load_model_and_tokenizer
+from powerinfer_tools.profiling import calibration as calibration_module
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 from powerinfer_tools.runtime.loader import load_runtime_model
@@ -51,7 +52,7 @@ def thresholded_files(silu_model, tmp_path_factory):
 
 
 def _kept_shares(model, tokens, thresholds) -> dict[str, list[float]]:
-    """Per kind, per layer: the share of entries each threshold keeps on ``tokens``, the model running them."""
+    """Per kind, per layer: the share of entries each threshold keeps on ``tokens[:256]``, the model running them."""
     shares: dict[str, list[list[float]]] = {}
 
     def hook(trace):
@@ -83,6 +84,18 @@ def test_calibrated_thresholds_keep_the_target_share_on_calibration_text(calibra
     # the share of tokens reading a neuron's rows: up rows for CATS (and cats+teal), down rows for TEAL
     assert frequencies.shape == (model.spec.n_layers, model.spec.d_ff)
     assert abs(frequencies.mean() - (1 - TARGET)) < 0.02 and frequencies.std() > 0.01  # some neurons hotter than others
+
+
+def test_thresholds_set_on_a_subset_of_the_windows_hold_on_the_others(calibration_tokens, monkeypatch):
+    """With fewer sampled tokens than calibration tokens (two windows of eight: the first and the last), the
+    thresholds keep the target on a window that was never sampled, and frequencies count every token."""
+    monkeypatch.setattr(calibration_module, "SAMPLE_TOKENS", 512)
+    model, tokens = calibration_tokens
+    calibration = calibrate(model, tokens, CalibrationSettings(TARGET, SparsityRule.CATS), progress=False)
+    unseen = _kept_shares(model, tokens[3 * 256:], calibration.thresholds)["cats"]
+    assert np.allclose(unseen, 1 - TARGET, atol=0.06), unseen
+    assert calibration.tokens == len(tokens) == 2048
+    assert abs(np.mean(list(calibration.frequencies.values())) - (1 - TARGET)) < 0.04
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.value)

@@ -17,6 +17,7 @@ from powerinfer_tools.formats.constants import PowerInferTensor, block_part, pre
 from powerinfer_tools.formats.quantization import OUTTYPES
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.predictors.trainer import TrainSettings
+from powerinfer_tools.profiling.quality import describe
 
 
 def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> list[str]:
@@ -33,6 +34,16 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
         notes.append(f"PowerInfer's CPU runtime reads {down_t} only as {' or '.join(readable)}; "
                      f"use --outtype {' or '.join(readable)} for it")
     return notes
+
+
+def quality_loss(text: str) -> float:
+    """``--max-quality-loss``'s relative perplexity increase: a percentage ("5%") or a fraction ("0.05"); its range
+    is ``SparsifySettings``'s to check."""
+    number = text.strip().removesuffix("%")
+    try:
+        return float(number) / (100 if number != text.strip() else 1)
+    except ValueError:
+        raise PitoolsError(f"--max-quality-loss takes a percentage (5%) or a fraction (0.05), not {text!r}") from None
 
 
 @click.command("convert", context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,9 +90,12 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
 @click.option("--target-sparsity", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="A SiLU (SwiGLU) model: calibrate thresholds that skip this share of activations "
                    "(by --sparsity-rule) instead of training predictors; written in the PowerInfer layout.")
+@click.option("--max-quality-loss", metavar="LOSS", default=None,
+              help="A SiLU (SwiGLU) model, instead of --target-sparsity: the sparsest per-layer thresholds whose "
+                   "perplexity on held-out calibration text is at most LOSS above dense (5% or 0.05).")
 @click.option("--sparsity-rule", type=click.Choice([r.value for r in SparsityRule]), default=SparsityRule.CATS.value,
               show_default=True,
-              help="With --target-sparsity: cats skips neurons whose |SiLU(gate)| is small; teal skips the small "
+              help="With --target-sparsity or --max-quality-loss: cats skips neurons whose |SiLU(gate)| is small; teal skips the small "
                    "entries of the FFN's inputs; cats+teal is cats, then teal on the down projection's input.")
 @click.option("--no-sparsity", is_flag=True,
               help="PowerInfer layout without profiling, predictors or reordering (our runtime runs it dense).")
@@ -92,8 +106,8 @@ def _powerinfer_runtime_notes(plan: ConversionPlan, has_predictors: bool) -> lis
 @ray_option
 def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,
             corpus: tuple[Path, ...], tokens: int, recall: float, budget: float, reorder: bool,
-            target_sparsity: float | None, sparsity_rule: str, no_sparsity: bool, allow_nonfinite: bool, force: bool,
-            quiet: bool, ray_address: str | None):
+            target_sparsity: float | None, max_quality_loss: str | None, sparsity_rule: str, no_sparsity: bool,
+            allow_nonfinite: bool, force: bool, quiet: bool, ray_address: str | None):
     """Convert SRC, a checkpoint folder, a Hugging Face hub id or a GGUF file, into one model file.
 
     ReLU-family models (ReluLLaMA, ProSparse, Bamboo/TurboSparse, OPT) are written
@@ -103,7 +117,8 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     predictors trained (cached and resumable in OUTPUT.work/); neurons are stored
     hot-first and their firing frequencies recorded for `pitools solve`. A SiLU model
     with --target-sparsity is written in the same layout with, instead of predictors,
-    thresholds calibrated on the same text (CATS, TEAL: docs/sparsity.md). Other models,
+    thresholds calibrated on the same text (CATS, TEAL: docs/sparsity.md); with
+    --max-quality-loss, per-layer thresholds as sparse as held-out perplexity allows. Other models,
     and any model with --dense, are written as plain GGUF with llama.cpp's names,
     which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
@@ -124,13 +139,16 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
       pitools convert SparseLLM/ReluLLaMA-7B --outtype q4_0 --predictors ./predictors
       pitools convert ./TinyLlama --dense -o tinyllama.gguf
       pitools convert ./TinyLlama --target-sparsity 0.5 --outtype q4_0
+      pitools convert SmolLM2-135M-Instruct.Q4_1.gguf --max-quality-loss 5% --corpus text.txt --outtype q4_0
       pitools convert SmolLM2-135M-Instruct.Q4_1.gguf --dense --outtype f16
     """
-    if target_sparsity is not None and no_sparsity:
-        raise PitoolsError("--target-sparsity and --no-sparsity contradict each other")
+    for given, option in ((target_sparsity, "--target-sparsity"), (max_quality_loss, "--max-quality-loss")):
+        if given is not None and no_sparsity:
+            raise PitoolsError(f"{option} and --no-sparsity contradict each other")
     sparsify = None if no_sparsity else SparsifySettings(
         corpus=corpus, tokens=tokens, train=TrainSettings(recall=recall, budget=budget), reorder=reorder,
         target_sparsity=target_sparsity, rule=SparsityRule(sparsity_rule),
+        max_quality_loss=None if max_quality_loss is None else quality_loss(max_quality_loss),
     )
     with ray_candidates(ray_address) as candidates:
         path, plan = convert_checkpoint(
@@ -138,10 +156,16 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
             force=force, progress=not quiet, allow_nonfinite=allow_nonfinite, candidates=candidates,
         )
     if not quiet:
-        layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
-        click.echo(
-            f"wrote {layout} {plan.architecture} model, {len(plan.tensors)} tensors, {outtype}: {path}", err=True
-        )
-        for note in _powerinfer_runtime_notes(plan, plan.sparse_threshold is not None):
-            click.echo(f"note: {note}", err=True)
+        _report(plan, outtype, path)
     click.echo(str(path))
+
+
+def _report(plan: ConversionPlan, outtype: str, path: Path) -> None:
+    """What was written, on stderr: the file, the sparsity chosen by quality, notes for PowerInfer's runtime."""
+    layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
+    click.echo(f"wrote {layout} {plan.architecture} model, {len(plan.tensors)} tensors, {outtype}: {path}", err=True)
+    if plan.thresholds is not None and plan.thresholds.choice is not None:
+        for line in describe(plan.thresholds):
+            click.echo(line, err=True)
+    for note in _powerinfer_runtime_notes(plan, plan.sparse_threshold is not None):
+        click.echo(f"note: {note}", err=True)

@@ -291,7 +291,7 @@ def convert(
     PowerInfer file gets predictors, hot-first neurons and firing frequencies:
     ``profile``/``predictors`` folders are reused when given, else made in the
     work folder beside the output. Without it, ``predictors`` are merged as given.
-    A SiLU model with ``sparsify.target_sparsity`` (or a ready ``calibration`` of it) gets the
+    A SiLU model with ``sparsify.target_sparsity`` or ``max_quality_loss`` (or a ready ``calibration``) gets the
     PowerInfer layout with calibrated thresholds instead of predictors.
     NaN/inf weights are refused unless ``allow_nonfinite`` (profiling refuses them always).
     ``candidates`` trains the predictors (``train_predictors``; default: in this process).
@@ -300,7 +300,7 @@ def convert(
     checkpoint = open_source(location)
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
     name = _model_name(source, checkpoint)
-    thresholded = calibration is not None or (sparsify is not None and sparsify.target_sparsity is not None)
+    thresholded = calibration is not None or (sparsify is not None and sparsify.thresholded)
     sparse_layout = _choose_layout(spec, dense, None, thresholded)
     path = Path(output) if output is not None else default_output(source, location, sparse_layout, outtype)
     check_writable_output(path, force, inputs=_input_files(location, profile, predictors))

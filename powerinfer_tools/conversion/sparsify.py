@@ -16,6 +16,7 @@ import numpy as np
 
 from powerinfer_tools.conversion.reorder import hot_first_permutation, profile_permutations
 from powerinfer_tools.conversion.source import open_source
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.models import DecoderModel, load_model
@@ -24,6 +25,7 @@ from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, train
 from powerinfer_tools.profiling.calibration import Calibration, CalibrationSettings, calibrate
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
+from powerinfer_tools.profiling.quality import choose_sparsity
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,24 @@ class SparsifySettings:
     seq_len: int = 256
     train: TrainSettings = field(default_factory=TrainSettings)
     reorder: bool = True
-    # A SiLU model: thresholds calibrated to this sparsity by ``rule`` instead of predictors.
+    # A SiLU model: thresholds calibrated to this sparsity by ``rule`` instead of predictors, or to the sparsity
+    # whose held-out perplexity is at most this relative increase over dense (profiling/quality.py).
     target_sparsity: float | None = None
     rule: SparsityRule = SparsityRule.CATS
+    max_quality_loss: float | None = None
+
+    def __post_init__(self):
+        if self.target_sparsity is not None and self.max_quality_loss is not None:
+            raise PitoolsError("--target-sparsity and --max-quality-loss are two ways to choose the sparsity: "
+                               "give one")
+        if self.max_quality_loss is not None and not 0 < self.max_quality_loss <= 1:  # NaN fails too
+            raise PitoolsError(f"--max-quality-loss must be above 0% and at most 100% (a fraction at most 1), "
+                               f"got {self.max_quality_loss:.2%}")
+
+    @property
+    def thresholded(self) -> bool:
+        """Whether thresholds are calibrated (a SiLU model's sparsity) rather than predictors trained."""
+        return self.target_sparsity is not None or self.max_quality_loss is not None
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,7 @@ def work_folder(output: Path) -> Path:
     return output.with_name(output.name + ".work")
 
 
-def _model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
+def model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
     """The reference engine on ``source`` (a checkpoint folder or a GGUF file), the calibration corpus
     (by default the heldout.txt beside the model) and its tokens, read by the model's own tokenizer."""
     checkpoint = open_source(source)
@@ -65,7 +82,7 @@ def _model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderM
 
 def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
     """Profile (or finish profiling) ``source``, a checkpoint folder or a GGUF file, into ``profile_dir``."""
-    model, corpus, tokens = _model_on_corpus(source, settings)
+    model, corpus, tokens = model_on_corpus(source, settings)
     seq_len = min(settings.seq_len, model.spec.max_positions)
     Profiler(model, str(source), tokens, corpus.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
         progress=progress
@@ -73,8 +90,12 @@ def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettin
 
 
 def calibrate_checkpoint(source: Path, settings: SparsifySettings, progress: bool) -> Calibration:
-    """Thresholds for ``source``'s model at ``settings.target_sparsity``, calibrated on its corpus."""
-    model, _, tokens = _model_on_corpus(source, settings)
+    """Thresholds for ``source``'s model at ``settings.target_sparsity``, or within ``settings.max_quality_loss``,
+    calibrated on its corpus."""
+    model, _, tokens = model_on_corpus(source, settings)
+    if settings.max_quality_loss is not None:
+        return choose_sparsity(model, tokens, settings.rule, settings.max_quality_loss, settings.seq_len,
+                               progress=progress)
     return calibrate(model, tokens, CalibrationSettings(settings.target_sparsity, settings.rule, settings.seq_len),
                      progress)
 

@@ -143,6 +143,17 @@ def _expert(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, lay
     return FFNWeights(weight(T.FFN_UP_EXP, d_ff, d), weight(T.FFN_DOWN_EXP, d, d_ff), gate=weight(T.FFN_GATE_EXP, d_ff, d))
 
 
+@dataclass(frozen=True)
+class Stages:
+    """One call of a forward pass in steps: ``layers[i](x)`` is the residual stream after layer ``i`` given the
+    one entering it, and may run again on the same input (its keys and values overwrite the same cache slots);
+    ``finish(x)`` the logits of the stream after the last layer."""
+
+    embedded: np.ndarray  # the tokens' embeddings: the stream entering layer 0
+    layers: list[Callable[[np.ndarray], np.ndarray]]
+    finish: Callable[[np.ndarray], np.ndarray]
+
+
 class DecoderModel(Engine, FFNTracer):
     """The reference engine: a decoder-only language model evaluated in NumPy, one sequence at a time.
 
@@ -178,6 +189,16 @@ class DecoderModel(Engine, FFNTracer):
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits ``[len(tokens), vocab]`` for tokens that follow what ``cache`` holds; extends the cache."""
+        stages = self.stages(tokens, cache)
+        x = stages.embedded
+        for layer in stages.layers:
+            x = layer(x)
+        cache.advance(len(tokens))
+        return stages.finish(x)
+
+    def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
+        """``forward`` cut at the layer boundaries (the cache not advanced), for callers that run one layer
+        over many sequences before the next (``profiling/calibration.py``)."""
         raise NotImplementedError
 
     def head(self, x: np.ndarray) -> np.ndarray:

@@ -10,6 +10,8 @@ six attend within a sliding window, rotating with their own (local) RoPE base. T
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
@@ -20,6 +22,7 @@ from powerinfer_tools.formats.tensor_table import GEMMA3
 from powerinfer_tools.models import llama
 from powerinfer_tools.models.base import (
     CheckpointWeights,
+    Stages,
     load_block,
     optional,
     require,
@@ -132,22 +135,19 @@ class Model(llama.Model):
         untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
         return cls(spec, embed, blocks, norm(T.OUTPUT_NORM), w.get(hf(T.OUTPUT), vocab, d) if untied else embed)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+    def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
         s = self.spec
         start = cache.length
         positions = np.arange(start, start + len(tokens))
         rotations = {}  # (theta, scaling) -> its rotation; two per model, global and local
-        x = self.embed[tokens] * self.dtype.type(embedding_scale(s))
+        for rope in {s.layer_rope(i) for i in range(s.n_layers)}:
+            cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
+            rotations[rope] = partial(apply_rope, cos=cos, sin=sin)
 
         def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
             return rms_norm(v, weight, s.norm_eps)
 
-        for i, b in enumerate(self.blocks):
-            rope = s.layer_rope(i)
-            if rope not in rotations:
-                cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
-                rotations[rope] = lambda t, cos=cos, sin=sin: apply_rope(t, cos, sin)
-            x = self.layer(i, b, x, cache, start, norm, rotate=rotations[rope])
-        cache.advance(len(tokens))
-        return self.head(rms_norm(x, self.norm, s.norm_eps))
-
+        layers = [partial(self.layer, i, b, cache=cache, start=start, norm=norm, rotate=rotations[s.layer_rope(i)])
+                  for i, b in enumerate(self.blocks)]
+        return Stages(self.embed[tokens] * self.dtype.type(embedding_scale(s)), layers,
+                      lambda x: self.head(rms_norm(x, self.norm, s.norm_eps)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
@@ -13,6 +15,7 @@ from powerinfer_tools.models.base import (
     Block,
     CheckpointWeights,
     DecoderModel,
+    Stages,
     load_block,
     optional,
     require,
@@ -115,17 +118,18 @@ class Model(DecoderModel):
         lm_head = w.get(hf(T.OUTPUT), vocab, d) if untied else embed
         return cls(spec, embed, blocks, w.get(hf(T.OUTPUT_NORM), d), lm_head)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+    def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
         s = self.spec
         start = cache.length
         positions = np.arange(start, start + len(tokens))
         cos, sin = rope_tables(positions, s.head_dim, s.rope_theta, s.rope_scaling_factor, self.dtype)
-        x = self.embed[tokens]
 
         def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
             return rms_norm(v, weight, s.norm_eps)
 
-        for i, b in enumerate(self.blocks):
-            x = self.layer(i, b, x, cache, start, norm, rotate=lambda t: apply_rope(t, cos, sin))
-        cache.advance(len(tokens))
-        return self.head(rms_norm(x, self.norm, s.norm_eps))
+        def rotate(t: np.ndarray) -> np.ndarray:
+            return apply_rope(t, cos, sin)
+
+        layers = [partial(self.layer, i, b, cache=cache, start=start, norm=norm, rotate=rotate)
+                  for i, b in enumerate(self.blocks)]
+        return Stages(self.embed[tokens], layers, lambda x: self.head(rms_norm(x, self.norm, s.norm_eps)))

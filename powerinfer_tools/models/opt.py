@@ -7,6 +7,8 @@ and 512-wide embeddings projected in and out of the 1024-wide decoder
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 from gguf import MODEL_TENSOR as T
 
@@ -14,7 +16,8 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import OPT
-from powerinfer_tools.models.base import Block, CheckpointWeights, DecoderModel, load_block, optional, require, token_id
+from powerinfer_tools.models.base import (Block, CheckpointWeights, DecoderModel, Stages, load_block, optional, require,
+                                          token_id)
 from powerinfer_tools.models.layers import KVCache, Norm, linear, normalize
 
 # ModelSpec fields -> the config.json keys they come from, for error messages.
@@ -106,7 +109,7 @@ class Model(DecoderModel):
             tensors["final_norm"] = norm(T.OUTPUT_NORM)
         return cls(spec, tensors, blocks)
 
-    def forward(self, tokens: np.ndarray, cache: KVCache) -> np.ndarray:
+    def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
         s = self.spec
         start = cache.length
         x = self.embed[tokens]
@@ -117,11 +120,12 @@ class Model(DecoderModel):
         def ln(norm: Norm, v: np.ndarray) -> np.ndarray:
             return normalize(s.norm, norm, v, s.norm_eps)
 
-        for i, b in enumerate(self.blocks):
-            x = self.layer(i, b, x, cache, start, ln)
-        cache.advance(len(tokens))
-        if self.final_norm is not None:
-            x = ln(self.final_norm, x)
-        if self.project_out is not None:
-            x = linear(x, self.project_out)
-        return self.head(x)
+        def finish(x: np.ndarray) -> np.ndarray:
+            if self.final_norm is not None:
+                x = ln(self.final_norm, x)
+            if self.project_out is not None:
+                x = linear(x, self.project_out)
+            return self.head(x)
+
+        return Stages(x, [partial(self.layer, i, b, cache=cache, start=start, norm=ln)
+                          for i, b in enumerate(self.blocks)], finish)

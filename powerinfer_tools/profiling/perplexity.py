@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.formats.profile_folder import predictor_input
 from powerinfer_tools.interfaces import Engine, FFNMode
@@ -100,15 +101,17 @@ class PerplexityResult:
 
 
 def perplexity(model: DecoderModel, tokens: np.ndarray, seq_len: int, mode: str = FFNMode.DENSE.value,
-               choose: Chooser | None = None, progress: bool = True) -> PerplexityResult:
-    """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None);
-    ``mode`` names the result (an ``FFNMode`` word, or any other name for another ``choose``)."""
+               choose: Chooser | None = None, progress: bool = True,
+               thresholds: ActivationThresholds | None = None) -> PerplexityResult:
+    """Perplexity of the reference engine, computing the FFN neurons ``choose`` picks (all when None), or running a
+    SiLU model's ``thresholds``; ``mode`` names the result (an ``FFNMode`` word, or any other name)."""
     meter = SelectionMeter.zeros(model.spec.n_layers) if choose is not None else None
     model.neuron_selector = metered_selector(choose, meter) if choose is not None else None
+    model.activation_thresholds = thresholds
     try:
         mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
     finally:
-        model.neuron_selector = None
+        model.neuron_selector = model.activation_thresholds = None
     return PerplexityResult(mode, math.exp(mean), mean, scored, meter.summary() if meter is not None else None)
 
 
