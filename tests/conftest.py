@@ -47,6 +47,24 @@ def sparse_tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("sparse-tiny"), sparse=True)
 
 
+@pytest.fixture(scope="module")
+def silu_model(tmp_path_factory):
+    """The tiny SiLU (SwiGLU) LLaMA whose thresholds the training-free sparsity tests calibrate."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("silu"), seed=3, hidden_act="silu")
+
+
+@pytest.fixture(scope="module")
+def silu_model_and_tokens(silu_model):
+    """``silu_model`` on the reference engine, with 2,048 tokens of its held-out text."""
+    from powerinfer_tools.models import load_model_and_tokenizer
+    from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
+
+    model, tokenizer = load_model_and_tokenizer(silu_model)
+    return model, read_tokens(resolve_source((), None, silu_model), tokenizer, 2048)
+
+
 @pytest.fixture(scope="session")
 def numpy_checkpoint(tmp_path_factory):
     """The tiny ReLU LLaMA written with NumPy alone (numpy_models.tiny_checkpoint): tests copy it to damage it."""

@@ -18,26 +18,14 @@ from powerinfer_tools.formats.activation_thresholds import (RULE_KEY, TARGET_KEY
 from powerinfer_tools.models.layers import silu
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
-from powerinfer_tools.models import load_model, load_model_and_tokenizer
+from powerinfer_tools.models import load_model
 from powerinfer_tools.profiling import calibration as calibration_module
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.solver.model_stats import read_model_stats
 
 TARGET = 0.4
 RULES = list(SparsityRule)
-
-
-@pytest.fixture(scope="module")
-def silu_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("silu"), seed=3, hidden_act="silu")
-
-
-@pytest.fixture(scope="module")
-def calibration_tokens(silu_model):
-    model, tokenizer = load_model_and_tokenizer(silu_model)
-    return model, read_tokens(resolve_source((), None, silu_model), tokenizer, 2048)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +60,8 @@ def _kept_shares(model, tokens, thresholds) -> dict[str, list[float]]:
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.value)
-def test_calibrated_thresholds_keep_the_target_share_on_calibration_text(calibration_tokens, rule):
-    model, tokens = calibration_tokens
+def test_calibrated_thresholds_keep_the_target_share_on_calibration_text(silu_model_and_tokens, rule):
+    model, tokens = silu_model_and_tokens
     calibration = calibrate(model, tokens, CalibrationSettings(TARGET, rule, seq_len=256), progress=False)
     assert calibration.thresholds.rule is rule and len(calibration.thresholds.layers) == model.spec.n_layers
     shares = _kept_shares(model, tokens, calibration.thresholds)
@@ -86,11 +74,11 @@ def test_calibrated_thresholds_keep_the_target_share_on_calibration_text(calibra
     assert abs(frequencies.mean() - (1 - TARGET)) < 0.02 and frequencies.std() > 0.01  # some neurons hotter than others
 
 
-def test_thresholds_set_on_a_subset_of_the_windows_hold_on_the_others(calibration_tokens, monkeypatch):
+def test_thresholds_set_on_a_subset_of_the_windows_hold_on_the_others(silu_model_and_tokens, monkeypatch):
     """With fewer sampled tokens than calibration tokens (two windows of eight: the first and the last), the
     thresholds keep the target on a window that was never sampled, and frequencies count every token."""
     monkeypatch.setattr(calibration_module, "SAMPLE_TOKENS", 512)
-    model, tokens = calibration_tokens
+    model, tokens = silu_model_and_tokens
     calibration = calibrate(model, tokens, CalibrationSettings(TARGET, SparsityRule.CATS), progress=False)
     unseen = _kept_shares(model, tokens[3 * 256:], calibration.thresholds)["cats"]
     assert np.allclose(unseen, 1 - TARGET, atol=0.06), unseen

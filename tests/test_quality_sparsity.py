@@ -16,23 +16,10 @@ from powerinfer_tools.formats.model_file import open_model_file
 from tiny_models import build_tiny_model
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.models import load_model_and_tokenizer
 from powerinfer_tools.profiling import quality
-from powerinfer_tools.profiling.corpus import read_tokens, resolve_source
 from powerinfer_tools.profiling.perplexity import perplexity
 
 TOKENS = 2048
-
-
-@pytest.fixture(scope="module")
-def silu_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("silu"), seed=3, hidden_act="silu")
-
-
-@pytest.fixture(scope="module")
-def model_and_tokens(silu_model):
-    model, tokenizer = load_model_and_tokenizer(silu_model)
-    return model, read_tokens(resolve_source((), None, silu_model), tokenizer, TOKENS)
 
 
 def test_allocation_raises_the_cheap_layers_first_and_reaches_the_mean():
@@ -45,9 +32,9 @@ def test_allocation_raises_the_cheap_layers_first_and_reaches_the_mean():
     assert quality.allocate(costs, 0.99) == (grid[-1],) * 3  # at most the grid's top
 
 
-def test_the_choice_is_the_sparsest_point_within_the_limit_and_never_sees_the_held_out_tokens(model_and_tokens,
+def test_the_choice_is_the_sparsest_point_within_the_limit_and_never_sees_the_held_out_tokens(silu_model_and_tokens,
                                                                                             monkeypatch):
-    model, tokens = model_and_tokens
+    model, tokens = silu_model_and_tokens
     seen = []
     for name in ("sensitivity", "calibrate"):
         real = getattr(quality, name)
@@ -69,9 +56,9 @@ def test_the_choice_is_the_sparsest_point_within_the_limit_and_never_sees_the_he
     assert np.isclose(recomputed, choice.perplexity, rtol=1e-6)
 
 
-def test_no_point_within_the_limit_is_one_clear_error(model_and_tokens, monkeypatch):
+def test_no_point_within_the_limit_is_one_clear_error(silu_model_and_tokens, monkeypatch):
     """Every thresholded point made twice as perplexed as it is: none is within 5%."""
-    model, tokens = model_and_tokens
+    model, tokens = silu_model_and_tokens
 
     def doubled(*args, thresholds=None, **kwargs):
         result = perplexity(*args, thresholds=thresholds, **kwargs)
