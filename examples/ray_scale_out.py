@@ -1,6 +1,7 @@
-"""Predictor training on a Ray cluster of two nodes on this machine, against one process (docs/scale-out.md).
+"""Profiling and predictor training on a Ray cluster of two nodes on this machine, against one process
+(docs/scale-out.md).
 
-    python examples/ray_scale_out.py [--layers 4] [--work DIR] [--json]
+    python examples/ray_scale_out.py [--layers 4] [--profile-tokens 2048] [--work DIR] [--json]
 
 Needs the ray extra (pip install -e '.[ray]'). Steps:
 
@@ -12,7 +13,9 @@ Needs the ray extra (pip install -e '.[ray]'). Steps:
    of an empty task (median of 20), and one layer's pairs put into the object store and read by a task
    pinned to the other node;
 4. ``pitools train-predictors`` on the profile in one process, then with ``--ray``: wall times, seconds per
-   layer, and whether the two folders hold the same bytes.
+   layer, and whether the two folders hold the same bytes;
+5. ``pitools profile`` of the synthetic checkpoint (the reference engine running the model, on the bundled
+   held-out text, windows of 256 tokens) in one process, then with ``--ray``: the same.
 
 Every ``pitools`` process runs its BLAS on one thread, as each Ray task does (``ONE_THREAD``). On a
 machine shared with other work the times vary; the load average is printed with them.
@@ -38,7 +41,8 @@ sys.path.insert(0, str(REPO / "tests"))  # the two-node cluster the tests start
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PairStore
 from ray_cluster import two_nodes
 
-from powerinfer_tools.cluster.ray_training import ONE_THREAD
+from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.cluster.ray_session import ONE_THREAD
 
 CLI = "from powerinfer_tools.commands.cli import main; main()"
 
@@ -86,9 +90,21 @@ def task_overhead(address: str, profile: Path) -> dict:
         ray.shutdown()
 
 
+def compare_profiling(address: str, checkpoint: Path, tokens: int, work: Path) -> dict:
+    """``pitools profile`` of ``checkpoint`` in one process and on the cluster: wall times, same bytes or not."""
+    args = (checkpoint, "--corpus", BUNDLED_MODEL / "heldout.txt", "--tokens", tokens, "--seq-len", 256, "--force", "-q")
+    here, _ = pitools("profile", *args, "-o", work / "prof-here")
+    cluster, _ = pitools("profile", *args, "-o", work / "prof-ray", "--ray", address)
+    files = sorted(p.relative_to(work / "prof-here") for p in (work / "prof-here").rglob("*") if p.is_file())
+    same = all((work / "prof-here" / f).read_bytes() == (work / "prof-ray" / f).read_bytes() for f in files)
+    return {"profile_tokens": tokens, "profile_one_process_s": here, "profile_ray_two_nodes_s": cluster,
+            "profile_identical": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--profile-tokens", type=int, default=2048)
     parser.add_argument("--work", type=Path, default=Path("/tmp/pitools-scale-out"))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -103,6 +119,7 @@ def main() -> None:
         results.update(task_overhead(address, profile))
         here, log = pitools("train-predictors", profile, "-o", args.work / "pred-here", "--force")
         cluster, _ = pitools("train-predictors", profile, "-o", args.work / "pred-ray", "--force", "--ray", address)
+        results.update(compare_profiling(address, profile.parent / "checkpoint", args.profile_tokens, args.work))
     same = all((args.work / "pred-here" / name).read_bytes() == (args.work / "pred-ray" / name).read_bytes()
                for name in ("predictors.json", "predictors.safetensors"))
     results.update({"one_process_s": here, "ray_two_nodes_s": cluster, "identical": same,

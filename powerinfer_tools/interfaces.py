@@ -10,6 +10,8 @@ little, and each interface below is the least one kind of user asks for:
 * ``Tokenizer`` -- text to ids and back: the checkpoint's Hugging Face tokenizer
   (``tokenizer.CheckpointTokenizer``) and the one embedded in a GGUF file
   (``runtime.tokenizer.GGUFTokenizer``).
+* ``Workers`` -- where the pipeline's parallel work runs when not in this process (``--ray``):
+  ``convert`` and ``synth`` pass it to the profiler and the predictor trainer.
 
 Implementations name the interfaces they provide as base classes, so the type checker holds them
 to it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol
 
 import numpy as np
@@ -26,6 +29,8 @@ import numpy as np
 if TYPE_CHECKING:  # names for annotations only: every stage imports this module, it imports none
     from powerinfer_tools.formats.model_spec import ModelSpec
     from powerinfer_tools.models.layers import FFNHook
+    from powerinfer_tools.predictors.trainer import Candidates
+    from powerinfer_tools.profiling.profiler import WindowRecorder
     from powerinfer_tools.runtime.generation import StepFn
 
 
@@ -100,6 +105,15 @@ class Tokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """The vocabulary's spelling of one token (a special token's literal text)."""
         ...
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where predictor candidates are trained and profile windows recorded, when not in this process
+    (``cluster.workers.ray_workers``); each is a pure function of its input, so the output is the same."""
+
+    candidates: Candidates
+    windows: WindowRecorder
 
 
 @contextlib.contextmanager

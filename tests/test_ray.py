@@ -1,6 +1,6 @@
-"""``--ray ADDRESS``: predictor training on a real two-node Ray cluster started on this machine writes
-exactly what training in one process writes, survives a worker killed mid-task, and ends with one error
-line when a layer fails on every attempt; without Ray, ``--ray`` says how to install it."""
+"""``--ray ADDRESS``: profiling and predictor training on a real two-node Ray cluster started on this
+machine write exactly what one process writes, survive a worker killed mid-task, and end with one error
+line when a window or a layer fails on every attempt; without Ray, ``--ray`` says how to install it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from test_predictors import write_synthetic_profile
 from tiny_models import run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
-from powerinfer_tools.cluster.ray_training import CRASHES_VARIABLE, INSTALL_HINT, ONE_THREAD
+from powerinfer_tools.cluster.ray_session import CRASHES_VARIABLE, INSTALL_HINT, ONE_THREAD
 from powerinfer_tools.models import load_model
 
 # Quick training settings of train-predictors (the tiny model's two layers train in seconds).
@@ -106,6 +106,43 @@ def test_a_layer_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, 
     assert snapshot(tmp_path / "pred") == trained_here
 
 
+# The tiny model's held-out text: 2000 tokens in 16 windows of 128 (its context).
+PROFILE = ("--tokens", "2000", "--seq-len", "128", "-q")
+
+
+@pytest.fixture(scope="module")
+def profiled_here(sparse_tiny, tmp_path_factory):
+    """The profile folder `pitools profile` writes without --ray."""
+    out = tmp_path_factory.mktemp("here") / "prof"
+    pitools_on_one_thread("profile", sparse_tiny, "-o", out, *PROFILE)
+    return snapshot(out)
+
+
+def test_profiling_on_the_cluster_writes_the_profile_made_here_and_survives_a_lost_worker(
+        cluster, sparse_tiny, profiled_here, tmp_path):
+    address, crashes = cluster
+    (crashes / "crash-once-window-3").touch()  # window 3's first attempt kills its worker process
+    result = invoke("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address)
+    assert result.exit_code == 0, result.output
+    assert not (crashes / "crash-once-window-3").exists(), "no task profiled window 3, or none crashed"
+    assert snapshot(tmp_path / "prof") == profiled_here
+
+
+def test_a_window_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, sparse_tiny, profiled_here,
+                                                                        tmp_path):
+    address, crashes = cluster
+    (crashes / "crash-always-window-5").touch()
+    try:
+        fails("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address,
+              match="profiling window 5 (tokens 640-767) failed on the Ray cluster")
+    finally:
+        (crashes / "crash-always-window-5").unlink()
+    assert not (tmp_path / "prof" / "report.json").exists(), "a failed profile reported as if complete"
+    result = invoke("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address)
+    assert result.exit_code == 0, result.output
+    assert snapshot(tmp_path / "prof") == profiled_here
+
+
 @pytest.mark.slow
 def test_sizes_the_guess_did_not_try_are_trained_in_tasks_of_their_own(cluster, tmp_path):
     """Layer 0 needs hidden 16, layer 1 passes at the smallest, 8: layer 1's task searched ahead from 8
@@ -132,9 +169,12 @@ def test_sizes_the_guess_did_not_try_are_trained_in_tasks_of_their_own(cluster, 
 @pytest.mark.slow
 def test_convert_on_the_cluster_writes_the_same_file(cluster, sparse_tiny, tmp_path):
     address, crashes = cluster
-    (crashes / "crash-once-0").touch()  # proof that a task trained layer 0 (it crashes once, then passes)
+    # Proof that tasks profiled window 1 and trained layer 0 (each crashes once, then passes).
+    (crashes / "crash-once-window-1").touch()
+    (crashes / "crash-once-0").touch()
     for name, ray in (("here", ()), ("cluster", ("--ray", address))):
         pitools_on_one_thread("convert", sparse_tiny, "-o", tmp_path / f"{name}.gguf", "--tokens", 3000, "-q", *ray)
+    assert not (crashes / "crash-once-window-1").exists()
     assert not (crashes / "crash-once-0").exists()
     assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "cluster.gguf").read_bytes()
 

@@ -13,11 +13,11 @@ units choose the same size (the common case) the guess has tried every size the 
 Data: each unit's pairs (float16 inputs and packed fired bits, ``trainer.UnitRows``) are read from
 the profile here, on the driver, and put into Ray's object store once, when its task is submitted;
 Ray moves them to the node that runs the task. About two tasks per CPU of the cluster are under
-way at a time (``TASKS_PER_CPU``), so the store holds that many units' pairs, not the whole
+way at a time (``ray_session.TASKS_PER_CPU``), so the store holds that many units' pairs, not the whole
 profile. The nodes need no shared file system: only this process reads the profile and writes the
 predictor folder. Every node needs pitools (the same version) and Ray installed.
 
-Faults: a task whose worker process or node dies is retried by Ray (``MAX_RETRIES``); a task that
+Faults: a task whose worker process or node dies is retried by Ray (``ray_session.MAX_RETRIES``); a task that
 raises, or dies on every attempt, ends the command with one error naming the unit. The predictor
 folder holds the units finished before it, written in order (atomically), so the same command
 resumes after them.
@@ -25,18 +25,12 @@ resumes after them.
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
 
 import numpy as np
 
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.cluster.ray_session import RayCluster, crash_if_asked
 from powerinfer_tools.predictors.fit import Fit
 from powerinfer_tools.predictors.trainer import (
     LayerPairs,
@@ -48,76 +42,14 @@ from powerinfer_tools.predictors.trainer import (
     train_candidate,
 )
 
-# A lost worker or node is retried this many times; a Python exception in a task is not (it would
-# raise again on the same pairs).
-MAX_RETRIES = 3
-# Each task trains on one core, its BLAS on one thread: OpenBLAS splits a product's sums differently
-# over another number of threads, which changes the weights' last bits (measured: the predictors of
-# tests/test_ray.py's model differ between one and two threads). One thread makes a task's result the same
-# on every node of a CPU type, and the same as `train-predictors` run with OMP_NUM_THREADS=1.
-ONE_THREAD = {"env_vars": {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
-INSTALL_HINT = "--ray needs Ray: pip install 'powerinfer-tools[ray]'"
-
-# While the driver waits for a task, the progress bar shows the units done across the cluster this often.
-PROGRESS_SECONDS = 1.0
-# Units searching ahead per CPU of the cluster: one running, one waiting with its pairs already
-# moved, so that no CPU waits for the driver to read and send the next unit's.
-TASKS_PER_CPU = 2
-
-# For the fault-tolerance tests (tests/test_ray.py), which start their cluster with this variable
-# naming a folder: a task of unit N that finds the file crash-once-N there deletes it and kills its
-# own worker process, so only its first attempt dies; crash-always-N kills every attempt.
-CRASHES_VARIABLE = "PITOOLS_RAY_TEST_CRASHES"
-
-
-@contextmanager
-def ray_candidates(address: str | None) -> Iterator[RayCandidates | None]:
-    """None without ``--ray``; else candidates trained on the Ray cluster at ``address`` (``auto``: Ray's
-    own default, the cluster in $RAY_ADDRESS or the one ``ray start`` made on this machine, else a Ray
-    instance started for this command), left when the block ends."""
-    if address is None:
-        yield None
-        return
-    ray = _import_ray()
-    if address != "auto":
-        _check_reachable(address)
-    try:
-        ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR, log_to_driver=False)
-    except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise PitoolsError(f"--ray {address}: cannot join the Ray cluster: {_first_line(exc)}") from None
-    try:
-        yield RayCandidates(ray)
-    finally:
-        ray.shutdown()
-
-
-def _import_ray() -> ModuleType:
-    try:
-        import ray
-    except ImportError:
-        raise PitoolsError(INSTALL_HINT) from None
-    return ray
-
-
-def _check_reachable(address: str) -> None:
-    """Refuse a HOST:PORT where nothing listens: Ray itself retries such an address for minutes."""
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        return  # not HOST:PORT: Ray parses it, and refuses what it cannot
-    try:
-        socket.create_connection((host, int(port)), timeout=10).close()
-    except OSError as exc:
-        raise PitoolsError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
-
 
 class RayCandidates:
     """``trainer.Candidates`` trained by Ray tasks (the module docstring says how)."""
 
-    def __init__(self, ray: ModuleType):
-        self._ray = ray
-        options = {"num_cpus": 1, "max_retries": MAX_RETRIES, "retry_exceptions": False, "runtime_env": ONE_THREAD}
-        self._search_task = ray.remote(**options)(search_ahead)
-        self._fit_task = ray.remote(**options)(fit_one)
+    def __init__(self, cluster: RayCluster):
+        self._cluster = cluster
+        self._search_task = cluster.task(search_ahead)
+        self._fit_task = cluster.task(fit_one)
 
     def start(self, jobs: list[UnitJob], settings: TrainSettings, d_ff: int, device: str,
               describe: Callable[[str], None]) -> None:
@@ -126,7 +58,7 @@ class RayCandidates:
         self._loaded = 0
         self._waiting = deque(jobs)
         self._pairs, self._ahead = {}, {}  # of the units submitted and not yet loaded
-        self._in_flight = max(1, round(TASKS_PER_CPU * self._ray.cluster_resources().get("CPU", 1)))
+        self._in_flight = self._cluster.tasks_in_flight()
         self._submit()
 
     def _submit(self) -> None:
@@ -137,7 +69,8 @@ class RayCandidates:
             if rows is None:
                 continue
             # np.asarray: a layer's rows are memory maps; the store gets their data, not the map.
-            self._pairs[job.index] = self._ray.put(UnitRows(np.asarray(rows.x), np.asarray(rows.fired), rows.n_train))
+            self._pairs[job.index] = self._cluster.ray.put(UnitRows(np.asarray(rows.x), np.asarray(rows.fired),
+                                                                    rows.n_train))
             self._ahead[job.index] = self._search_task.remote(self._pairs[job.index], job.index, job.guessed_sizes,
                                                               job.guessed_start, *self._arguments)
 
@@ -156,22 +89,13 @@ class RayCandidates:
         return self._fits[hidden]
 
     def _result(self, index: int, task):
-        exceptions = self._ray.exceptions
-        try:
-            while not self._ray.wait([task], timeout=PROGRESS_SECONDS)[0]:
-                self._show_progress(index)
-            return self._ray.get(task)
-        except exceptions.RayTaskError as exc:  # the task raised: its error, not Ray's wrapping of it
-            cause = exc.cause if isinstance(exc.cause, Exception) else exc
-            message = str(cause) if isinstance(cause, PitoolsError) else f"{type(cause).__name__}: {_first_line(cause)}"
-        except exceptions.RayError as exc:  # lost: its worker or node died on every attempt, or its data
-            message = f"{type(exc).__name__} (a lost worker or node is retried {MAX_RETRIES} times)"
-        raise PitoolsError(f"{self._units[index]}: predictor training failed on the Ray cluster: {message}")
+        return self._cluster.result(task, f"{self._units[index]}: predictor training",
+                                    waiting=lambda: self._show_progress(index))
 
     def _show_progress(self, index: int) -> None:
         """Units searched so far across the cluster (loaded here, or their search task finished)."""
         ahead = list(self._ahead.values())
-        finished = len(self._ray.wait(ahead, num_returns=len(ahead), timeout=0)[0]) if ahead else 0
+        finished = len(self._cluster.ray.wait(ahead, num_returns=len(ahead), timeout=0)[0]) if ahead else 0
         self._describe(f"predictors: {self._loaded + finished}/{len(self._units)} units searched on the cluster, "
                        f"waiting for {self._units[index]}")
 
@@ -180,7 +104,7 @@ def search_ahead(rows: UnitRows, index: int, sizes: list[int], start: int, setti
                  device: str) -> dict[int, Fit]:
     """A Ray task: unit ``index``'s search on the guessed ``sizes`` and ``start``; every candidate it
     trained, by hidden size."""
-    _crash_if_asked(index)
+    crash_if_asked(str(index))
     data, xp = LayerPairs(*rows, d_ff), array_module(device)
     fits: dict[int, Fit] = {}
 
@@ -194,21 +118,5 @@ def search_ahead(rows: UnitRows, index: int, sizes: list[int], start: int, setti
 
 def fit_one(rows: UnitRows, index: int, hidden: int, settings: TrainSettings, d_ff: int, device: str) -> Fit:
     """A Ray task: unit ``index``'s candidate of size ``hidden``."""
-    _crash_if_asked(index)
+    crash_if_asked(str(index))
     return train_candidate(LayerPairs(*rows, d_ff), index, hidden, settings, array_module(device))
-
-
-def _crash_if_asked(index: int) -> None:
-    folder = os.environ.get(CRASHES_VARIABLE)
-    if not folder:
-        return
-    try:
-        os.unlink(Path(folder, f"crash-once-{index}"))  # atomic: one attempt alone finds the file
-    except FileNotFoundError:
-        if not Path(folder, f"crash-always-{index}").exists():
-            return
-    os._exit(1)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.conversion.convert import ConversionPlan
 from powerinfer_tools.conversion.convert import convert as convert_checkpoint
@@ -150,10 +150,10 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
         target_sparsity=target_sparsity, rule=SparsityRule(sparsity_rule),
         max_quality_loss=None if max_quality_loss is None else quality_loss(max_quality_loss),
     )
-    with ray_candidates(ray_address) as candidates:
+    with ray_workers(ray_address) as workers:
         path, plan = convert_checkpoint(
             source, output, outtype=outtype, dense=dense, predictors=predictors, profile=profile, sparsify=sparsify,
-            force=force, progress=not quiet, allow_nonfinite=allow_nonfinite, candidates=candidates,
+            force=force, progress=not quiet, allow_nonfinite=allow_nonfinite, workers=workers,
         )
     if not quiet:
         _report(plan, outtype, path)

@@ -44,13 +44,14 @@ def corpus_options(f):
 
 
 def ray_option(f):
-    """--ray [ADDRESS], shared by the commands that train predictors (read by ``cluster.ray_training``)."""
+    """--ray [ADDRESS], shared by the commands that profile or train predictors (read by ``cluster.workers``)."""
     return click.option(
         "--ray", "ray_address", metavar="[ADDRESS]", is_flag=False, flag_value="auto", default=None,
-        help="Train the predictors on a Ray cluster, a task per layer (per expert of a mixture): ADDRESS "
+        help="Profile (a task per window of calibration text) and train the predictors (a task per layer, "
+             "per expert of a mixture) on a Ray cluster: ADDRESS "
              "(host:port of its head) joins a running cluster; --ray alone joins $RAY_ADDRESS or the cluster "
              "`ray start` made on this machine, else starts Ray here. The same output as without it on one "
-             "BLAS thread (OMP_NUM_THREADS=1), as each task trains (docs/scale-out.md); needs pip install "
+             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs pip install "
              "'powerinfer-tools[ray]'. Put --ray alone after the "
              "arguments, or it takes the next one for its ADDRESS.",
     )(f)

@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.commands.options import corpus_options
+from powerinfer_tools.cluster.workers import ray_workers
+from powerinfer_tools.commands.options import corpus_options, ray_option
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.fileio import check_output_folder
 from powerinfer_tools.formats.profile_folder import load_profile
@@ -32,8 +33,9 @@ from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 @click.option("--export-powerinfer", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write PowerInfer's activation_N.pt files into this folder (needs torch).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@ray_option
 def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, output, pairs_mib, seed,
-            force, report_dir, as_json, export_powerinfer, quiet) -> None:
+            force, report_dir, as_json, export_powerinfer, quiet, ray_address) -> None:
     """Profile MODEL's FFN neurons on a calibration corpus.
 
     MODEL is a checkpoint folder or hub id (default: the bundled tiny ReLU
@@ -54,6 +56,7 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
       pitools profile -o prof
       pitools profile SparseLLM/ReluLLaMA-7B --corpus wiki.jsonl --tokens 200000 -o prof7b
       pitools profile --report prof --json
+      pitools profile ./ReluLLaMA-70B --corpus wiki.jsonl -o prof70b --ray 10.0.0.5:6379
     """
     if report_dir is None:
         if output is None:
@@ -64,7 +67,8 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
         profiler = Profiler(loaded.model, str(loaded.folder), loaded.tokens, loaded.source.describe(), output,
                             settings)
         try:
-            profiler.run(force=force, progress=not quiet)
+            with ray_workers(ray_address) as workers:
+                profiler.run(force=force, progress=not quiet, windows=workers and workers.windows)
         except KeyboardInterrupt as exc:
             raise Interrupted.of(exc).resumable(
                 f"run the same command again to resume from the last checkpoint in {output}") from None

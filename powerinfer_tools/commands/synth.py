@@ -21,7 +21,7 @@ from powerinfer_tools.benchmarking.synth import (
     synthesize,
     synthesize_silu,
 )
-from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
@@ -126,9 +126,9 @@ def synth(shape, output, activation, target_sparsity, sparsity_rule, density, la
                                    noise=planting.noise if noise is None else noise, routing_skew=routing_skew)
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
-    with ray_candidates(ray_address) as candidates:
+    with ray_workers(ray_address) as workers:
         summary = synthesize(shape, output, outtype, planting, profile_tokens=profile_tokens, train=train,
-                             candidates=candidates, **common).summary()
+                             candidates=workers and workers.candidates, **common).summary()
     click.echo(json.dumps(summary, indent=2) if as_json else _relu_report(summary))
 
 

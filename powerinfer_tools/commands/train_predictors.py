@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from powerinfer_tools.cluster.ray_training import ray_candidates
+from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import ray_option
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.fileio import check_output_folder
@@ -77,9 +77,10 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
         check_output_folder(output)
         settings = TrainSettings(recall=recall, budget=budget, min_precision=min_precision, epochs=epochs, seed=seed)
         try:
-            with ray_candidates(ray_address) as candidates:
+            with ray_workers(ray_address) as workers:
                 meta = predictors.train_predictors(profile_dir, output, settings, device=device, force=force,
-                                                   progress=not quiet, candidates=candidates)
+                                                   progress=not quiet,
+                                                   candidates=workers and workers.candidates)
         except KeyboardInterrupt as exc:
             raise Interrupted.of(exc).resumable(
                 f"run the same command again to resume after the last layer saved in {output}") from None

@@ -57,8 +57,8 @@ from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, bf16_to_f
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab
 from powerinfer_tools.formats.model_spec import FFNUnit
+from powerinfer_tools.interfaces import Workers
 from powerinfer_tools.models import ModelSpec, spec_from_config
-from powerinfer_tools.predictors.trainer import Candidates
 from powerinfer_tools.profiling.calibration import Calibration
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
@@ -282,7 +282,7 @@ def convert(
     progress: bool = True,
     allow_nonfinite: bool = False,
     calibration: Calibration | None = None,
-    candidates: Candidates | None = None,
+    workers: Workers | None = None,
 ) -> tuple[Path, ConversionPlan]:
     """Convert ``source`` (a checkpoint folder, a hub id or a GGUF file); return the output path and the
     plan written.
@@ -294,7 +294,7 @@ def convert(
     A SiLU model with ``sparsify.target_sparsity`` or ``max_quality_loss`` (or a ready ``calibration``) gets the
     PowerInfer layout with calibrated thresholds instead of predictors.
     NaN/inf weights are refused unless ``allow_nonfinite`` (profiling refuses them always).
-    ``candidates`` trains the predictors (``train_predictors``; default: in this process).
+    ``workers`` profile and train the predictors (``--ray``; default: in this process).
     """
     location = source_path(source, progress)
     checkpoint = open_source(location)
@@ -318,7 +318,7 @@ def convert(
                 Path(profile) if profile is not None else None,
                 Path(predictors) if predictors is not None else None,
                 progress,
-                candidates,
+                workers,
             )
             predictors = sparsity.predictors
         predictor_folder = read_predictors(predictors, spec) if predictors is not None else None

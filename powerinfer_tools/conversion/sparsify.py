@@ -21,10 +21,11 @@ from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.models import DecoderModel, load_model
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
-from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, train_predictors
+from powerinfer_tools.interfaces import Workers
+from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.calibration import Calibration, CalibrationSettings, calibrate
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
-from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
+from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings, WindowRecorder
 from powerinfer_tools.profiling.quality import choose_sparsity
 
 
@@ -80,12 +81,14 @@ def model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderMo
     return model, corpus, read_tokens(corpus, checkpoint.tokenizer(model.spec), settings.tokens)
 
 
-def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettings, progress: bool) -> None:
-    """Profile (or finish profiling) ``source``, a checkpoint folder or a GGUF file, into ``profile_dir``."""
+def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettings, progress: bool,
+                       windows: WindowRecorder | None = None) -> None:
+    """Profile (or finish profiling) ``source``, a checkpoint folder or a GGUF file, into ``profile_dir``, its
+    windows recorded by ``windows`` (default: in this process)."""
     model, corpus, tokens = model_on_corpus(source, settings)
     seq_len = min(settings.seq_len, model.spec.max_positions)
     Profiler(model, str(source), tokens, corpus.describe(), profile_dir, ProfileSettings(seq_len=seq_len)).run(
-        progress=progress
+        progress=progress, windows=windows
     )
 
 
@@ -114,10 +117,10 @@ def prepare_sparsity(
     profile_dir: Path | None = None,
     predictors_dir: Path | None = None,
     progress: bool = True,
-    candidates: Candidates | None = None,
+    workers: Workers | None = None,
 ) -> SparsityArtifacts:
     """Profile ``source`` (a checkpoint folder or a GGUF file) unless ``profile_dir`` is given, train
-    predictors (by ``candidates``: ``train_predictors``) unless ``predictors_dir`` is given.
+    predictors (``train_predictors``) unless ``predictors_dir`` is given; on ``workers`` when given (``--ray``).
 
     Given predictors alone (no profile), neurons keep their order and the file
     carries no firing frequencies (``pitools solve`` then needs a profile).
@@ -126,10 +129,11 @@ def prepare_sparsity(
         return SparsityArtifacts(predictors_dir, None, None)
     if profile_dir is None:
         profile_dir = work / "profile"
-        profile_checkpoint(source, profile_dir, settings, progress)
+        profile_checkpoint(source, profile_dir, settings, progress, workers and workers.windows)
     if predictors_dir is None:
         predictors_dir = work / "predictors"
-        train_predictors(profile_dir, predictors_dir, settings.train, progress=progress, candidates=candidates)
+        train_predictors(profile_dir, predictors_dir, settings.train, progress=progress,
+                         candidates=workers and workers.candidates)
     meta, stats = load_profile(profile_dir, require_complete=True)
     units, d_ff = profile_units(meta), meta["d_ff"]
     frequencies = {unit: stats.unit_frequencies(unit, d_ff) for unit in units}

@@ -14,8 +14,10 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -72,8 +74,19 @@ class PairSampler:
         return np.sort(rng.choice(n_tokens, size=k, replace=False))
 
 
+@dataclass(frozen=True)
+class WindowJob:
+    """One window of the corpus to profile: its ``tokens``, the first one's position ``start`` in the
+    corpus, and which of them (``rows``) become training pairs."""
+
+    index: int
+    start: int
+    tokens: np.ndarray
+    rows: np.ndarray
+
+
 @dataclass
-class _WindowRecorder:
+class WindowRecording:
     """FFN hook for one window: per-layer firing counts, absolute sums and the sampled pairs (``rows``
     of the window's tokens). A mixture's experts each see their own tokens; the recorder lays them out
     as one FFN of ``experts * d_ff`` neurons per layer (``formats.profile_folder``), with routing counts
@@ -120,6 +133,29 @@ def windows_of(tokens: np.ndarray, seq_len: int) -> list[np.ndarray]:
     return [tokens[i : i + seq_len] for i in range(0, len(tokens), seq_len)]
 
 
+def record_window(model: FFNTracer, job: WindowJob) -> WindowRecording:
+    """What ``model`` does on one window (a fresh cache): a pure function of the model and the job, so the
+    same wherever it runs (``cluster.ray_profiling`` runs it on a Ray cluster)."""
+    spec = model.spec
+    recording = WindowRecording(job.rows, spec.d_ff, spec.n_experts)
+    with tracing(model, recording):
+        model.forward(job.tokens, model.new_cache())
+    return recording
+
+
+class WindowRecorder(Protocol):
+    """Where windows are profiled: ``record`` yields each job's recording, in the jobs' order."""
+
+    def record(self, model: FFNTracer, jobs: list[WindowJob]) -> Iterator[WindowRecording]: ...
+
+
+class LocalWindows:
+    """Windows profiled in this process, one after the other."""
+
+    def record(self, model: FFNTracer, jobs: list[WindowJob]) -> Iterator[WindowRecording]:
+        return (record_window(model, job) for job in jobs)
+
+
 class Profiler:
     """Profiles ``model`` on ``tokens`` into ``folder``, resuming whatever run of the same identity is there."""
 
@@ -153,41 +189,44 @@ class Profiler:
             "seed": settings.seed,
         }
 
-    def run(self, force: bool = False, progress: bool = True) -> FiringStats:
+    def run(self, force: bool = False, progress: bool = True, windows: WindowRecorder | None = None) -> FiringStats:
+        """Profile the windows not done yet, each recorded by ``windows`` (default: ``LocalWindows``) and
+        added here in corpus order, so the folder is the same wherever they were recorded."""
         stats, done = self._start_or_resume(force)
         spec = self.model.spec
-        n_layers = spec.n_layers
         shape = (self.sampler.capacity, spec.d_model, fired_bits(spec.d_ff, spec.n_experts))
-        pairs = PairStore.open(self.folder / PAIRS_DIR, n_layers, shape) if self.sampler.capacity else None
-        starts = np.cumsum([0] + [len(w) for w in self.windows])
+        pairs = PairStore.open(self.folder / PAIRS_DIR, spec.n_layers, shape) if self.sampler.capacity else None
+        jobs = self._jobs(done)
         last_checkpoint = time.monotonic()
-        bar = progress_bar(total=int(starts[-1]), initial=int(starts[done]), unit="tok", desc="profile",
-                           enabled=progress)
+        bar = progress_bar(total=sum(len(w) for w in self.windows), initial=sum(len(w) for w in self.windows[:done]),
+                           unit="tok", desc="profile", enabled=progress)
         with bar:
-            for w in range(done, len(self.windows)):
-                self._profile_window(w, int(starts[w]), stats, pairs)
-                bar.update(len(self.windows[w]))
-                if w + 1 == len(self.windows) or time.monotonic() - last_checkpoint >= self.settings.checkpoint_seconds:
-                    self._checkpoint(stats, pairs, w + 1)
+            for job, recording in zip(jobs, (windows or LocalWindows()).record(self.model, jobs)):
+                self._add_window(job, recording, stats, pairs)
+                bar.update(len(job.tokens))
+                if job.index + 1 == len(self.windows) or \
+                        time.monotonic() - last_checkpoint >= self.settings.checkpoint_seconds:
+                    self._checkpoint(stats, pairs, job.index + 1)
                     last_checkpoint = time.monotonic()
         return stats
 
-    def _profile_window(self, w: int, start: int, stats: FiringStats, pairs: PairStore | None) -> None:
-        window = self.windows[w]
-        spec = self.model.spec
-        recorder = _WindowRecorder(self.sampler.rows(w, start, len(window)), spec.d_ff, spec.n_experts)
-        with tracing(self.model, recorder):
-            self.model.forward(window, self.model.new_cache())
+    def _jobs(self, done: int) -> list[WindowJob]:
+        starts = [int(s) for s in np.cumsum([0] + [len(w) for w in self.windows])]
+        return [WindowJob(w, starts[w], window, self.sampler.rows(w, starts[w], len(window)))
+                for w, window in enumerate(self.windows) if w >= done]
+
+    def _add_window(self, job: WindowJob, recording: WindowRecording, stats: FiringStats,
+                    pairs: PairStore | None) -> None:
         # Totals change only once the whole window is through, so a checkpoint never holds half a window.
-        row = self.sampler.first_row(start)
+        row = self.sampler.first_row(job.start)
         for layer in range(stats.n_layers):
-            stats.fire_count[layer] += recorder.fire_count[layer]
-            stats.abs_sum[layer] += recorder.abs_sum[layer]
+            stats.fire_count[layer] += recording.fire_count[layer]
+            stats.abs_sum[layer] += recording.abs_sum[layer]
             if stats.routed is not None:
-                stats.routed[layer] += recorder.routed[layer]
-            if len(recorder.rows):
-                pairs.write(layer, row, *recorder.pairs[layer])
-        stats.tokens += len(window)
+                stats.routed[layer] += recording.routed[layer]
+            if len(recording.rows):
+                pairs.write(layer, row, *recording.pairs[layer])
+        stats.tokens += len(job.tokens)
 
     def _start_or_resume(self, force: bool) -> tuple[FiringStats, int]:
         spec = self.model.spec
@@ -229,7 +268,9 @@ class Profiler:
         # the stats file (atomically replaced) is what a resume trusts.
         if pairs is not None:
             pairs.flush()
-        stats.save(self.folder / STATS_FILE, {"format": FORMAT, "windows_done": str(windows_done)})
+        # One metadata key (the format is profile.json's): safetensors writes several in its Rust hash
+        # map's per-process order, so the same stats would differ in bytes between runs.
+        stats.save(self.folder / STATS_FILE, {"windows_done": str(windows_done)})
         self._write_profile_json(windows_done, stats.tokens)
 
     def _write_profile_json(self, windows_done: int, tokens_done: int) -> None:
