@@ -220,7 +220,7 @@ def test_cli_errors_are_one_line(tiny, tmp_path):
 
 
 def test_cli_interrupt_says_how_to_resume(tiny, tmp_path, monkeypatch):
-    def interrupted(self, force, progress):
+    def interrupted(self, force, progress, windows):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Profiler, "run", interrupted)
