@@ -15,7 +15,8 @@ Needs the ray extra (pip install -e '.[ray]'). Steps:
 4. ``pitools train-predictors`` on the profile in one process, then with ``--ray``: wall times, seconds per
    layer, and whether the two folders hold the same bytes;
 5. ``pitools profile`` of the synthetic checkpoint (the reference engine running the model, on the bundled
-   held-out text, windows of 256 tokens) in one process, then with ``--ray``: the same.
+   held-out text, windows of 256 tokens) in one process, then with ``--ray`` (a task per window), then
+   with ``--ray --layer-ranges 2`` (an actor holding each half of the layers): the same.
 
 Every ``pitools`` process runs its BLAS on one thread, as each Ray task does (``ONE_THREAD``). On a
 machine shared with other work the times vary; the load average is printed with them.
@@ -91,14 +92,17 @@ def task_overhead(address: str, profile: Path) -> dict:
 
 
 def compare_profiling(address: str, checkpoint: Path, tokens: int, work: Path) -> dict:
-    """``pitools profile`` of ``checkpoint`` in one process and on the cluster: wall times, same bytes or not."""
+    """``pitools profile`` of ``checkpoint`` in one process, on the cluster (a task per window) and with a
+    range of layers per node (``--layer-ranges 2``): wall times, and whether each wrote the same bytes."""
     args = (checkpoint, "--corpus", BUNDLED_MODEL / "heldout.txt", "--tokens", tokens, "--seq-len", 256, "--force", "-q")
     here, _ = pitools("profile", *args, "-o", work / "prof-here")
-    cluster, _ = pitools("profile", *args, "-o", work / "prof-ray", "--ray", address)
+    results = {"profile_tokens": tokens, "profile_one_process_s": here}
     files = sorted(p.relative_to(work / "prof-here") for p in (work / "prof-here").rglob("*") if p.is_file())
-    same = all((work / "prof-here" / f).read_bytes() == (work / "prof-ray" / f).read_bytes() for f in files)
-    return {"profile_tokens": tokens, "profile_one_process_s": here, "profile_ray_two_nodes_s": cluster,
-            "profile_identical": same}
+    for name, ray in (("ray_two_nodes", ()), ("ray_layer_ranges_2", ("--layer-ranges", 2))):
+        results[f"profile_{name}_s"], _ = pitools("profile", *args, "-o", work / f"prof-{name}", "--ray", address, *ray)
+        results[f"profile_{name}_identical"] = all(
+            (work / "prof-here" / f).read_bytes() == (work / f"prof-{name}" / f).read_bytes() for f in files)
+    return results
 
 
 def main() -> None:

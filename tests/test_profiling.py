@@ -20,7 +20,8 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens, resolve_source
-from powerinfer_tools.profiling.profiler import PairSampler, Profiler, ProfileSettings, windows_of
+from powerinfer_tools.profiling.profiler import (PairSampler, Profiler, ProfileSettings, WindowJob, record_layers,
+                                                record_window, windows_of)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,33 @@ def test_stats_and_pairs_match_brute_force(tiny, tmp_path):
         np.testing.assert_array_equal(store.x[layer], predictor_input(x[layer][kept]).astype(np.float16))
         np.testing.assert_array_equal(np.unpackbits(store.fired[layer], axis=1, count=160).astype(bool),
                                       fired[layer][kept])
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_ranges_of_layers_each_loaded_alone_record_what_the_whole_model_records(tmp_path, family):
+    """What ``--layer-ranges`` runs on the cluster: models of a range of layers each (the others not read),
+    the residual stream passed from one to the next, their recordings merged: the whole model's window."""
+    overrides = {**(TINY_RELU_LLAMA if family == "llama" else OPT), "num_hidden_layers": 5}
+    build(tmp_path, family, config_overrides=overrides)
+    tokens = np.random.default_rng(4).integers(0, 80, 40)
+    job = WindowJob(index=0, start=0, tokens=tokens, rows=np.array([3, 17, 39]))
+    whole = record_window(load_model(Checkpoint(tmp_path)), job)
+    merged, stream = None, None
+    for layers in (range(0, 2), range(2, 3), range(3, 5)):
+        part_model = load_model(Checkpoint(tmp_path), layers=layers)
+        assert [b is not None for b in part_model.blocks] == [i in layers for i in range(5)]
+        part, stream = record_layers(part_model, job, layers, stream)
+        assert sorted(part.fire_count) == list(layers)
+        if merged is None:
+            merged = part
+        else:
+            merged.add(part)
+    assert sorted(merged.fire_count) == sorted(whole.fire_count) == list(range(5))
+    for layer in range(5):
+        np.testing.assert_array_equal(merged.fire_count[layer], whole.fire_count[layer])
+        np.testing.assert_array_equal(merged.abs_sum[layer], whole.abs_sum[layer])
+        for mine, theirs in zip(merged.pairs[layer], whole.pairs[layer]):  # (inputs, fired)
+            np.testing.assert_array_equal(mine, theirs)
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])

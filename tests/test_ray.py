@@ -4,6 +4,7 @@ line when a window or a layer fails on every attempt; without Ray, ``--ray`` say
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,6 +20,8 @@ from ray_cluster import two_nodes
 from test_predictors import write_synthetic_profile
 from tiny_models import run_profiler
 
+from powerinfer_tools.benchmarking.synth import HARDNESS, SHAPES, write_checkpoint
+from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.cluster.ray_session import CRASHES_VARIABLE, INSTALL_HINT, ONE_THREAD
 from powerinfer_tools.models import load_model
@@ -143,6 +146,37 @@ def test_a_window_failing_every_time_is_one_error_and_the_rerun_resumes(cluster,
     assert snapshot(tmp_path / "prof") == profiled_here
 
 
+def test_ranges_of_layers_on_actors_write_the_profile_made_here_and_survive_a_lost_actor(
+        cluster, sparse_tiny, profiled_here, tmp_path):
+    """--layer-ranges 2: an actor per layer of the two, on the two nodes, the stream passed between them."""
+    address, crashes = cluster
+    (crashes / "crash-once-layers-1-window-4").touch()  # layer 1's actor dies on window 4, once
+    result = invoke("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address, "--layer-ranges", 2)
+    assert result.exit_code == 0, result.output
+    assert not (crashes / "crash-once-layers-1-window-4").exists(), "no actor ran window 4 on layer 1, or none crashed"
+    assert snapshot(tmp_path / "prof") == profiled_here
+
+
+def test_ranges_of_layers_are_checked_before_anything_is_written(cluster, sparse_tiny, tmp_path):
+    address, _ = cluster
+    fails("profile", sparse_tiny, "-o", tmp_path / "a", *PROFILE, "--ray", address, "--layer-ranges", 3,
+          match="--layer-ranges 3: the model has only 2 layers")
+    fails("profile", sparse_tiny, "-o", tmp_path / "b", *PROFILE, "--layer-ranges", 2,
+          match="--layer-ranges runs the ranges on a Ray cluster: give --ray too")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_range_failing_every_time_is_one_error_naming_window_and_layers(cluster, sparse_tiny, tmp_path):
+    address, crashes = cluster
+    (crashes / "crash-always-layers-0-window-2").touch()
+    try:
+        fails("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address, "--layer-ranges", 2,
+              match="profiling window 2 (tokens 256-383) on layer 0 failed on the Ray cluster")
+    finally:
+        (crashes / "crash-always-layers-0-window-2").unlink()
+    assert not (tmp_path / "prof" / "report.json").exists(), "a failed profile reported as if complete"
+
+
 @pytest.mark.slow
 def test_sizes_the_guess_did_not_try_are_trained_in_tasks_of_their_own(cluster, tmp_path):
     """Layer 0 needs hidden 16, layer 1 passes at the smallest, 8: layer 1's task searched ahead from 8
@@ -177,6 +211,29 @@ def test_convert_on_the_cluster_writes_the_same_file(cluster, sparse_tiny, tmp_p
     assert not (crashes / "crash-once-window-1").exists()
     assert not (crashes / "crash-once-0").exists()
     assert (tmp_path / "here.gguf").read_bytes() == (tmp_path / "cluster.gguf").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_tinyllama_shape_model_is_profiled_and_trained_on_the_cluster_as_here(cluster, tmp_path):
+    """TinyLlama's widths (d_model 2048, d_ff 5632), two layers: windows and layers of a real size, the
+    model (0.8 GB in float32) moved to the workers through the object store, or read a range of layers
+    per actor. The two steps `convert` runs, each compared (convert itself is compared on the bundled
+    model above), predictors under a small budget (half a percent of the FFN weights: hidden 16-24, a
+    layer in 15 s; the default budget's wider candidates on 1,024 pairs take over ten minutes)."""
+    address, _ = cluster
+    shape = dataclasses.replace(SHAPES["tinyllama-1.1b"], n_layers=2)
+    write_checkpoint(tmp_path / "checkpoint", shape, HARDNESS["medium"].planting(shape, 0.1, seed=0))
+    profile = (tmp_path / "checkpoint", "--corpus", BUNDLED_MODEL / "heldout.txt", "--tokens", 1024, "--seq-len", 256,
+               "-q")
+    ways = {"here": (), "cluster": ("--ray", address), "ranges": ("--ray", address, "--layer-ranges", 2)}
+    for name, ray in ways.items():
+        pitools_on_one_thread("profile", *profile, "-o", tmp_path / f"prof-{name}", *ray)
+    assert snapshot(tmp_path / "prof-cluster") == snapshot(tmp_path / "prof-here")
+    assert snapshot(tmp_path / "prof-ranges") == snapshot(tmp_path / "prof-here")
+    for name, ray in (("here", ()), ("cluster", ("--ray", address))):
+        pitools_on_one_thread("train-predictors", tmp_path / "prof-here", "-o", tmp_path / f"pred-{name}",
+                              "--budget", 0.005, "--epochs", 2, "-q", *ray)
+    assert snapshot(tmp_path / "pred-cluster") == snapshot(tmp_path / "pred-here")
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ returns its recording: per layer a count and a float64 sum per neuron, and its s
 (float16 inputs, fired bits), ~16·n_layers·d_ff bytes plus the pairs, 2 MB a window at TinyLlama's
 widths. About two windows per cluster CPU are under way at a time (``ray_session.TASKS_PER_CPU``),
 so the driver holds that many recordings, not the profile. The nodes share no file system: only the
-driver reads the corpus and writes the profile folder. Each node needs memory for the whole model
-(a range of layers per node, for a model larger than one node, is not implemented).
+driver reads the corpus and writes the profile folder. Each node needs memory for the whole model;
+for a model larger than one node, ``ray_layer_ranges`` gives each node a range of its layers.
 
 Faults: as for training (``ray_session``): a lost worker is retried; a window that raises or is lost
 on every attempt ends the command with one line naming it, and the folder keeps its last checkpoint,

@@ -3,8 +3,9 @@ BLAS thread each, retries of lost workers, one error line for a task that fails,
 while the driver waits.
 
 Two kinds of work run there: predictor training, a task per FFN unit (``ray_training``), and
-profiling, a task per window of the calibration text (``ray_profiling``). ``ray_workers`` hands
-both to the pipeline as an ``interfaces.Workers``.
+profiling, a task per window of the calibration text (``ray_profiling``) or, for a model larger than
+a node, an actor per range of layers (``ray_layer_ranges``). ``ray_workers`` hands them to the
+pipeline as an ``interfaces.Workers``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ class RayCluster:
         """``function`` as a Ray task on one CPU and one BLAS thread, retried when its worker is lost."""
         return self.ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False,
                                runtime_env=ONE_THREAD)(function)
+
+    def actor(self, cls: type) -> Any:
+        """``cls`` as a Ray actor on one CPU and one BLAS thread, the actors spread over the nodes, restarted
+        when its process is lost and its calls then retried."""
+        return self.ray.remote(num_cpus=1, max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES,
+                               runtime_env=ONE_THREAD, scheduling_strategy="SPREAD")(cls)
 
     def tasks_in_flight(self) -> int:
         return max(1, round(TASKS_PER_CPU * self.ray.cluster_resources().get("CPU", 1)))

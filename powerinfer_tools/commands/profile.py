@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
+from powerinfer_tools.cluster.ray_layer_ranges import layer_ranges as cut_into_ranges
 from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import corpus_options, ray_option
 from powerinfer_tools.errors import Interrupted, PitoolsError
@@ -34,8 +35,13 @@ from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
               help="Also write PowerInfer's activation_N.pt files into this folder (needs torch).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @ray_option
+@click.option("--layer-ranges", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --ray, for a model larger than one node's memory: cut its layers into N ranges, each "
+                   "held by a Ray actor that reads only its layers from MODEL's folder, which must be at the "
+                   "same path on every node; windows pass from range to range. Needs N CPUs on the cluster. "
+                   "The same profile as without it.")
 def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, output, pairs_mib, seed,
-            force, report_dir, as_json, export_powerinfer, quiet, ray_address) -> None:
+            force, report_dir, as_json, export_powerinfer, quiet, ray_address, layer_ranges) -> None:
     """Profile MODEL's FFN neurons on a calibration corpus.
 
     MODEL is a checkpoint folder or hub id (default: the bundled tiny ReLU
@@ -57,17 +63,23 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
       pitools profile SparseLLM/ReluLLaMA-7B --corpus wiki.jsonl --tokens 200000 -o prof7b
       pitools profile --report prof --json
       pitools profile ./ReluLLaMA-70B --corpus wiki.jsonl -o prof70b --ray 10.0.0.5:6379
+      pitools profile /shared/ReluLLaMA-70B --corpus wiki.jsonl -o prof70b --ray 10.0.0.5:6379 --layer-ranges 4
     """
     if report_dir is None:
         if output is None:
             raise PitoolsError("give -o DIR to profile into, or --report DIR to report on an existing profile")
+        if layer_ranges is not None and ray_address is None:
+            raise PitoolsError("--layer-ranges runs the ranges on a Ray cluster: give --ray too")
         check_output_folder(output)
-        loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
+        # With ranges of layers on the cluster, this process reads no layer: a model larger than its memory.
+        loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
+                                       layers=None if layer_ranges is None else range(0))
         settings = ProfileSettings(seq_len=loaded.seq_len, pairs_mib=pairs_mib, seed=seed)
         profiler = Profiler(loaded.model, str(loaded.folder), loaded.tokens, loaded.source.describe(), output,
                             settings)
+        ranges = None if layer_ranges is None else cut_into_ranges(loaded.model.spec.n_layers, layer_ranges)
         try:
-            with ray_workers(ray_address) as workers:
+            with ray_workers(ray_address, ranges, loaded.folder) as workers:
                 profiler.run(force=force, progress=not quiet, windows=workers and workers.windows)
         except KeyboardInterrupt as exc:
             raise Interrupted.of(exc).resumable(

@@ -52,16 +52,18 @@ def config_from_spec(spec: ModelSpec) -> dict:
     return (gemma3 if spec.architecture == gemma3.ARCHITECTURE else llama).config_from_spec(spec)
 
 
-def load_model(checkpoint: Checkpoint, dtype=np.float32) -> DecoderModel:
-    """The reference NumPy model of a checkpoint folder, weights converted to ``dtype``."""
+def load_model(checkpoint: Checkpoint, dtype=np.float32, layers: range | None = None) -> DecoderModel:
+    """The reference NumPy model of a checkpoint folder, weights converted to ``dtype``; with ``layers``, only
+    those layers' blocks are read (``DecoderModel.from_checkpoint``)."""
     spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-    return _module_for(checkpoint.config).Model.from_checkpoint(spec, checkpoint, dtype)
+    return _module_for(checkpoint.config).Model.from_checkpoint(spec, checkpoint, dtype, layers)
 
 
-def load_model_and_tokenizer(folder: Path) -> tuple[DecoderModel, CheckpointTokenizer]:
-    """A checkpoint folder's reference model and its tokenizer (with the model's special tokens)."""
+def load_model_and_tokenizer(folder: Path, layers: range | None = None) -> tuple[DecoderModel, CheckpointTokenizer]:
+    """A checkpoint folder's reference model (of ``layers`` only, if given) and its tokenizer (with the
+    model's special tokens)."""
     checkpoint = Checkpoint(folder)
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, layers=layers)
     return model, checkpoint.tokenizer(model.spec)
 
 

@@ -70,8 +70,14 @@ class CheckpointWeights:
     config.json implies, and refused when it holds NaN or infinite values (nothing computed from
     them would mean anything, and a profile of them would be silently wrong)."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype):
-        self.checkpoint, self.dtype = checkpoint, dtype
+    def __init__(self, checkpoint: Checkpoint, dtype, layers: range | None = None):
+        self.checkpoint, self.dtype, self.layers = checkpoint, dtype, layers
+
+    def blocks(self, spec: ModelSpec, load: Callable[[int], Block]) -> list[Block | None]:
+        """Each layer's block, ``load(layer)``; with ``layers``, None outside that range: a node holding
+        part of a model larger than its memory (``cluster/ray_layer_ranges.py``) reads no other layer."""
+        held = range(spec.n_layers) if self.layers is None else self.layers
+        return [load(i) if i in held else None for i in range(spec.n_layers)]
 
     def get(self, name: str, *shape: int) -> np.ndarray:
         self.checkpoint.check_weight(name, shape)
@@ -175,7 +181,10 @@ class DecoderModel(Engine, FFNTracer):
         self.compute_logits = True
 
     @classmethod
-    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "DecoderModel":
+    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
+                        layers: range | None = None) -> "DecoderModel":
+        """The model, weights as ``dtype``; with ``layers``, only those layers' blocks (the others None) and
+        the embeddings and output head: a range to run with ``stages``."""
         raise NotImplementedError
 
     def new_cache(self) -> KVCache:

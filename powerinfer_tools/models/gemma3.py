@@ -122,15 +122,16 @@ def config_from_spec(spec: ModelSpec) -> dict:
 
 class Model(llama.Model):
     @classmethod
-    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> Model:
-        w = CheckpointWeights(checkpoint, dtype)
+    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
+                        layers: range | None = None) -> Model:
+        w = CheckpointWeights(checkpoint, dtype, layers)
         d, vocab, hf = spec.d_model, spec.vocab_size, GEMMA3.hf_name
         widths = {T.ATTN_Q_NORM: spec.head_dim, T.ATTN_K_NORM: spec.head_dim}
 
         def norm(tensor: T, layer: int | None = None) -> np.ndarray:  # the (1 + w) of every Gemma RMSNorm
             return w.get(hf(tensor, layer), widths.get(tensor, d)) + dtype(GEMMA3.norm_offset)
 
-        blocks = [load_block(w, GEMMA3, spec, i, norm) for i in range(spec.n_layers)]
+        blocks = w.blocks(spec, lambda i: load_block(w, GEMMA3, spec, i, norm))
         embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
         untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
         return cls(spec, embed, blocks, norm(T.OUTPUT_NORM), w.get(hf(T.OUTPUT), vocab, d) if untied else embed)

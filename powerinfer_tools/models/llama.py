@@ -106,17 +106,21 @@ class Model(DecoderModel):
         self.dtype = embed.dtype
 
     @classmethod
-    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
-        w = CheckpointWeights(checkpoint, dtype)
+    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
+                        layers: range | None = None) -> "Model":
+        w = CheckpointWeights(checkpoint, dtype, layers)
         d, vocab = spec.d_model, spec.vocab_size
         table = TABLES[spec.architecture]  # LLaMA's, or Mixtral's with experts
         hf = table.hf_name  # the checkpoint's tensor names
-        blocks = [load_block(w, table, spec, i, lambda tensor, layer: w.get(hf(tensor, layer), d))
-                  for i in range(spec.n_layers)]
+
+        def norm(tensor: T, layer: int | None = None) -> np.ndarray:
+            return w.get(hf(tensor, layer), d)
+
+        blocks = w.blocks(spec, lambda i: load_block(w, table, spec, i, norm))
         embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
         untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
         lm_head = w.get(hf(T.OUTPUT), vocab, d) if untied else embed
-        return cls(spec, embed, blocks, w.get(hf(T.OUTPUT_NORM), d), lm_head)
+        return cls(spec, embed, blocks, norm(T.OUTPUT_NORM), lm_head)
 
     def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
         s = self.spec

@@ -85,15 +85,16 @@ class Model(DecoderModel):
         self.dtype = self.embed.dtype
 
     @classmethod
-    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32) -> "Model":
-        w = CheckpointWeights(checkpoint, dtype)
+    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
+                        layers: range | None = None) -> "Model":
+        w = CheckpointWeights(checkpoint, dtype, layers)
         d = spec.d_model
         hf = OPT.hf_name  # the checkpoint's tensor names
 
         def norm(tensor: T, layer: int | None = None) -> Norm:
             return Norm(w.get(hf(tensor, layer), d), w.get(hf(tensor, layer, "bias"), d))
 
-        blocks = [load_block(w, OPT, spec, i, norm) for i in range(spec.n_layers)]
+        blocks = w.blocks(spec, lambda i: load_block(w, OPT, spec, i, norm))
         embed = w.get(hf(T.TOKEN_EMBD), spec.vocab_size, spec.token_embed_dim)
         lm_head = OPT.row(None, "lm_head").hf_name()
         untied = not spec.tied_embeddings and lm_head in checkpoint

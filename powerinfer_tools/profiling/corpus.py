@@ -110,10 +110,12 @@ class ModelOnCorpus:
 
 
 def load_model_and_corpus(model_arg: str, corpus: tuple[Path, ...], dataset: str | None, split: str,
-                          text_field: str, n_tokens: int, seq_len: int | None, skip_tokens: int) -> ModelOnCorpus:
-    """A checkpoint (folder or hub id) on the reference engine, and the corpus tokens it will read."""
+                          text_field: str, n_tokens: int, seq_len: int | None, skip_tokens: int,
+                          layers: range | None = None) -> ModelOnCorpus:
+    """A checkpoint (folder or hub id) on the reference engine (of ``layers`` only, if given), and the
+    corpus tokens it will read."""
     folder = resolve_checkpoint(model_arg)
-    model, tokenizer = load_model_and_tokenizer(folder)
+    model, tokenizer = load_model_and_tokenizer(folder, layers)
     source = resolve_source(corpus, dataset, folder, split, text_field)
     tokens, seq_len = corpus_tokens(source, tokenizer, model.spec.max_positions, n_tokens, seq_len, skip_tokens)
     return ModelOnCorpus(folder, model, source, tokens, seq_len)

@@ -39,6 +39,7 @@ from powerinfer_tools.formats.profile_folder import (
     write_profile_json,
 )
 from powerinfer_tools.interfaces import FFNTracer, tracing
+from powerinfer_tools.models.base import DecoderModel
 from powerinfer_tools.models.layers import FFNTrace
 from powerinfer_tools.progress import progress_bar
 
@@ -100,6 +101,12 @@ class WindowRecording:
     routed: dict[int, np.ndarray] = field(default_factory=dict)
     pairs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
+    def add(self, other: "WindowRecording") -> None:
+        """Take in the layers ``other`` recorded of the same window (another range of layers)."""
+        for mine, theirs in ((self.fire_count, other.fire_count), (self.abs_sum, other.abs_sum),
+                             (self.routed, other.routed), (self.pairs, other.pairs)):
+            mine.update(theirs)
+
     def __call__(self, trace: FFNTrace) -> None:
         if trace.expert is not None:
             return self._expert(trace)
@@ -141,6 +148,21 @@ def record_window(model: FFNTracer, job: WindowJob) -> WindowRecording:
     with tracing(model, recording):
         model.forward(job.tokens, model.new_cache())
     return recording
+
+
+def record_layers(model: DecoderModel, job: WindowJob, layers: range,
+                  entering: np.ndarray | None = None) -> tuple[WindowRecording, np.ndarray]:
+    """What ``layers`` (consecutive) do on one window, given the residual stream ``entering`` the first
+    (None: the window's embeddings), and the stream leaving the last: a range of layers per node, the
+    stream passed on (``cluster.ray_layer_ranges``): each layer recorded as ``record_window`` records it."""
+    spec = model.spec
+    recording = WindowRecording(job.rows, spec.d_ff, spec.n_experts)
+    with tracing(model, recording):
+        stages = model.stages(job.tokens, model.new_cache())
+        x = stages.embedded if entering is None else entering
+        for layer in layers:
+            x = stages.layers[layer](x)
+    return recording, x
 
 
 class WindowRecorder(Protocol):
