@@ -214,12 +214,10 @@ def test_convert_on_the_cluster_writes_the_same_file(cluster, sparse_tiny, tmp_p
 
 
 @pytest.mark.slow
-def test_a_tinyllama_shape_model_is_profiled_and_trained_on_the_cluster_as_here(cluster, tmp_path):
+def test_a_tinyllama_shape_model_is_profiled_and_synthesised_on_the_cluster_as_here(cluster, tmp_path):
     """TinyLlama's widths (d_model 2048, d_ff 5632), two layers: windows and layers of a real size, the
     model (0.8 GB in float32) moved to the workers through the object store, or read a range of layers
-    per actor. The two steps `convert` runs, each compared (convert itself is compared on the bundled
-    model above), predictors under a small budget (half a percent of the FFN weights: hidden 16-24, a
-    layer in 15 s; the default budget's wider candidates on 1,024 pairs take over ten minutes)."""
+    per actor; then `synth --layers 2`, whose predictors train on the cluster, writes the same file."""
     address, _ = cluster
     shape = dataclasses.replace(SHAPES["tinyllama-1.1b"], n_layers=2)
     write_checkpoint(tmp_path / "checkpoint", shape, HARDNESS["medium"].planting(shape, 0.1, seed=0))
@@ -231,9 +229,9 @@ def test_a_tinyllama_shape_model_is_profiled_and_trained_on_the_cluster_as_here(
     assert snapshot(tmp_path / "prof-cluster") == snapshot(tmp_path / "prof-here")
     assert snapshot(tmp_path / "prof-ranges") == snapshot(tmp_path / "prof-here")
     for name, ray in (("here", ()), ("cluster", ("--ray", address))):
-        pitools_on_one_thread("train-predictors", tmp_path / "prof-here", "-o", tmp_path / f"pred-{name}",
-                              "--budget", 0.005, "--epochs", 2, "-q", *ray)
-    assert snapshot(tmp_path / "pred-cluster") == snapshot(tmp_path / "pred-here")
+        pitools_on_one_thread("synth", "--shape", "tinyllama-1.1b", "--layers", 2, "-o",
+                              tmp_path / f"{name}.powerinfer.gguf", "-q", *ray)
+    assert (tmp_path / "cluster.powerinfer.gguf").read_bytes() == (tmp_path / "here.powerinfer.gguf").read_bytes()
 
 
 @pytest.mark.slow
