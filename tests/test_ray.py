@@ -72,6 +72,23 @@ def pitools_on_one_thread(*args) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def fails_every_time(crashes: Path, task: str, *args, match: str) -> None:
+    """``pitools ARGS`` with the Ray task (or actor call) named ``task`` dying on every attempt: one error
+    line saying ``match``."""
+    (crashes / f"crash-always-{task}").touch()
+    try:
+        fails(*args, match=match)
+    finally:
+        (crashes / f"crash-always-{task}").unlink()
+
+
+def resumes_to(folder: Path, expected: dict[str, str], *args) -> None:
+    """``pitools ARGS`` run again completes, and ``folder`` then holds ``expected`` (a ``snapshot``)."""
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert snapshot(folder) == expected
+
+
 @pytest.fixture(scope="module")
 def trained_here(profile, tmp_path_factory):
     """The predictor folder train-predictors writes without --ray."""
@@ -98,15 +115,9 @@ def test_a_worker_killed_mid_task_is_retried(cluster, profile, trained_here, tmp
 
 def test_a_layer_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, profile, trained_here, tmp_path):
     address, crashes = cluster
-    (crashes / "crash-always-1").touch()
-    try:
-        fails("train-predictors", profile, "-o", tmp_path / "pred", *QUICK, "--ray", address,
-              match="layer 1: predictor training failed on the Ray cluster")
-    finally:
-        (crashes / "crash-always-1").unlink()
-    result = invoke("train-predictors", profile, "-o", tmp_path / "pred", *QUICK, "--ray", address)
-    assert result.exit_code == 0, result.output
-    assert snapshot(tmp_path / "pred") == trained_here
+    run = ("train-predictors", profile, "-o", tmp_path / "pred", *QUICK, "--ray", address)
+    fails_every_time(crashes, "1", *run, match="layer 1: predictor training failed on the Ray cluster")
+    resumes_to(tmp_path / "pred", trained_here, *run)
 
 
 # The tiny model's held-out text: 2000 tokens in 16 windows of 128 (its context).
@@ -134,16 +145,10 @@ def test_profiling_on_the_cluster_writes_the_profile_made_here_and_survives_a_lo
 def test_a_window_failing_every_time_is_one_error_and_the_rerun_resumes(cluster, sparse_tiny, profiled_here,
                                                                         tmp_path):
     address, crashes = cluster
-    (crashes / "crash-always-window-5").touch()
-    try:
-        fails("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address,
-              match="profiling window 5 (tokens 640-767) failed on the Ray cluster")
-    finally:
-        (crashes / "crash-always-window-5").unlink()
+    run = ("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address)
+    fails_every_time(crashes, "window-5", *run, match="profiling window 5 (tokens 640-767) failed on the Ray cluster")
     assert not (tmp_path / "prof" / "report.json").exists(), "a failed profile reported as if complete"
-    result = invoke("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address)
-    assert result.exit_code == 0, result.output
-    assert snapshot(tmp_path / "prof") == profiled_here
+    resumes_to(tmp_path / "prof", profiled_here, *run)
 
 
 def test_ranges_of_layers_on_actors_write_the_profile_made_here_and_survive_a_lost_actor(
@@ -168,12 +173,9 @@ def test_ranges_of_layers_are_checked_before_anything_is_written(cluster, sparse
 
 def test_a_range_failing_every_time_is_one_error_naming_window_and_layers(cluster, sparse_tiny, tmp_path):
     address, crashes = cluster
-    (crashes / "crash-always-layers-0-window-2").touch()
-    try:
-        fails("profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE, "--ray", address, "--layer-ranges", 2,
-              match="profiling window 2 (tokens 256-383) on layer 0 failed on the Ray cluster")
-    finally:
-        (crashes / "crash-always-layers-0-window-2").unlink()
+    fails_every_time(crashes, "layers-0-window-2", "profile", sparse_tiny, "-o", tmp_path / "prof", *PROFILE,
+                     "--ray", address, "--layer-ranges", 2,
+                     match="profiling window 2 (tokens 256-383) on layer 0 failed on the Ray cluster")
     assert not (tmp_path / "prof" / "report.json").exists(), "a failed profile reported as if complete"
 
 
