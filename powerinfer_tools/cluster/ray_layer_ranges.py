@@ -22,8 +22,8 @@ and its range, and the profile folder keeps its last checkpoint, from which the 
 from __future__ import annotations
 
 import socket
-from collections import deque
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -81,12 +81,7 @@ class RayLayerRanges:
             return
         actor = self._cluster.actor(LayerRange)
         actors = [actor.remote(str(self._checkpoint.resolve()), layers) for layers in self._ranges]
-        waiting, under_way = deque(jobs), deque()
-        while waiting or under_way:
-            while waiting and len(under_way) < WINDOWS_PER_RANGE * len(actors):
-                job = waiting.popleft()
-                under_way.append((job, self._submit(actors, job)))
-            job, parts = under_way.popleft()
+        for job, parts in self._cluster.in_order(jobs, partial(self._submit, actors), WINDOWS_PER_RANGE * len(actors)):
             yield self._merged(job, parts)
 
     @staticmethod
@@ -101,12 +96,11 @@ class RayLayerRanges:
 
     def _merged(self, job: WindowJob, parts: list) -> WindowRecording:
         end = job.start + len(job.tokens)
-        recording = None
+        recordings = []
         for layers, part in zip(self._ranges, parts):
             span = f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
-            got = self._cluster.result(part, f"profiling window {job.index} (tokens {job.start}-{end - 1}) on {span}")
-            if recording is None:
-                recording = got
-            else:
-                recording.add(got)
-        return recording
+            what = f"profiling window {job.index} (tokens {job.start}-{end - 1}) on {span}"
+            recordings.append(self._cluster.result(part, what))
+        for later in recordings[1:]:
+            recordings[0].add(later)
+        return recordings[0]

@@ -24,8 +24,8 @@ from which the same command resumes.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
+from functools import partial
 
 from powerinfer_tools.cluster.ray_session import RayCluster, crash_if_asked
 from powerinfer_tools.interfaces import FFNTracer
@@ -43,13 +43,8 @@ class RayWindows:
         if not jobs:
             return
         model_ref = self._cluster.ray.put(model)  # once: every task reads this copy (moved once per node)
-        waiting, under_way = deque(jobs), deque()
-        in_flight = self._cluster.tasks_in_flight()
-        while waiting or under_way:
-            while waiting and len(under_way) < in_flight:
-                job = waiting.popleft()
-                under_way.append((job, self._task.remote(model_ref, job)))
-            job, task = under_way.popleft()
+        submit = partial(self._task.remote, model_ref)
+        for job, task in self._cluster.in_order(jobs, submit, self._cluster.tasks_in_flight()):
             end = job.start + len(job.tokens)
             yield self._cluster.result(task, f"profiling window {job.index} (tokens {job.start}-{end - 1})")
 

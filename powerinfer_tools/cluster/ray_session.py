@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -100,6 +101,17 @@ class RayCluster:
         when its process is lost and its calls then retried."""
         return self.ray.remote(num_cpus=1, max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES,
                                runtime_env=ONE_THREAD, scheduling_strategy="SPREAD")(cls)
+
+    @staticmethod
+    def in_order(jobs: list, submit: Callable[[Any], Any], depth: int) -> Iterator[tuple[Any, Any]]:
+        """``(job, submit(job))`` for each of ``jobs`` in order, submitting ahead so that ``depth`` jobs are
+        under way while the caller waits for the oldest: the cluster busy, results taken in job order."""
+        waiting, under_way = deque(jobs), deque()
+        while waiting or under_way:
+            while waiting and len(under_way) < depth:
+                job = waiting.popleft()
+                under_way.append((job, submit(job)))
+            yield under_way.popleft()
 
     def tasks_in_flight(self) -> int:
         return max(1, round(TASKS_PER_CPU * self.ray.cluster_resources().get("CPU", 1)))
