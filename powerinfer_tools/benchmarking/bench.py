@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
+from powerinfer_tools.benchmarking.agreement import measure_agreement
 from powerinfer_tools.benchmarking.llamacpp import (
     AmxStatus,
     Buffers,
@@ -82,6 +83,7 @@ class BenchSettings:
     threads: int = 2
     memory_limit: int | None = None  # bytes: each engine process in a memory cgroup of that size
     ram: int | None = None  # bytes: our runtime's weights budget (its --ram: neuron caches)
+    quality_steps: int = 32  # decoding steps of the quality pass after the rounds (0: none; benchmarking/agreement.py)
 
 
 @dataclass(frozen=True)
@@ -537,16 +539,28 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
     return results
 
 
+def bench_quality(model: Path, settings: BenchSettings, progress=lambda message: None) -> dict | None:
+    """Off the clock, after the rounds: the sparse file's decoding of the bench's first
+    ``settings.quality_steps`` steps against dense (``agreement.measure_agreement``); None when the settings
+    ask for none."""
+    steps = min(settings.quality_steps, settings.generate)
+    if not steps:
+        return None
+    progress(f"quality: {steps} decoding steps sparse against dense, off the clock ...")
+    tokens = bench_tokens(model, settings.prompt_tokens + settings.generate)
+    return measure_agreement(model, tokens, settings.prompt_tokens, steps, settings.threads).as_dict()
+
+
 def paired_ratio(a: list[float], b: list[float]) -> float:
     """Median over rounds of ``a[i] / b[i]``."""
     return statistics.median(x / y for x, y in zip(a, b))
 
 
 def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_gbs: float | None,
-           bandwidth_source: str = "", predictors: dict | None = None) -> dict:
+           bandwidth_source: str = "", predictors: dict | None = None, quality: dict | None = None) -> dict:
     """The JSON report: the CPU, settings, every engine's summary and settings, and the ratios against
     llama.cpp (and of sparse against PowerInfer's runtime); ``predictors``: the sparse model's
-    ``predictor_summary``."""
+    ``predictor_summary``; ``quality``: its ``bench_quality``."""
     out = {
         "cpu": cpu_description(),
         "settings": asdict(settings),
@@ -557,6 +571,8 @@ def report(results: dict[str, EngineResult], settings: BenchSettings, bandwidth_
     }
     if predictors is not None:
         out["predictors"] = predictors
+    if quality is not None:
+        out["quality"] = quality
     for base_name, key in ((LLAMA_CPP, "llamacpp"), (POWERINFER, "powerinfer")):
         base = results.get(base_name)
         names = (SPARSE, DENSE, POWERINFER) if base_name == LLAMA_CPP else (SPARSE,)
@@ -646,6 +662,8 @@ def format_report(rep: dict) -> str:
         quality = (f"trained to recall >= {trained['worst_recall']:.1%} at precision {trained['mean_precision']:.1%}, "
                    f"computing {trained['mean_computed']:.1%} of the neurons; " if trained else "")
         lines.append(f"predictors: {quality}{predictors['bytes_per_token'] / 1e6:.2f} MB read per token")
+    if rep.get("quality"):
+        lines.append(_quality_line(rep["quality"]))
     ratios = [(k, v) for k, v in rep.items() if k.endswith(("_generation", "_prompt"))]
     names = {"_vs_llamacpp_": " / llama.cpp ", "_vs_powerinfer_": " / powerinfer ", "_vs_dense_": " / our dense "}
     if ratios:
@@ -655,6 +673,21 @@ def format_report(rep: dict) -> str:
     if "sparse_vs_dense_generation" in rep:
         lines.append(_sparsity_verdict(rep["sparse_vs_dense_generation"]))
     return "\n".join(lines)
+
+
+def _quality_line(q: dict) -> str:
+    """What the sparse engine's speed costs, as the quality pass measured it."""
+    rise = q["sparse_perplexity"] / q["dense_perplexity"] - 1
+    recall = ""
+    if q["selection"]:
+        s = q["selection"]
+        worst = min(layer["recall"] for layer in s["layers"])
+        recall = (f"; predictors' recall {s['recall']:.1%} (worst layer {worst:.1%}), computing "
+                  f"{s['computed_density']:.1%} of the neurons where {s['fired_density']:.1%} fire")
+    return (f"quality (off the clock, {q['steps']} decoding steps, sparse against dense on the same file): "
+            f"top-1 agreement {q['top1']:.1%}, KL {q['kl_mean']:.2g} nats (max {q['kl_max']:.2g}){recall}; "
+            f"perplexity of the {q['scored']} next tokens {q['sparse_perplexity']:.3g} against "
+            f"{q['dense_perplexity']:.3g} ({rise:+.1%})")
 
 
 def _sparsity_verdict(gain: float) -> str:

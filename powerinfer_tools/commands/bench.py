@@ -12,6 +12,7 @@ from powerinfer_tools.benchmarking.bench import (
     LLAMA_CPP,
     SPARSE,
     BenchSettings,
+    bench_quality,
     format_report,
     measure_bandwidth,
     predictor_summary,
@@ -59,10 +60,14 @@ _DEFAULTS = BenchSettings()
 @click.option("--ram", default=None, metavar="SIZE",
               help="Our runtime's weights budget (as `pitools run --ram`: a neuron cache over the cold neurons). "
                    "With --memory-limit it defaults to the limit less our runtime's fixed memory and its KV cache.")
+@click.option("--quality-steps", type=click.IntRange(min=0), default=_DEFAULTS.quality_steps, show_default=True,
+              help="After the timed rounds, off the clock: decode the first N steps again sparse and dense on MODEL "
+                   "and report top-1 agreement, KL and perplexity against dense, and the recall the predictors "
+                   "achieved (every neuron computed beside them); 0: skip.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, powerinfer, modes, hardware,
-          memory_limit, ram, as_json, quiet) -> None:
+          memory_limit, ram, quality_steps, as_json, quiet) -> None:
     """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp
     (and PowerInfer's runtime).
 
@@ -85,6 +90,11 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
     sparse_vs_llamacpp_prompt; the CPU model, each engine's settings, and
     our runtime's path and kernels per layer (as `pitools run --verbose`).
 
+    What the speed costs is measured after the rounds, off the clock
+    (--quality-steps): the sparse run's top-1 agreement with dense, the KL
+    divergence of its next-token distribution from dense's, perplexity of
+    the text's next tokens, and the recall its predictors achieved.
+
     Every engine gets --threads threads (OpenMP, OpenBLAS, numba, llama.cpp,
     PowerInfer's -t) and otherwise its libraries' defaults: OMP_WAIT_POLICY
     and the like pass through as set in the environment. llama.cpp runs at
@@ -100,31 +110,43 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
-    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes)
-    if baseline == "none":
-        baseline_model = None
-    elif baseline_model is None:
-        baseline_model = dense_companion(model)
-        if not baseline_model.is_file():
-            raise PitoolsError(f"no dense GGUF for llama.cpp at {baseline_model}; give --baseline-model FILE.gguf "
-                               "(or --baseline none)")
+    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes, quality_steps)
+    baseline_model = _baseline_file(model, baseline, baseline_model)
     log = (lambda message: None) if quiet else (lambda message: click.echo(message, err=True))
-    if hardware is not None:
-        profile = load_profile(hardware)
-        bandwidth, source = profile.cpu_bandwidth_gbs, f"hardware profile {profile.name}"
-    else:
-        log("probing memory bandwidth (as `pitools probe`) ...")
-        bandwidth, source = measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
+    bandwidth, source = _bandwidth(hardware, threads, log)
     modes = tuple(m for m in modes if m != "none") if modes else (SPARSE, DENSE)
     if not modes and baseline_model is None and powerinfer is None:
         raise PitoolsError("--mode none and --baseline none leave no engine to run")
     results = run_bench(model, baseline_model, settings, modes, log, powerinfer)
-    rep = report(results, settings, bandwidth, source, predictor_summary(model) if SPARSE in results else None)
+    sparse = SPARSE in results
+    rep = report(results, settings, bandwidth, source, predictor_summary(model) if sparse else None,
+                 bench_quality(model, settings, log) if sparse else None)
     click.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
 
 
+def _baseline_file(model: Path, baseline: str, baseline_model: Path | None) -> Path | None:
+    """llama.cpp's dense GGUF: the one given, else the one beside MODEL; None with --baseline none."""
+    if baseline == "none":
+        return None
+    if baseline_model is None:
+        baseline_model = dense_companion(model)
+        if not baseline_model.is_file():
+            raise PitoolsError(f"no dense GGUF for llama.cpp at {baseline_model}; give --baseline-model FILE.gguf "
+                               "(or --baseline none)")
+    return baseline_model
+
+
+def _bandwidth(hardware: str | None, threads: int, log) -> tuple[float, str]:
+    """The CPU bandwidth (GB/s) the report compares with, and where it comes from."""
+    if hardware is not None:
+        profile = load_profile(hardware)
+        return profile.cpu_bandwidth_gbs, f"hardware profile {profile.name}"
+    log("probing memory bandwidth (as `pitools probe`) ...")
+    return measure_bandwidth(threads), f"`pitools probe` measurement, {threads} threads"
+
+
 def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads: int, memory_limit: str | None,
-              ram: str | None, modes: tuple[str, ...]) -> BenchSettings:
+              ram: str | None, modes: tuple[str, ...], quality_steps: int) -> BenchSettings:
     """The checked settings; under a memory limit without --ram, our runtime's weights get what the limit
     leaves them."""
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
@@ -132,4 +154,4 @@ def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads
     if budget is None and limit is not None and modes != ("none",):
         budget = ram_within_limit(model, limit, prompt_tokens + generate)
     return BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
-                         memory_limit=limit, ram=budget)
+                         memory_limit=limit, ram=budget, quality_steps=quality_steps)

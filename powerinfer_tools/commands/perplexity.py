@@ -49,8 +49,9 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     token after the first is scored once. --sparse takes the FFN modes of
     `pitools run --mode`, and oracle; predicted is another spelling of sparse.
     With oracle or sparse, the fraction of FFN neurons computed is reported
-    too, and on the reference engine the recall (share of truly firing neurons
-    computed). A GGUF file's --sparse predicted uses its own predictors (or thresholds).
+    too, and the recall (share of truly firing neurons computed; not for a
+    GGUF file under --ram or with thresholds). A GGUF file's --sparse
+    predicted uses its own predictors (or thresholds).
 
     \b
     Examples:

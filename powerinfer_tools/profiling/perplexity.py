@@ -6,7 +6,7 @@ restrict each FFN through its ``neuron_selector``: ``oracle`` computes exactly t
 fire (so it must equal dense up to rounding), ``sparse`` the neurons the trained predictors
 select, as the sparse runtime would. Both also measure, per layer, the fraction of neurons
 computed and the recall: of the neurons that truly fire, the share computed. On the runtime
-``sparse`` runs the file's own predictors.
+``sparse`` runs the file's own predictors, metered alike (``RuntimeModel.firing_meter``).
 """
 
 from __future__ import annotations
@@ -24,41 +24,7 @@ from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools.models import DecoderModel
 from powerinfer_tools.progress import progress_bar
 from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
-
-
-@dataclass
-class SelectionMeter:
-    """Per layer: (token, neuron) pairs seen, computed, truly firing, and both."""
-
-    seen: np.ndarray
-    computed: np.ndarray
-    fired: np.ndarray
-    hit: np.ndarray
-
-    @classmethod
-    def zeros(cls, n_layers: int) -> SelectionMeter:
-        return cls(*(np.zeros(n_layers, np.int64) for _ in range(4)))
-
-    def add(self, layer: int, selected: np.ndarray, fired: np.ndarray) -> None:
-        self.seen[layer] += selected.size
-        self.computed[layer] += int(selected.sum())
-        self.fired[layer] += int(fired.sum())
-        self.hit[layer] += int((selected & fired).sum())
-
-    def summary(self) -> dict:
-        def ratio(a, b):
-            return float(a.sum() / max(b.sum(), 1))
-
-        return {
-            "computed_density": ratio(self.computed, self.seen),
-            "fired_density": ratio(self.fired, self.seen),
-            "recall": ratio(self.hit, self.fired),
-            "layers": [
-                {"layer": i, "computed_density": ratio(self.computed[i], self.seen[i]),
-                 "fired_density": ratio(self.fired[i], self.seen[i]), "recall": ratio(self.hit[i], self.fired[i])}
-                for i in range(len(self.seen))
-            ],
-        }
+from powerinfer_tools.runtime.selection_meter import SelectionMeter
 
 
 Chooser = Callable[[int, np.ndarray, np.ndarray], np.ndarray]  # (layer, residual, fired) -> neurons to compute
@@ -120,13 +86,22 @@ def runtime_perplexity(model: RuntimeModel, tokens: np.ndarray, seq_len: int, mo
     """Perplexity of a GGUF file on the runtime in ``mode``, an ``FFNMode`` word (``sparse``: the file's own
     predictors), which names the result.
 
-    The runtime reads only the rows it computes, so it cannot say which skipped neurons would have
-    fired: the modes other than dense report the fraction computed, not the recall.
+    In sparse mode the runtime's ``firing_meter`` also computes every neuron beside the predicted ones, so
+    the recall is reported as on the reference engine; not under a RAM budget (the cold rows are not all
+    in memory) nor for thresholds (no firing to miss), where only the fraction computed is.
     """
     model.mode = FFNMode(mode)
     model.stats = TokenStats()
-    mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
-    selection = None if model.mode is FFNMode.DENSE else {"computed_density": model.stats.density}
+    metered = (model.mode is FFNMode.SPARSE and model.ram is None
+               and all(layer.dense.thresholds is None for layer in model.layers))
+    model.firing_meter = SelectionMeter.zeros(len(model.layers)) if metered else None
+    try:
+        mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
+        selection = model.firing_meter.summary() if metered else None
+    finally:
+        model.firing_meter = None
+    if model.mode is not FFNMode.DENSE:
+        selection = (selection or {}) | {"computed_density": model.stats.density}
     return PerplexityResult(mode, math.exp(mean), mean, scored, selection)
 
 

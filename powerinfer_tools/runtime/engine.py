@@ -31,6 +31,7 @@ from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 from powerinfer_tools.runtime.neuron_cache import CacheCounters, compute_cached
 from powerinfer_tools.runtime.generation import context_window
+from powerinfer_tools.runtime.selection_meter import SelectionMeter
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
 
@@ -66,6 +67,7 @@ class Expert:
 
 @dataclass
 class RuntimeLayer:
+    index: int  # its place in the model (a firing meter counts per layer)
     dense: DenseBlock
     partitions: list[FFNPartition]  # device partition first when there is one; none for a mixture
     d_ff: int  # neurons of the FFN, or of each expert
@@ -159,6 +161,9 @@ class RuntimeModel(Engine):
         self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
         self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
+        # A measurement off the clock (``pitools bench``'s quality pass): in sparse mode every neuron is also
+        # computed, on the general path, to count which firing neurons the predictors missed.
+        self.firing_meter: Optional[SelectionMeter] = None
         self._decoder = _UNBUILT
         self.ram = None  # ram_budget.RamState when loaded under a RAM budget
 
@@ -208,7 +213,7 @@ class RuntimeModel(Engine):
         step = TokenStats(steps=1, tokens=len(tokens),
                           bytes_read=self.static_bytes + (self.predictor_bytes if sparse else 0))
         decoder = self.compiled_decoder()
-        if decoder is not None and decoder.usable(self.mode, len(tokens), caches):
+        if decoder is not None and self.firing_meter is None and decoder.usable(self.mode, len(tokens), caches):
             x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
         else:
             rope_of = self._ropes(start, len(tokens))
@@ -374,10 +379,11 @@ class RuntimeModel(Engine):
         elif self.mode is FFNMode.SPARSE:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
-            chosen = predictor(residual)
+            chosen = move(predictor(residual), layer.dense.backend, self.host)
+            if self.firing_meter is not None:
+                self.firing_meter.add(layer.index, chosen, self._firing(layer, partitions, h))
         else:
             chosen = self._firing(layer, partitions, h)
-        chosen = move(chosen, layer.dense.backend, self.host)
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
 

@@ -391,7 +391,7 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
         experts = [Expert(_partitions(tensors, layer, d_ff, masks[e], device, host, cache, e),
                           _predictor(tensors, layer, dense.backend, dense.backend.is_device, threshold, e))
                    for e in range(n_experts)]
-        return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
+        return RuntimeLayer(layer, dense, [], d_ff, router=router, experts=experts)
 
     def expert_matrix(tensor: TensorKind, e: int) -> QuantMatrix:
         stored = tensors.model[tensor_name(tensor, layer)]
@@ -403,7 +403,7 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
                                     down_t=None, down=expert_matrix(T.FFN_DOWN_EXP, e),
                                     gate=expert_matrix(T.FFN_GATE_EXP, e))])
                for e in range(n_experts)]
-    return RuntimeLayer(dense, [], d_ff, router=router, experts=experts)
+    return RuntimeLayer(layer, dense, [], d_ff, router=router, experts=experts)
 
 
 def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray | None, device, host,
@@ -437,8 +437,8 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
     if spec.moe:
         return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
     cats = dense.thresholds is not None and dense.thresholds.cats is not None
-    return RuntimeLayer(dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache,
-                                           whole_gate=cats), spec.d_ff)
+    return RuntimeLayer(i, dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache,
+                                              whole_gate=cats), spec.d_ff)
 
 
 def _check_fingerprint(gpu_split: GpuSplit, model: ModelFile, split_path: Path) -> None:
