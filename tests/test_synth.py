@@ -17,6 +17,7 @@ from powerinfer_tools.formats.profile_report import hot_fraction
 from powerinfer_tools.solver.model_stats import read_model_stats
 
 from powerinfer_tools.benchmarking import synth as synth_module
+from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.benchmarking.synth import (
     HARDNESS,
     P_MAX,
@@ -215,6 +216,22 @@ def test_a_mixture_gets_routing_and_a_predictor_per_expert(synthesized_tiny_moe)
     assert summary["profiled_density"] == pytest.approx(0.1, abs=0.02)
 
 
+def test_the_firing_meter_counts_every_routed_experts_neurons(synthesized_tiny_moe):
+    """The bench's recall on a mixture (``RuntimeModel.firing_meter``): each token's neurons of the experts
+    it is routed to, every one of them computed to see which fire."""
+    from powerinfer_tools.interfaces import FFNMode
+    from powerinfer_tools.runtime.loader import load_runtime_model
+    from powerinfer_tools.runtime.selection_meter import SelectionMeter
+
+    shape, model = SHAPES["test-tiny-moe"], load_runtime_model(synthesized_tiny_moe.powerinfer, use_split=False)
+    model.mode, caches = FFNMode.SPARSE, model.new_cache()
+    model.firing_meter = meter = SelectionMeter.zeros(shape.n_layers)
+    for token in (11, 500, 7, 3000, 42):
+        model.forward(np.array([token]), caches, all_logits=False)
+    assert (meter.seen == 5 * shape.n_experts_used * shape.d_ff).all()
+    assert (0 < meter.hit).all() and (meter.hit <= meter.fired).all() and (meter.hit <= meter.computed).all()
+
+
 def test_llama_cpp_runs_the_dense_twin_of_a_mixture(synthesized_tiny_moe):
     model = llama(synthesized_tiny_moe.dense, n_ctx=64, n_threads=1)
     model.eval([5, 17, 3])
@@ -240,6 +257,20 @@ def test_refusals(tmp_path, synthesized_tiny):
         Planting(density=1.5)
     with pytest.raises(PitoolsError, match="exists"):
         synthesize("test-tiny", synthesized_tiny.powerinfer)
+
+
+@pytest.mark.parametrize("shape", ["tinyllama-1.1b", "test-tiny"])
+def test_profiled_tokens_hold_out_ids_of_their_own(shape):
+    """The pairs the trainer holds out are tokens whose ids no training pair has; at a real vocabulary's size
+    neither pool has an id the bench's text encodes to (the bundled tokenizer's, which every synth model has)."""
+    vocab = SHAPES[shape].vocab_size
+    tokens = Planting().profile_tokens(vocab, 20_000, 2_000)
+    trained, held_out = set(tokens[:-2_000].tolist()), set(tokens[-2_000:].tolist())
+    assert len(tokens) == 20_000 and not trained & held_out and len(held_out) > 500
+    text_ids = set(range(json.loads((BUNDLED_MODEL / "config.json").read_text())["vocab_size"]))
+    if vocab >= 2 * len(text_ids):
+        assert not (trained | held_out) & text_ids
+    assert max(trained | held_out) < vocab
 
 
 @pytest.mark.parametrize("shape", ["tinyllama-1.1b", "llama-7b", "mixtral-8x7b"])

@@ -96,7 +96,7 @@ from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNTracer, tracing
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
-from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, train_predictors
+from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, held_out_pairs, train_predictors
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 from powerinfer_tools.progress import progress_bar
@@ -131,6 +131,10 @@ PROFILE_WINDOW = 1024  # tokens per profiling pass: bounds the activations held 
 # ~1000 pairs (for 4096 inputs) left its predictor short of 95% recall at hidden 128 after 17 minutes,
 # with 4096 per expert it reaches it at hidden 12 in under a minute.
 PROFILE_TOKENS_PER_FFN = 4096
+# Token ids the bundled tokenizer (every synthetic model's) encodes text to: the bench's prompts and decoded
+# tokens are among them, so profiling leaves them out where the vocabulary has room (``profile_tokens``).
+TEXT_VOCAB = 4096
+HELD_OUT_IDS = 0.2  # of the ids profiling draws from, the share that only the held-out pairs use
 # Predictor training for synthetic models: the pipeline's recall target and budget, but a precision
 # floor of 65% (the default 50% lets the smallest predictor compute ~1.8x the neurons that fire)
 # and ~half the default optimiser steps, which the planted structure does not need: ~1 minute per
@@ -204,8 +208,18 @@ class Seeded:
         return np.random.default_rng([self.seed, *stream])
 
     def uniform_tokens(self, vocab_size: int, n: int) -> np.ndarray:
-        """``n`` uniform random token ids: what a synthetic model is profiled or calibrated on."""
+        """``n`` uniform random token ids: what a synthetic SiLU model is calibrated on."""
         return self.rng(3).integers(0, vocab_size, n)
+
+    def profile_tokens(self, vocab_size: int, n: int, held_out: int) -> np.ndarray:
+        """``n`` uniform random token ids to profile a synthetic ReLU model on, from two disjoint pools: the
+        last ``held_out`` (the pairs the trainer holds out) are ids that none of the others is, so that the
+        recall it tunes and reports is on tokens no predictor trained on. Where the vocabulary has room,
+        both pools leave out the ids text encodes to (``TEXT_VOCAB``): the bench's text is new to them too."""
+        first = TEXT_VOCAB if vocab_size >= 2 * TEXT_VOCAB else 0
+        split = first + round((vocab_size - first) * (1 - HELD_OUT_IDS))
+        rng = self.rng(3)
+        return np.concatenate([rng.integers(first, split, n - held_out), rng.integers(split, vocab_size, held_out)])
 
 
 @dataclass(frozen=True)
@@ -828,11 +842,12 @@ def synthesize(shape: str | Shape, output: Path, outtype: str = "q4_0", planting
     identity = {"shape": asdict(shape), "planting": asdict(planting), "profile_tokens": profile_tokens}
     resumed = _checkpoint_once(work, identity, force, lambda folder: write_checkpoint(folder, shape, planting))
     frequencies = planted_frequencies(shape, planting)
+    train = train or SYNTH_TRAINING
     stats = _profile(Checkpoint(checkpoint_dir), profile_dir, shape_name, shape, planting, profile_tokens,
-                     resumed, progress)
+                     held_out_pairs(profile_tokens, train), resumed, progress)
     profile_report, _ = write_report(profile_dir)
     with contextlib.redirect_stdout(sys.stderr):  # its per-size log lines are progress, not output
-        predictors = train_predictors(profile_dir, predictor_dir, train or SYNTH_TRAINING, force=not resumed,
+        predictors = train_predictors(profile_dir, predictor_dir, train, force=not resumed,
                                       progress=progress, candidates=candidates)
     # The firing frequencies go into the file (for `pitools solve`); the neurons keep their checkpoint
     # order, so that the dense twin holds the same matrices row for row.
@@ -909,11 +924,13 @@ def _finish(checkpoint_dir: Path, dense: Path, outtype: str, work: Path, keep_wo
 
 
 def _profile(checkpoint: Checkpoint, profile_dir: Path, shape_name: str, shape: Shape, planting: Planting,
-             profile_tokens: int, resumed: bool, progress: bool) -> FiringStats:
-    """Profile the synthetic checkpoint from its construction on uniform token ids, keeping every token's pairs."""
-    tokens = planting.uniform_tokens(shape.vocab_size, profile_tokens)
-    profiler = Profiler(PlantedActivations(checkpoint), f"synthetic {shape_name}", tokens,
-                        [f"synthetic: {profile_tokens} uniform token ids, seed {planting.seed}"], profile_dir,
+             profile_tokens: int, held_out: int, resumed: bool, progress: bool) -> FiringStats:
+    """Profile the synthetic checkpoint from its construction on uniform token ids (``Planting.profile_tokens``:
+    the last ``held_out`` from ids of their own), keeping every token's pairs."""
+    tokens = planting.profile_tokens(shape.vocab_size, profile_tokens, held_out)
+    source = (f"synthetic: {profile_tokens} uniform token ids, the last {held_out} from ids the others are not, "
+              f"seed {planting.seed}")
+    profiler = Profiler(PlantedActivations(checkpoint), f"synthetic {shape_name}", tokens, [source], profile_dir,
                         ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,
                                         pairs_mib=_pairs_mib(shape, profile_tokens)))
     return profiler.run(force=not resumed, progress=progress)

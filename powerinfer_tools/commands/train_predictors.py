@@ -50,7 +50,8 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
     a neuron counts as predicted when its output is >= 0, the rule of
     PowerInfer's runtime. Each layer gets the smallest hidden size
     of a ladder (8, 12, 16, 24, 32, 48, ...) that reaches --recall on held-out
-    pairs at --min-precision, within what is left of --budget; easy layers
+    pairs (the tuning half of the profile's last 10%) at --min-precision,
+    within what is left of --budget; easy layers
     leave budget to harder ones. The sizes are searched by doubling and
     bisection from the previous layer's size, and a candidate whose learning
     curve cannot pass is stopped early; a layer where no size passes keeps the
@@ -62,7 +63,8 @@ def train_predictors(profile_dir, output, recall, budget, min_precision, epochs,
     and predictors.json; `pitools convert --predictors` reads it. The report
     (also with --report PRED alone) shows per layer the hidden size, recall,
     precision, the fraction of neurons computed against the fraction firing,
-    and bytes.
+    and bytes, measured on the other half of the held-out pairs, which chose
+    nothing.
 
     \b
     Examples:

@@ -129,7 +129,8 @@ class Fit:
     hidden: int
     fc1: np.ndarray  # [hidden, d_model] float32, input scaling folded in
     fc2: np.ndarray  # [d_ff, hidden] float32
-    quality: Quality
+    quality: Quality  # on the tuning split: what steered the class weight and what the size search judges
+    reported: Quality  # on the reporting split, which nothing was chosen on: what the predictor does on new rows
     pos_weight: float
     epochs: int
     stopped_early: bool  # by the early-stop rule: this size cannot pass
@@ -175,8 +176,9 @@ def fit_predictor(data: LayerPairs, hidden: int, settings: TrainSettings, xp, se
             pos_weight *= settings.weight_up
         elif quality.recall > settings.recall + settings.recall_slack:
             pos_weight /= settings.weight_down
+    reported = evaluate(xp, w1, w2, xp.asarray(data.report_x), xp.asarray(data.report_y), settings.recall)
     fc1 = _to_numpy(w1) / data.scale  # fc1 · (x / s) == (fc1 / s) · x: the runtime feeds raw inputs
-    return Fit(hidden, fc1.astype(np.float32), _to_numpy(w2), quality, pos_weight, len(curve), stop)
+    return Fit(hidden, fc1.astype(np.float32), _to_numpy(w2), quality, reported, pos_weight, len(curve), stop)
 
 
 def _batches(rng: np.random.Generator, n: int, size: int):

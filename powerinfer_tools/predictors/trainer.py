@@ -89,7 +89,9 @@ class TrainSettings:
     min_epoch_steps: int = 200  # so that a small profile still gets enough optimiser steps
     batch_size: int = 512
     lr: float = 2e-3
-    val_fraction: float = 0.1  # the last pairs (the corpus's last tokens) are held out
+    # The last pairs (the corpus's last tokens) are held out: the first half of them tunes (the class weight,
+    # the size search), the second half reports the quality recorded, measured on rows nothing was chosen on.
+    val_fraction: float = 0.1
     max_val_pairs: int = 16384
     weight_up: float = 1.5  # class-weight step when recall is short of the target
     weight_down: float = 1.2  # ... and when it exceeds the target by more than recall_slack
@@ -137,7 +139,7 @@ class LayerPairs:
 
     x: np.ndarray  # [n, d_model] float16 memmap
     fired: np.ndarray  # [n, ceil(d_ff/8)] packed bits memmap
-    n_train: int  # rows 0 .. n_train-1 train; the rest are held out
+    n_train: int  # rows 0 .. n_train-1 train; the rest are held out: the tuning split, then the reporting split
     d_ff: int
 
     def __post_init__(self):
@@ -148,8 +150,11 @@ class LayerPairs:
         self.scale = np.maximum(np.sqrt(np.mean(sample_x * sample_x, axis=0)), 1e-6).astype(np.float32)
         self.train_x = self._scaled(0, self.n_train)
         self.train_fired = np.array(self.fired[: self.n_train])
-        self.val_x = self._scaled(self.n_train, len(self.x))
-        self.val_y = self._unpack(self.fired[self.n_train :])
+        tuning_end = self.n_train + (len(self.x) - self.n_train + 1) // 2
+        self.val_x = self._scaled(self.n_train, tuning_end)
+        self.val_y = self._unpack(self.fired[self.n_train : tuning_end])
+        self.report_x = self._scaled(tuning_end, len(self.x))
+        self.report_y = self._unpack(self.fired[tuning_end:])
 
     def _scaled(self, first: int, end: int, chunk: int = 4096) -> np.ndarray:
         out = np.empty((end - first, self.x.shape[1]), np.float32)
@@ -180,7 +185,8 @@ def unit_rows(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts:
               min_train: int) -> UnitRows | None:
     """A unit's pairs: a layer's all; an expert's, those of the tokens routed to it (its routing bit),
     with its own neurons' fired bits, read a chunk of rows at a time. None for an expert the profile
-    routed too few tokens to (fewer than ``min_train`` to train on, or none held out)."""
+    routed too few tokens to (fewer than ``min_train`` to train on, or fewer than two held out: one to tune
+    on, one to report)."""
     if unit.expert is None:
         return UnitRows(store.x[unit.layer], store.fired[unit.layer], n_train)
     x, fired, bits = store.x[unit.layer], store.fired[unit.layer], fired_bits(d_ff, experts)
@@ -193,7 +199,7 @@ def unit_rows(store: PairStore, unit: FFNUnit, n_train: int, d_ff: int, experts:
         packed.append(np.packbits(chunk[routed, neurons], axis=1))
     rows = np.concatenate(rows)
     n_routed_train = int(np.searchsorted(rows, n_train))
-    if n_routed_train < min_train or n_routed_train == len(rows):
+    if n_routed_train < min_train or len(rows) - n_routed_train < 2:
         return None
     return UnitRows(x[rows], np.concatenate(packed), n_routed_train)
 
@@ -203,9 +209,14 @@ def compute_all(d_model: int, d_ff: int) -> Fit:
     profile routed too few tokens to, which then computes densely whenever it is routed. Its recall is
     1 by construction; nothing measured its precision."""
     hidden = hidden_ladder(d_ff)[0]
-    return Fit(hidden, np.zeros((hidden, d_model), np.float32), np.zeros((d_ff, hidden), np.float32),
-               Quality(recall=1.0, precision=0.0, predicted_density=1.0, true_density=0.0, precision_at_target=0.0),
+    every = Quality(recall=1.0, precision=0.0, predicted_density=1.0, true_density=0.0, precision_at_target=0.0)
+    return Fit(hidden, np.zeros((hidden, d_model), np.float32), np.zeros((d_ff, hidden), np.float32), every, every,
                pos_weight=0.0, epochs=0, stopped_early=False)
+
+
+def held_out_pairs(n: int, settings: TrainSettings) -> int:
+    """How many of a profile's ``n`` pairs, its last, the trainer holds out (to tune, then to report)."""
+    return min(settings.max_val_pairs, int(n * settings.val_fraction))
 
 
 def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[PairStore, int]:
@@ -214,8 +225,8 @@ def open_pairs(profile_dir: Path, meta: dict, settings: TrainSettings) -> tuple[
     shape = (meta["pairs_capacity"], meta["d_model"], fired_bits(meta["d_ff"], profile_experts(meta)))
     store = PairStore.open(Path(profile_dir) / PAIRS_DIR, meta["n_layers"], shape)
     n = meta["pairs_capacity"]
-    n_val = min(settings.max_val_pairs, int(n * settings.val_fraction))
-    if n_val < 1 or n - n_val < settings.batch_size:
+    n_val = held_out_pairs(n, settings)
+    if n_val < 2 or n - n_val < settings.batch_size:
         raise PitoolsError(
             f"{profile_dir}: only {n} training pairs per layer; profile more tokens (or raise --pairs-mib)"
         )
@@ -423,7 +434,8 @@ def _allowed_sizes(meta: dict, index: int, n_units: int, settings: TrainSettings
 def _result_line(entry: dict, unit: FFNUnit, index: int, n_units: int, seconds: float, eta: float) -> str:
     """``layer 3/22: ...``; a mixture's ``layer 3 expert 5 (30/64): ...``."""
     where = f"layer {unit.layer}/{n_units}" if unit.expert is None else f"{unit} ({index + 1}/{n_units})"
-    line = (f"{where}: hidden {entry['hidden']}, recall {entry['recall']:.1%}, "
+    tuned = entry["tuning"]["recall"]
+    line = (f"{where}: hidden {entry['hidden']}, recall {entry['recall']:.1%} (tuned to {tuned:.1%}), "
             f"precision {entry['precision']:.1%}, computes {entry['predicted_density']:.1%} of neurons "
             f"({entry['true_density']:.1%} fire); {_count(len(entry['tried']), 'candidate')} in {_duration(seconds)}, "
             f"about {_duration(eta)} left")
@@ -441,7 +453,9 @@ def _duration(seconds: float) -> str:
 
 
 def _layer_entry(unit: FFNUnit, fit: Fit, tried: list[Fit], reached: bool, profile: dict) -> dict:
-    q = fit.quality
+    """What predictors.json records of a unit's predictor: its quality on the reporting split, on the tuning
+    split that chose it (``tuning``), and the search's candidates as the tuning split judged them."""
+    q, tuned = fit.reported, fit.quality
     return {
         "layer": unit.layer,
         **({} if unit.expert is None else {"expert": unit.expert}),
@@ -450,6 +464,7 @@ def _layer_entry(unit: FFNUnit, fit: Fit, tried: list[Fit], reached: bool, profi
         "precision": q.precision,
         "predicted_density": q.predicted_density,
         "true_density": q.true_density,
+        "tuning": {"recall": tuned.recall, "precision": tuned.precision},
         "bytes": 4 * predictor_params(fit.hidden, profile["d_model"], profile["d_ff"]),
         "pos_weight": fit.pos_weight,
         "epochs": fit.epochs,
