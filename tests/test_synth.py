@@ -21,6 +21,7 @@ from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.benchmarking.synth import (
     HARDNESS,
     P_MAX,
+    REAL_MODEL_COMPUTED,
     ROUTING_SKEW,
     SHAPES,
     Geometry,
@@ -96,6 +97,13 @@ def test_harder_levels_need_larger_predictors_and_compute_more():
     assert [p.rank for p in plantings] == [4, 32, 128]
     computed = [ideal_selection(p, shape)["computed"] for p in plantings]
     assert 0.095 < computed[0] < computed[1] < computed[2] < 0.2
+
+
+@pytest.mark.parametrize("shape", ["tinyllama-1.1b", "llama-7b"])
+def test_the_realistic_level_is_at_least_as_hard_as_the_real_model_measured(shape):
+    # Even an ideal predictor of the latent space computes at least what trained ones did on SmolLM2 at 95% recall.
+    ideal = ideal_selection(HARDNESS["realistic"].planting(SHAPES[shape], 0.1, 0), SHAPES[shape])
+    assert ideal["computed"] >= REAL_MODEL_COMPUTED and ideal["precision"] > HARDNESS["realistic"].min_precision
 
 
 def test_router_rows_route_with_the_planted_shares_and_leave_experts_firing_as_planted():
