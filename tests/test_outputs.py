@@ -98,9 +98,14 @@ def test_an_interrupt_just_after_the_temporary_file_is_made_removes_it(tmp_path,
         return fd
 
     monkeypatch.setattr(os, "open", open_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        with atomic_output(tmp_path / "out.bin", overwrite=False) as tmp:
-            tmp.write_bytes(b"x")
+    # Ctrl-C's handler, as in a terminal: a suite run in the background has SIGINT ignored (_default_signals).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_output(tmp_path / "out.bin", overwrite=False) as tmp:
+                tmp.write_bytes(b"x")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert list(tmp_path.iterdir()) == []
 
 
