@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.profiling.perplexity import log_probabilities
 from powerinfer_tools.runtime.selection_meter import SelectionMeter
 
 
@@ -57,17 +58,17 @@ def decode_agreement(model, tokens: np.ndarray, n_prompt: int, steps: int) -> Ag
     prompt ``tokens[:n_prompt]``, then ``steps`` tokens one at a time."""
     if steps < 1 or n_prompt < 1 or n_prompt + steps > len(tokens):
         raise ValueError(f"{steps} steps after a {n_prompt}-token prompt need more than {len(tokens)} tokens")
-    dense = _log_probabilities(_decode(model, FFNMode.DENSE, tokens, n_prompt, steps))
-    sparse = _log_probabilities(_decode(model, FFNMode.SPARSE, tokens, n_prompt, steps))
+    dense = log_probabilities(_decode(model, FFNMode.DENSE, tokens, n_prompt, steps))
+    sparse = log_probabilities(_decode(model, FFNMode.SPARSE, tokens, n_prompt, steps))
     kl = (np.exp(dense) * (dense - sparse)).sum(axis=1)
     targets = tokens[n_prompt + 1 : n_prompt + steps + 1]  # the text's next token, where the text goes on
-    scored = np.arange(len(targets))
 
-    def perplexity(log_probabilities: np.ndarray) -> float:
-        return float(np.exp(-log_probabilities[scored, targets].mean())) if len(targets) else float("nan")
+    def perplexity(steps_log_probabilities: np.ndarray) -> float:
+        chosen = steps_log_probabilities[np.arange(len(targets)), targets]
+        return float(np.exp(-chosen.mean())) if len(targets) else float("nan")
 
     selection = None
-    if all(layer.dense.thresholds is None for layer in model.layers):
+    if model.can_meter_firing:
         meter = SelectionMeter.zeros(len(model.layers))
         _decode(model, FFNMode.SPARSE, tokens, n_prompt, steps, meter)
         selection = meter.summary()
@@ -77,18 +78,14 @@ def decode_agreement(model, tokens: np.ndarray, n_prompt: int, steps: int) -> Ag
 
 def _decode(model, mode: FFNMode, tokens: np.ndarray, n_prompt: int, steps: int,
             meter: SelectionMeter | None = None) -> np.ndarray:
-    """Each decoding step's logits ``[steps, vocab]`` (float64) in ``mode``; with ``meter``, the steps'
+    """Each decoding step's logits ``[steps, vocab]`` in ``mode``; with ``meter``, the steps'
     choices of neurons counted against the neurons that fire (the general path)."""
     model.mode, caches = mode, model.new_cache()
     model.forward(tokens[:n_prompt], caches, all_logits=False)
     model.firing_meter = meter
     try:
-        return np.stack([model.forward(tokens[i : i + 1], caches, all_logits=False)[-1].astype(np.float64)
+        return np.stack([model.forward(tokens[i : i + 1], caches, all_logits=False)[-1]
                          for i in range(n_prompt, n_prompt + steps)])
     finally:
         model.firing_meter = None
 
-
-def _log_probabilities(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

@@ -43,7 +43,6 @@ from pathlib import Path
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
 
-from powerinfer_tools.benchmarking.agreement import measure_agreement
 from powerinfer_tools.benchmarking.llamacpp import (
     AmxStatus,
     Buffers,
@@ -543,6 +542,9 @@ def bench_quality(model: Path, settings: BenchSettings, progress=lambda message:
     """Off the clock, after the rounds: the sparse file's decoding of the bench's first
     ``settings.quality_steps`` steps against dense (``agreement.measure_agreement``); None when the settings
     ask for none."""
+    # (Imported here: it loads the runtime, which the engine processes that import this module must not.)
+    from powerinfer_tools.benchmarking.agreement import measure_agreement
+
     steps = min(settings.quality_steps, settings.generate)
     if not steps:
         return None

@@ -92,8 +92,7 @@ def runtime_perplexity(model: RuntimeModel, tokens: np.ndarray, seq_len: int, mo
     """
     model.mode = FFNMode(mode)
     model.stats = TokenStats()
-    metered = (model.mode is FFNMode.SPARSE and model.ram is None
-               and all(layer.dense.thresholds is None for layer in model.layers))
+    metered = model.mode is FFNMode.SPARSE and model.can_meter_firing
     model.firing_meter = SelectionMeter.zeros(len(model.layers)) if metered else None
     try:
         mean, scored = _mean_nll(model, tokens, seq_len, mode, progress)
@@ -116,10 +115,8 @@ def _mean_nll(model: Engine, tokens: np.ndarray, seq_len: int, mode: str, progre
     with progress_bar(total=len(tokens) - 1, unit="tok", desc=f"perplexity ({mode})", enabled=progress) as bar:
         for start in range(0, len(tokens) - 1, seq_len):
             targets = tokens[start + 1 : start + seq_len + 1]
-            logits = model.forward(tokens[start : start + len(targets)], model.new_cache()).astype(np.float64)
-            peak = logits.max(axis=1, keepdims=True)
-            log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-            total_nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
+            logits = model.forward(tokens[start : start + len(targets)], model.new_cache())
+            total_nll -= float(log_probabilities(logits)[np.arange(len(targets)), targets].sum())
             scored += len(targets)
             bar.update(len(targets))
     return total_nll / scored, scored
@@ -133,3 +130,9 @@ def format_result(result: PerplexityResult) -> str:
         if "recall" in s:
             text += f", {s['fired_density']:.1%} fire, recall {s['recall']:.2%}"
     return text
+
+
+def log_probabilities(logits: np.ndarray) -> np.ndarray:
+    """Each row's log-softmax ``[T, vocab]``, in float64."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

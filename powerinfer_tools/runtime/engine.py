@@ -174,6 +174,12 @@ class RuntimeModel(Engine):
                    else layer.dense.predictor is not None or layer.dense.thresholds is not None
                    for layer in self.layers)
 
+    @property
+    def can_meter_firing(self) -> bool:
+        """Whether a ``firing_meter`` can count what sparse mode misses: predictors choose (thresholds have
+        no firing to miss) and every row is in memory to find the neurons that fire (no RAM budget)."""
+        return self.ram is None and all(layer.dense.thresholds is None for layer in self.layers)
+
     def _dense_matrices(self) -> list[QuantMatrix | InterleavedQ4]:
         per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
         return per_layer + [self.output]
