@@ -230,6 +230,12 @@ def silu(g):
     return g / (1.0 + math.exp(-g))
 
 
+@njit(inline="always")
+def gelu_tanh(g):
+    """GELU's tanh approximation, as ``models.layers.gelu_tanh`` computes it."""
+    return 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+
+
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
 
 

@@ -4,8 +4,9 @@ The runtime's one specialization of the layer math that both engines share (``mo
 general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel calls: for
 a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development machine, against
 0.7 ms (one thread) for this path (docs/benchmarks-history.md, "Per-token overhead"). For the common
-case -- one token, every layer on the CPU, a LLaMA-family block (RMSNorm, RoPE in either pair order,
-gated FFN, no biases but q/k/v's) in dense or predicted-sparse mode -- ``CompiledDecoder`` runs each
+case -- one token, every layer on the CPU, a LLaMA-family or Gemma 3 block (RMSNorm, and Gemma's per
+head on q/k and after each block; RoPE in either pair order, with each layer's base and window; gated FFN;
+no biases but q/k/v's) in dense, predicted or thresholded sparse mode -- ``CompiledDecoder`` runs each
 layer as one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its
 ``gemv`` over matrices the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN, a
 CATS gate); on a CPU with AVX-512 VNNI, ``numba_vnni``'s products replace both for q4_0 (1.4-2x their
@@ -54,12 +55,13 @@ from powerinfer_tools.runtime.thresholded_ffn import (
 
 # FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
 # already computed for every neuron (in the scratch's ``predicted``, by row).
-_KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2}
-CATS_GATE_GIVEN = 3
+_KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2, FFNKind.GEGLU: 3}
+_SWIGLU = _KINDS[FFNKind.SWIGLU]
+CATS_GATE_GIVEN = 4
 NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not use
 # The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
 _BIASES = ("q", "k", "v")
-_NO_BIAS = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias (same numba type)
+_ABSENT = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias or norm (same numba type)
 _NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
 _NO_GROUPS.flags.writeable = False
 _DOWN, _DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)  # as messages name them
@@ -93,6 +95,8 @@ class LayerWeights(structref.StructRefProxy):
     ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
     ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
+    ``q_norm, k_norm`` (per head), ``post_attn_norm, post_ffn_norm`` (of each block's output): Gemma 3's
+    further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by;
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and q4_0 gate/up rows
     a whole number of its groups wide).
     ``cats_bounds``: where CATS's threshold lies on the gate product (``thresholded_ffn.cats_bounds``). ``bq, bk, bv``:
@@ -108,10 +112,11 @@ structref.define_proxy(LayerWeights, LayerWeightsType, [
     "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed",
     "vnni", "fc1", "fc1_type", "fc2", "fc2_type",
     "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
+    "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "attn_scale",
 ])
 structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
-    "all_rows", "predicted", "down_rows", "x_vnni",
+    "all_rows", "predicted", "down_rows", "x_vnni", "ffn_out",
 ])
 
 
@@ -130,12 +135,22 @@ def new_scratch(*fields):
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _rms_norm(x, weight, eps, out):
+    """``out`` = RMSNorm of ``x`` (``out`` may be ``x``)."""
     total = 0.0
     for i in range(x.shape[0]):
         total += x[i] * x[i]
     scale = np.float32(1.0 / math.sqrt(total / x.shape[0] + eps))
     for i in range(x.shape[0]):
         out[i] = x[i] * scale * weight[i]
+
+
+@njit(nogil=True, cache=True)
+def _head_norms(x, head_dim, weight, eps):
+    """RMSNorm of each head of ``x`` in place (Gemma 3's q/k norms); an empty ``weight`` (none) does nothing."""
+    if weight.shape[0]:
+        for base in range(0, x.shape[0], head_dim):
+            head = x[base : base + head_dim]
+            _rms_norm(head, weight, eps, head)
 
 
 # --- products: each parallel loop is one fork/join of the thread pool, which costs more than a small
@@ -165,7 +180,9 @@ def _activation(kind, g, u):
         return max(g, 0.0) * u
     if kind == 1:  # dReLU
         return max(g, 0.0) * max(u, 0.0)
-    return nk.silu(g) * u  # SwiGLU
+    if kind == 3:  # GeGLU
+        return nk.gelu_tanh(g) * u
+    return nk.silu(g) * u  # SwiGLU (CATS's too)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -189,7 +206,7 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
         else:
             _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
         _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
-        act[j] = _activation(min(kind, 2), gate_out[j], up_out[j])
+        act[j] = _activation(_SWIGLU if kind == CATS_GATE_GIVEN else kind, gate_out[j], up_out[j])
 
 
 @njit(inline="always")
@@ -227,11 +244,11 @@ def _add_bias(x, bias):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
-def _attend(q, keys, values, first, last, n_heads, scores, out):
-    """Causal attention of one query at position ``last`` over cached positions ``first .. last``."""
+def _attend(q, keys, values, first, last, n_heads, scale, scores, out):
+    """Causal attention of one query at position ``last`` over cached positions ``first .. last``, its scores
+    multiplied by ``scale``."""
     head_dim = keys.shape[2]
     group = n_heads // keys.shape[1]
-    scale = np.float32(1.0 / math.sqrt(head_dim))
     for h in prange(n_heads):
         kv = h // group
         q_h, score = q[h * head_dim : (h + 1) * head_dim], scores[h]
@@ -321,16 +338,20 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     _add_bias(s.q, w.bq)
     _add_bias(s.k, w.bk)
     _add_bias(s.v, w.bv)
+    _head_norms(s.q, head_dim, w.q_norm, eps)
+    _head_norms(s.k, head_dim, w.k_norm, eps)
     _rope(s.q, n_heads, head_dim, cos, sin, w.rope_halves)
     _rope(s.k, n_kv_heads, head_dim, cos, sin, w.rope_halves)
     keys[pos] = s.k.reshape((n_kv_heads, head_dim))
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
-    _attend(s.q, keys, values, first, pos, n_heads, s.scores, s.attended)
+    _attend(s.q, keys, values, first, pos, n_heads, w.attn_scale, s.scores, s.attended)
     ggml_from_float(fns[w.attn_types[3], 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
     if w.attn_gemv:
         numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads, w.vnni)
     else:
         nk.matvec(fns[w.attn_types[3], 1], w.wo, s.x_encoded, s.attended.shape[0], s.o)
+    if w.post_attn_norm.shape[0]:
+        _rms_norm(s.o, w.post_attn_norm, eps, s.o)
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
@@ -396,6 +417,20 @@ def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind
     """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
     rows of the neurons it chose); returns the number of neurons computed and of down rows read."""
     n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns, n_threads)
+    if not w.post_ffn_norm.shape[0]:
+        return _ffn(x, w, s, n, kind, sparse, fns, n_threads)
+    out = s.ffn_out  # Gemma 3: the FFN's output normed before it joins the residual stream
+    out[:] = 0.0
+    computed = _ffn(out, w, s, n, kind, sparse, fns, n_threads)
+    _rms_norm(out, w.post_ffn_norm, eps, out)
+    x += out
+    return computed
+
+
+@njit(nogil=True, cache=True)
+def _ffn(x, w, s, n, kind, sparse, fns, n_threads):
+    """Add the FFN's output for the ``n`` neurons ``decode_attention`` chose to ``x``; returns the number of
+    neurons computed and of down rows read."""
     if w.ffn_gemv:  # a dense file's FFN, interleaved
         _interleaved_ffn(x, w, s, kind, fns, n_threads)
         return n, n
@@ -475,7 +510,9 @@ class CompiledDecoder:
     cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
-    rope_frequencies: np.ndarray  # float64 [head_dim / 2]: angle per position of each rotated pair
+    # Per layer, float64 [head_dim / 2]: angle per position of each rotated pair (one array per (theta, scaling),
+    # shared by the layers that rotate alike: Gemma 3's global and sliding layers differ).
+    rope_frequencies: list[np.ndarray]
     max_context: int  # positions the scratch holds attention scores for
     can_run_sparse: bool  # every layer has one: sparse mode can run here
     neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
@@ -512,12 +549,15 @@ class CompiledDecoder:
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
             np.zeros(s.d_ff, np.intp),  # down_rows
-            np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8),  # x_vnni
+            np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8), f32(s.d_model),  # x_vnni ffn_out
         )
-        inv_freq = 1.0 / s.rope_theta ** (np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
+        rope_frequencies = {}
+        for theta, scaling in map(s.layer_rope, range(s.n_layers)):
+            exponents = np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim
+            rope_frequencies.setdefault((theta, scaling), 1.0 / theta ** exponents / scaling)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
-        units = [[_unit_weights(layer.dense, *unit, halves) for unit in _units(layer)] if reason is None else [None]
-                 for layer, reason in zip(model.layers, general)]
+        units = [[_unit_weights(layer.dense, *unit, halves, s.attention_scale) for unit in _units(layer)]
+                 if reason is None else [None] for layer, reason in zip(model.layers, general)]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
                     if layer.experts and reason is None else None
                     for layer, weights, reason in zip(model.layers, units, general)]
@@ -527,7 +567,7 @@ class CompiledDecoder:
         cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
                 for layer in model.layers]
         return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats,
-                   scratch, fns, inv_freq / s.rope_scaling_factor, max_context, model.can_run_sparse,
+                   scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)], max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
                    h)
 
@@ -552,15 +592,12 @@ class CompiledDecoder:
         """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
         s = self.spec
         pos = caches[0].length
-        angles = pos * self.rope_frequencies  # as rope_tables computes them: float64, then float32
-        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        first = 0 if s.sliding_window is None else max(0, pos - s.sliding_window + 1)
         threads = nk.use_threads(kernels.get_threads())
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for i, (w, row_bytes, cats, cache, neurons, mixture) in enumerate(zip(
-                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures)):
+        for i, (w, row_bytes, cats, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
+                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures, self._at(pos))):
             if w is None:  # counts into ``step`` itself
                 residual[:] = self.general_layer(i, residual[None], cache, step)[0]
                 continue
@@ -586,6 +623,18 @@ class CompiledDecoder:
             step.neurons_active += n
             step.bytes_read += gate_bytes * (s.d_ff if sparse and cats else n) + up_bytes * n + down_bytes * m
         return residual[None]
+
+    def _at(self, pos: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Per layer: the cos and sin of position ``pos``'s rotations, and the first cached position its query
+        sees (``ModelSpec.layer_window``)."""
+        tables = {}
+        for f in self.rope_frequencies:
+            if id(f) not in tables:
+                angles = pos * f  # as rope_tables computes them: float64, then float32
+                tables[id(f)] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        windows = map(self.spec.layer_window, range(self.spec.n_layers))
+        return [(*tables[id(f)], 0 if window is None else max(0, pos - window + 1))
+                for f, window in zip(self.rope_frequencies, windows)]
 
 
 @dataclass
@@ -660,6 +709,8 @@ def layer_refusal(layer) -> str | None:
     partitions = [p for p, _ in _units(layer)]
     if layer.experts and any(p.cache is not None for p in partitions):
         return "experts behind neuron caches (--ram)"
+    if d.post_ffn_norm is not None and (layer.experts or partitions[0].cache is not None):
+        return "a post-FFN norm on a mixture or behind a neuron cache (--ram)"
     for p in partitions:
         if p.backend.is_device:
             return f"FFN on {p.backend.name}"
@@ -686,9 +737,9 @@ def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
     return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
+def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float) -> LayerWeights:
     """The compiled weights of one FFN (a layer's, or an expert's) with its layer's attention ``d``."""
-    bq, bk, bv = (d.biases.get(key, _NO_BIAS) for key in _BIASES)
+    bq, bk, bv = (d.biases.get(key, _ABSENT) for key in _BIASES)
     down = p.down_t if p.down_t is not None else p.down
     # Without a predictor (dense mode, or thresholds) the fields hold a placeholder of the same numba type.
     fc1, fc2 = ([predictor.fc1, predictor.fc2] if predictor is not None
@@ -709,6 +760,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool) -> LayerWeights:
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
         cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
+        *(_ABSENT if norm is None else norm.weight for norm in (d.q_norm, d.k_norm, d.post_attn_norm, d.post_ffn_norm)),
+        np.float32(attn_scale),
     )
 
 
