@@ -25,6 +25,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.runtime import compiled_decode as cd
 from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.thresholded_ffn import drop_small_down_inputs
 
 
 @njit
@@ -42,7 +43,7 @@ def _gate_up(w, s, n, sparse, kind, fns):
 @njit
 def _down(x, w, s, rows, sparse, fns, n_threads):
     if sparse and w.ffn_down >= 0:
-        m = cd._teal_down(s, rows, w.ffn_down)
+        m = drop_small_down_inputs(s, rows, w.ffn_down)
         cd.down(x, w, s, s.down_rows[:m], fns, n_threads)
         return m
     cd.down(x, w, s, rows, fns, n_threads)

