@@ -98,8 +98,8 @@ class LayerWeights(structref.StructRefProxy):
     which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
     ``q_norm, k_norm`` (per head), ``post_attn_norm, post_ffn_norm`` (of each block's output): Gemma 3's
     further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by;
-    ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and q4_0 gate/up rows
-    a whole number of its groups wide).
+    ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and the whole groups
+    of q4_0 gate/up rows at least a group wide).
     ``cats_bounds``: where CATS's threshold lies on the gate product (``thresholded_ffn.cats_bounds``). ``bq, bk, bv``:
     biases, empty when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
