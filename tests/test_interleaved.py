@@ -46,6 +46,23 @@ def test_the_layout_is_ggmls_block_q4_0x8():
     assert np.array_equal(interleave(m).deinterleaved().data, m.data)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="compiled kernels unavailable")
+def test_the_compiled_copy_is_the_layout_byte_for_byte_and_blocks_of_rows_take_it():
+    """``for_whole_products`` interleaves with the compiled loop where the kernels run: the same bytes as NumPy's
+    ``interleave``; a block of tokens times every row of a q4_0 matrix kept in rows goes through that copy and
+    ggml's GEMM (the same floats), a subset of its rows through dequantize + BLAS as before."""
+    from powerinfer_tools.runtime.backends import CpuBackend
+
+    m = q4_0(1544, 576)  # 193 groups; rows of 18 blocks
+    assert np.array_equal(kernels.for_whole_products(m).data, interleave(m).data)
+    x = np.random.default_rng(2).standard_normal((kernels.MAX_TOKENS + 9, 576)).astype(np.float32)
+    want = kernels.interleaved_matmul(interleave(m), x)
+    assert np.array_equal(CpuBackend().matmul(m, x), want)
+    assert np.array_equal(CpuBackend().matmul(m, x, np.arange(m.rows)), want)
+    some = np.arange(0, m.rows, 3)
+    np.testing.assert_allclose(CpuBackend().matmul(m, x, some), want[:, some], rtol=0, atol=2e-2 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 4, 9, 40])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_products_equal_vec_dot_row_by_row(tokens, threads, monkeypatch):

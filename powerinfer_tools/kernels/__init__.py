@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 
 from powerinfer_tools.kernels import ggml_ops
-from powerinfer_tools.kernels.interleaved import InterleavedQ4, can_interleave, interleave
+from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
@@ -136,8 +136,17 @@ def interleaves(m: QuantMatrix) -> bool:
 def for_whole_products(m: QuantMatrix) -> QuantMatrix | InterleavedQ4:
     """``m`` as the CPU best multiplies a matrix that is always used whole (attention, the output head, a
     dense file's FFN): interleaved where ggml's kernels for that layout run here (``kernels.interleaved``),
-    else as it is."""
-    return interleave(m) if interleaves(m) else m
+    else as it is. The copy is made by the compiled loop where the compiled kernels are in use, else by NumPy
+    (as while they are being built: nothing is compiled for it then)."""
+    if not interleaves(m):
+        return m
+    if isinstance(_backend(), str):
+        return interleave(m)
+    from powerinfer_tools.kernels import numba_interleaved
+
+    out = np.empty((m.rows // ROWS, ROWS * m.row_bytes), np.uint8)
+    numba_interleaved.interleave(np.asarray(m.data), out)
+    return InterleavedQ4(out, m.cols)
 
 
 def interleaved_matmul(p: InterleavedQ4, x: np.ndarray) -> np.ndarray:

@@ -8,7 +8,8 @@ outputs per pass over the input. Measured on the 2-core development VM, a TinyLl
 memory; 128 tokens on one thread: 43 against 30 G multiply-adds/s for dequantize + BLAS
 (``examples/bench_kernels.py``). Matrices that are always multiplied whole (attention, a q4_0 output
 head) are stored this way on the CPU; a sparse FFN's gate and up are not, since a predicted neuron's
-row must be readable alone.
+row must be readable alone: a prompt that needs every one of their rows gets a copy interleaved for that
+product (``CpuBackend.matmul``; the compiled copy, ``numba_interleaved.interleave``, is a fifth of the GEMM).
 
 The layout (``ggml-cpu/repack.cpp``): rows are taken eight at a time; for each 32-column block of
 those eight rows, one 144-byte group holds the eight f16 scales, then 128 bytes of quants in which
@@ -31,8 +32,8 @@ from powerinfer_tools.kernels.quant import QuantMatrix
 
 ROWS = 8  # rows per interleaved group
 _BLOCK, _BLOCK_BYTES = WEIGHT_TYPES[Q4_0].block_size, WEIGHT_TYPES[Q4_0].block_bytes
-_SCALE_BYTES = 2  # a block's f16 scale, before its quants
-_PIECE = 8  # bytes of one row's quants that sit together in a group
+SCALE_BYTES = 2  # a block's f16 scale, before its quants
+PIECE = 8  # bytes of one row's quants that sit together in a group
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ class InterleavedQ4:
         """The matrix in GGUF's row layout again."""
         groups, blocks = self.data.shape[0], self.cols // _BLOCK
         g = self.data.reshape(groups, blocks, ROWS * _BLOCK_BYTES)
-        scales = g[..., : ROWS * _SCALE_BYTES].reshape(groups, blocks, ROWS, _SCALE_BYTES)
-        quants = (g[..., ROWS * _SCALE_BYTES :] ^ 0x88).reshape(groups, blocks, 2, ROWS, _PIECE)
-        quants = quants.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, ROWS, 2 * _PIECE)
+        scales = g[..., : ROWS * SCALE_BYTES].reshape(groups, blocks, ROWS, SCALE_BYTES)
+        quants = (g[..., ROWS * SCALE_BYTES :] ^ 0x88).reshape(groups, blocks, 2, ROWS, PIECE)
+        quants = quants.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, ROWS, 2 * PIECE)
         rows = np.concatenate([scales, quants], axis=3).transpose(0, 2, 1, 3)
         return QuantMatrix(self.qtype, rows.reshape(self.rows, self.row_bytes))
 
@@ -81,9 +82,9 @@ def interleave(m: QuantMatrix) -> InterleavedQ4:
     """``m`` (``can_interleave``) in eight-row groups: a new array of the same size."""
     groups, blocks = m.rows // ROWS, m.cols // _BLOCK
     b = np.asarray(m.data).reshape(groups, ROWS, blocks, _BLOCK_BYTES).transpose(0, 2, 1, 3)
-    scales = b[..., :_SCALE_BYTES].reshape(groups, blocks, ROWS * _SCALE_BYTES)
+    scales = b[..., :SCALE_BYTES].reshape(groups, blocks, ROWS * SCALE_BYTES)
     # piece i of a group is row i % 8's bytes 8 * (i // 8) ..: the two halves of every row's 16 quant bytes
-    quants = b[..., _SCALE_BYTES:].reshape(groups, blocks, ROWS, 2, _PIECE).transpose(0, 1, 3, 2, 4)
-    quants = quants.reshape(groups, blocks, ROWS * 2 * _PIECE) ^ 0x88
+    quants = b[..., SCALE_BYTES:].reshape(groups, blocks, ROWS, 2, PIECE).transpose(0, 1, 3, 2, 4)
+    quants = quants.reshape(groups, blocks, ROWS * 2 * PIECE) ^ 0x88
     data = np.concatenate([scales, quants], axis=2).reshape(groups, blocks * ROWS * _BLOCK_BYTES)
     return InterleavedQ4(data, m.cols)
