@@ -56,14 +56,23 @@ def encoded(v: np.ndarray, weight_type: Q) -> np.ndarray:
     return decode(encode(v, Q.Q8_0), Q.Q8_0)
 
 
-def rule_on_encoded_inputs(p: Predictor, x: np.ndarray, encodes: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The scores computed in float64 from inputs encoded as the kernels encode them (when ``encodes``), and the
-    sum of the magnitudes of their terms (the scale of float32 summation error)."""
+def encodes(m: QuantMatrix, n_tokens: int) -> bool:
+    """Whether the CPU's product of ``n_tokens`` with ``m`` encodes them: the kernels do for a few tokens, and
+    for a block ggml's GEMM on an interleaved copy of a q4_0 matrix does (``CpuBackend.matmul``); dequantize +
+    BLAS, and the NumPy reference, encode nothing."""
+    return kernels.available() and (n_tokens <= kernels.MAX_TOKENS or kernels.interleaves(m))
+
+
+def rule_on_encoded_inputs(p: Predictor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scores computed in float64 from inputs encoded as the CPU's products encode them (``encodes``), and
+    the sum of the magnitudes of their terms (the scale of float32 summation error)."""
     fc1, fc2 = (m.dequantize_rows().astype(np.float64) for m in (p.fc1, p.fc2))
-    same = lambda v, _: v  # noqa: E731
-    enc = encoded if encodes else same
-    hidden = np.maximum(enc(x, p.fc1.qtype) @ fc1.T, 0).astype(np.float32)
-    hidden = enc(hidden, p.fc2.qtype).astype(np.float64)
+
+    def enc(v: np.ndarray, m: QuantMatrix) -> np.ndarray:
+        return encoded(v, m.qtype) if encodes(m, len(v)) else v
+
+    hidden = np.maximum(enc(x, p.fc1) @ fc1.T, 0).astype(np.float32)
+    hidden = enc(hidden, p.fc2).astype(np.float64)
     return hidden @ fc2.T, hidden @ np.abs(fc2).T
 
 
@@ -81,13 +90,12 @@ def test_cpu_predictor_from_stored_type_agrees_with_float32_rule(fc1_type, fc2_t
     reference = predict(np, fc1, fc2, x)
     assert 0.1 < reference.mean() < 0.6  # neither side of the threshold is empty
     scores = p.scores(x)
-    encodes = n_tokens <= kernels.MAX_TOKENS and kernels.available()  # the NumPy reference encodes nothing
-    emulated, magnitude = rule_on_encoded_inputs(p, x, encodes)
+    emulated, magnitude = rule_on_encoded_inputs(p, x)
     assert np.all(np.abs(scores - emulated) <= 1e-5 * magnitude + 1e-6)
     # Against the float32 rule: scores move by the input's rounding only, and so do the decisions.
     exact = np.maximum(x @ fc1.T, 0) @ fc2.T
     worst = {Q.F32: 1e-5, Q.F16: 1e-3, Q.Q8_0: 0.01, Q.Q4_0: 0.01}
-    allowed = max(worst[fc1_type], worst[fc2_type]) if encodes else 1e-5
+    allowed = max(worst[m.qtype] if encodes(m, n_tokens) else 1e-5 for m in (p.fc1, p.fc2))
     assert np.sqrt(np.mean((scores - exact) ** 2)) <= allowed * np.sqrt(np.mean(exact**2))
     flipped = p(x) != reference
     moved_across = (emulated >= 0) != (exact >= 0)
