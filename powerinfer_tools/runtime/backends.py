@@ -47,13 +47,12 @@ class CpuBackend:
         self._blocks = _BlockProducts()
 
     def matmul(self, m: QuantMatrix | InterleavedQ4, x: np.ndarray, rows=None) -> np.ndarray:
-        every_row = rows is None or (len(rows) == m.rows and np.array_equal(rows, np.arange(m.rows)))
         if isinstance(m, InterleavedQ4):  # ggml's gemv/gemm for that layout, which compute every row
             out = kernels.interleaved_matmul(m, x)
-            return out if every_row else out[:, rows]
+            return out if _every_row(rows, m.rows) else out[:, rows]
         if len(x) <= kernels.MAX_TOKENS or not kernels.available():
             return kernels.matvec(m, x, rows)
-        if every_row and kernels.interleaves(m):
+        if _every_row(rows, m.rows) and kernels.interleaves(m):
             # A block times every row of a q4_0 matrix kept in rows for one-token reads (a PowerInfer file's
             # gate and up, in a prompt that needs every neuron: dense mode, the thresholded rules): copied
             # interleaved for this product alone, ggml's GEMM with the copy takes 128 tokens 1.4-2.2x as fast
@@ -131,6 +130,11 @@ class _BlockProducts:
             self._threads = threads
         with _OPENBLAS.single_threaded():
             return list(self._pool.map(chunk, range(0, n, self.CHUNK_ROWS)))
+
+
+def _every_row(rows, n_rows: int) -> bool:
+    """Whether ``rows`` (None: all) selects every one of ``n_rows`` rows, in order."""
+    return rows is None or (len(rows) == n_rows and np.array_equal(rows, np.arange(n_rows)))
 
 
 def _single_threaded_numba() -> None:

@@ -523,6 +523,7 @@ class CompiledDecoder:
     # Per layer, float64 [head_dim / 2]: angle per position of each rotated pair (one array per (theta, scaling),
     # shared by the layers that rotate alike: Gemma 3's global and sliding layers differ).
     rope_frequencies: list[np.ndarray]
+    windows: list[int | None]  # per layer: how many keys its query sees at most (``ModelSpec.layer_window``)
     max_context: int  # positions the scratch holds attention scores for
     can_run_sparse: bool  # every layer has one: sparse mode can run here
     neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
@@ -577,7 +578,8 @@ class CompiledDecoder:
         cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
                 for layer in model.layers]
         return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats,
-                   scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)], max_context, model.can_run_sparse,
+                   scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)],
+                   [s.layer_window(i) for i in range(s.n_layers)], max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
                    h)
 
@@ -636,15 +638,14 @@ class CompiledDecoder:
 
     def _at(self, pos: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """Per layer: the cos and sin of position ``pos``'s rotations, and the first cached position its query
-        sees (``ModelSpec.layer_window``)."""
+        sees."""
         tables = {}
         for f in self.rope_frequencies:
             if id(f) not in tables:
                 angles = pos * f  # as rope_tables computes them: float64, then float32
                 tables[id(f)] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        windows = map(self.spec.layer_window, range(self.spec.n_layers))
         return [(*tables[id(f)], 0 if window is None else max(0, pos - window + 1))
-                for f, window in zip(self.rope_frequencies, windows)]
+                for f, window in zip(self.rope_frequencies, self.windows)]
 
 
 @dataclass
