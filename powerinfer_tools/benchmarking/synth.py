@@ -29,6 +29,18 @@ shape of the profiles measured on real ReLU models (a minority of neurons carrie
 latent space: a predictor with 2(r+1) hidden units represents the rest exactly (fc1 = ±[μ; Uᵀ]), so
 ``rank`` and ``noise`` decide how large the trained predictors get.
 
+Firing so planted is a function of the token id alone. A **context model** (``Planting.context`` > 0;
+the "realistic" level) makes it depend on the earlier tokens, as a real model's does: each layer's attention
+is planted as previous-token heads (``Geometry.previous_token_attention``: queries and keys read only the
+mean direction, so the scores depend on the distance alone, and RoPE puts their peak one token back) whose
+output adds the previous token's latent part, at full scale, to the latent space (turned by a random
+rotation) and to random directions of the complement. Layer after layer the latent part and the rest grow by
+the same factor, so that earlier tokens have written ``context`` of them at the last FFN and the gates of
+each layer, planted for the energy its input then has (``Planting.latent_gain``), still fire with the
+planted frequencies on average; a gate's part outside the latent space depends on the context too. Such a
+model is profiled by forward passes of the reference engine (``LayerByLayer``, one layer's weights in memory
+at a time) on Python source text (``text_profile_tokens``) rather than from the construction.
+
 In a mixture-of-experts shape (Mixtral), each expert's gate rows are planted as a dense layer's are,
 with firing probabilities of their own, and router row e is
 
@@ -64,6 +76,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -73,6 +86,7 @@ from gguf import MODEL_TENSOR as T
 from safetensors.numpy import save_file
 from scipy.special import ndtri
 
+from powerinfer_tools.benchmarking.bench import TEXT as BENCH_TEXT
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import DENSE_SUFFIX, POWERINFER_SUFFIX, convert
@@ -93,9 +107,10 @@ from powerinfer_tools.formats.tensor_table import (
     ArchitectureTable,
 )
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.interfaces import FFNTracer, tracing
+from powerinfer_tools.interfaces import FFNTracer, Tokenizer, tracing
 from powerinfer_tools.models import load_model, spec_from_config
-from powerinfer_tools.models.layers import FFNHook, FFNTrace, activate, rms_norm, route, silu
+from powerinfer_tools.models.base import CheckpointWeights, load_block
+from powerinfer_tools.models.layers import FFNHook, FFNTrace, KVCache, activate, rms_norm, route, silu
 from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, held_out_pairs, train_predictors
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
@@ -142,6 +157,14 @@ HELD_OUT_IDS = 0.2  # of the ids profiling draws from, the share that only the h
 SYNTH_TRAINING = TrainSettings(min_precision=0.65, epochs=4, min_epoch_steps=150)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SYNTH_JSON = "synth.json"  # in the work folder, written once the checkpoint is complete
+ROPE_THETA = 10000.0  # LLaMA's; the previous-token heads of a context model are planted for it
+# A context model's previous-token heads: the log-ratio of the attention weight on the previous token to
+# that on each of its neighbours (the token itself and the one before the previous): e^-3, ~5% each.
+ATTENTION_FOCUS = 3.0
+# Where a context model's profiling text comes from: the Python standard library's source files (what the
+# bench's text, the bundled model's heldout.txt, is cut from too), less those in that text and the
+# folders of installed packages, whose content differs between machines.
+STDLIB_SKIPPED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
 # SiLU models. The residual stream's outlier channels: one per this many of d_model (at least one), each
 # a constant offset of OUTLIER_MAGNITUDE (at most sqrt(d_model)/4: a test shape's single channel stays
 # modest) in every embedding, whose other entries are standard normal. Real LLMs have a handful of such
@@ -222,6 +245,45 @@ class Seeded:
         return np.concatenate([rng.integers(first, split, n - held_out), rng.integers(split, vocab_size, held_out)])
 
 
+def text_profile_tokens(tokenizer: Tokenizer, n: int, held_out: int) -> np.ndarray:
+    """``n`` tokens of Python source to profile a context model on, each file's followed by the end-of-text
+    token: the first ``n - held_out`` from the standard library's files in path order, the last ``held_out``
+    (the pairs the trainer holds out) from its files in reverse order, so that no file gives tokens to both,
+    and neither holds a file of the bench's text (``bench.TEXT``)."""
+    files = _stdlib_sources()
+    first, used = _encoded(tokenizer, files, n - held_out)
+    last, used_back = _encoded(tokenizer, files[::-1], held_out)
+    if used + used_back > len(files):
+        raise _too_little_text(files, n)
+    return np.concatenate([first, last])
+
+
+def _too_little_text(files: list[Path], n: int) -> PitoolsError:
+    return PitoolsError(f"the Python standard library's source here ({len(files)} files) is too short for {n} "
+                        "profile tokens; give fewer --profile-tokens")
+
+
+def _stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files, in path order, outside ``STDLIB_SKIPPED`` folders."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIPPED.intersection(p.relative_to(root).parts))
+
+
+def _encoded(tokenizer: Tokenizer, files: list[Path], n: int) -> tuple[np.ndarray, int]:
+    """The first ``n`` tokens of ``files`` (less those in the bench's text) and how many files gave them."""
+    bench_text = BENCH_TEXT.read_text(encoding="utf-8")
+    tokens: list[int] = []
+    for used, path in enumerate(files, 1):
+        if len(tokens) >= n:
+            return np.asarray(tokens[:n], dtype=np.int64), used - 1
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip() and text not in bench_text:
+            tokens += tokenizer.encode(text, add_bos=False) + [tokenizer.eos_token_id]
+    if len(tokens) < n:
+        raise _too_little_text(files, n)
+    return np.asarray(tokens[:n], dtype=np.int64), len(files)
+
+
 @dataclass(frozen=True)
 class Planting(Seeded):
     density: float = 0.1  # mean fraction of FFN neurons that fire per token
@@ -229,6 +291,9 @@ class Planting(Seeded):
     noise: float = 0.15  # share (std) of a gate pre-activation outside the latent space
     seed: int = 0
     routing_skew: float = ROUTING_SKEW  # a mixture's: Zipf exponent of the share of tokens over experts
+    # Share of the latent part of the last FFN's input that earlier tokens wrote there, through planted
+    # previous-token heads (``Geometry.previous_token_attention``); 0: every FFN sees its token's embedding.
+    context: float = 0.0
 
     def __post_init__(self):
         if not 0 < self.density < P_MAX:
@@ -237,6 +302,19 @@ class Planting(Seeded):
             raise PitoolsError(f"noise must be in [0, 1), got {self.noise}")
         if not self.routing_skew >= 0:
             raise PitoolsError(f"--routing-skew must be at least 0, got {self.routing_skew}")
+        if not 0 <= self.context < 1:
+            raise PitoolsError(f"--context must be in [0, 1), got {self.context}")
+
+    def latent_gain(self, layer: int, n_layers: int) -> float:
+        """The energy of the latent part (and of the rest) of the stream entering layer ``layer``'s FFN, over an
+        embedding's: each layer's attention adds the previous token's latent part, times ``attention_step``,
+        to both, so their energies grow by 1 + step² a layer, to 1 / (1 - context) at the last FFN, where
+        earlier tokens wrote ``context`` of them. Layer -1: the embedding."""
+        return (1 - self.context) ** (-(layer + 1) / n_layers)
+
+    def attention_step(self, n_layers: int) -> float:
+        """What each layer's attention adds of the previous token's latent part (its size, before rotation)."""
+        return float(np.sqrt(self.latent_gain(0, n_layers) - 1))
 
 
 @dataclass(frozen=True)
@@ -259,15 +337,16 @@ class Hardness:
     least 4) sets the size a predictor needs: 2(rank+1) hidden units see the latent part exactly;
     ``noise`` sets what even such a predictor cannot see, so the share of neurons it must compute to
     reach a recall target (``ideal_selection``); ``min_precision`` is the training floor that suits
-    that noise."""
+    that noise; ``context`` how much of the FFN inputs earlier tokens write (``Planting.context``)."""
 
     rank_share: float
     noise: float
     min_precision: float
+    context: float = 0.0
 
     def planting(self, shape: Shape, density: float, seed: int) -> Planting:
         return Planting(density=density, rank=max(4, round(self.rank_share * shape.d_model)), noise=self.noise,
-                        seed=seed)
+                        seed=seed, context=self.context)
 
 
 # The levels `pitools synth --hardness` offers. Published predictors are large: Deja Vu trains a
@@ -286,12 +365,20 @@ class Hardness:
 # precision floor sits just below that ideal's 19%, so the search climbs to predictors near the ideal's
 # 2(rank+1) units, PowerInfer's size: at 15% a TinyLlama-width layer took hidden 96 (2% of its FFN
 # weights) computing 62% of its neurons.
+#
+# Its firing depends on context as SmolLM2's does: over the ids that occur 4 times or more in 8192 tokens of
+# held-out text, REAL_MODEL_WITHIN_ID of a neuron's gate pre-activation varies between occurrences of the same
+# id (its variance within ids over its total, mean over neurons and over the 30 layers: 0.03 at layer 0, ~0.3
+# at layers 2-10, ~0.5 from layer 13; `python examples/context_dependence.py`). A context model's share at
+# layer l is what earlier tokens wrote there, 1 - (1 - context)^((l+1)/L): context 0.68 puts its mean over
+# the layers there (0.419 at 22 layers, 0.414 at 32; measured on the model: tests/test_synth.py).
 REAL_MODEL_COMPUTED = 0.458
+REAL_MODEL_WITHIN_ID = 0.414
 HARDNESS = {
     "easy": Hardness(1 / 512, 0.15, 0.65),
     "medium": Hardness(1 / 64, 0.25, 0.6),
     "hard": Hardness(1 / 16, 0.35, 0.5),
-    "realistic": Hardness(1 / 16, 0.85, 0.17),
+    "realistic": Hardness(1 / 16, 0.85, 0.17, context=0.68),
 }
 
 
@@ -423,23 +510,80 @@ class Geometry:
         s *= np.sqrt(self.rank) / np.linalg.norm(s, axis=1, keepdims=True)
         return self.m * self.mean + self.k1 * s @ self.latent.T + self.k2 * self.orthogonal_units(n, rng)
 
-    def gate(self, p: np.ndarray, noise: float, rng: np.random.Generator) -> np.ndarray:
-        """Gate rows that fire with probabilities ``p`` on embeddings of this geometry."""
+    @staticmethod
+    def rms(gain: float) -> float:
+        """The RMS of a stream whose latent part and rest have ``gain`` times an embedding's energy (an
+        embedding's RMS is 1: energies d/2, d/4 and d/4), which a layer's norm divides it by."""
+        return float(np.sqrt((1 + gain) / 2))
+
+    def gate(self, p: np.ndarray, noise: float, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
+        """Gate rows that fire with probabilities ``p`` on streams of this geometry whose latent part and rest
+        have ``gain`` times an embedding's energy (``Planting.latent_gain``; 1: the embeddings themselves)."""
         a = rng.standard_normal((len(p), self.rank))
         a /= np.linalg.norm(a, axis=1, keepdims=True)
         c = SIGMA * ndtri(p)
-        return (np.outer(c / self.m, self.mean)
-                + (SIGMA * np.sqrt(1 - noise**2) / self.k1) * a @ self.latent.T
-                + (SIGMA * noise * np.sqrt(self.complement) / self.k2) * self.orthogonal_units(len(p), rng))
+        return self.rms(gain) * (
+            np.outer(c / self.m, self.mean)
+            + (SIGMA * np.sqrt(1 - noise**2) / (self.k1 * np.sqrt(gain))) * a @ self.latent.T
+            + (SIGMA * noise * np.sqrt(self.complement) / (self.k2 * np.sqrt(gain))) * self.orthogonal_units(len(p), rng))
 
-    def router(self, bias: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def previous_token_attention(self, shape: Shape, step: float, gain: float,
+                                 rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+        """Attention weights (q, k, v, o) that write the previous token's latent part, times ``step``, into
+        the stream twice: turned by a random rotation of the latent space, and into random directions of
+        the rest (so a gate's part outside the latent space depends on the context too): a layer's context.
+        ``gain``: the energy of the entering stream's parts, over an embedding's.
+
+        Queries and keys read only the mean direction, which every token shares, so every head's scores
+        depend on the distance alone: after RoPE, rotary pair p of the query and of the key δ tokens back
+        meet at A²·cos((δ-1)θ_p) (the key is the query turned by one position), largest at δ = 1, and A sets
+        the weight on the previous token ``ATTENTION_FOCUS`` (log) above that on its neighbours. Values are the
+        latent coordinates, laid along the KV heads; the output reads the first query head of each KV head."""
+        d, r, head_dim = self.d_model, self.rank, shape.d_model // shape.n_heads
+        kv_width, group = shape.n_kv_heads * head_dim, shape.n_heads // shape.n_kv_heads
+        if r > kv_width:
+            raise PitoolsError(f"--context needs a latent rank of at most {kv_width} (the KV heads' width) at this "
+                               f"shape, not {r}")
+        theta = ROPE_THETA ** -(np.arange(0, head_dim, 2) / head_dim)
+        amplitude = np.sqrt(ATTENTION_FOCUS * np.sqrt(head_dim) / np.sum(1 - np.cos(theta)))
+        query = amplitude * np.concatenate([np.ones_like(theta), np.zeros_like(theta)])  # rotate-half pairs
+        key = amplitude * np.concatenate([np.cos(theta), np.sin(theta)])
+        read_mean = self.mean * (self.rms(gain) / self.m)  # a normed stream's mean coordinate is m / RMS
+        wq = np.tile(np.outer(query, read_mean), (shape.n_heads, 1))
+        wk = np.tile(np.outer(key, read_mean), (shape.n_kv_heads, 1))
+        wv = np.zeros((kv_width, d))
+        wv[:r] = self.latent.T
+        rotation, _ = np.linalg.qr(rng.standard_normal((r, r)))
+        elsewhere, _ = np.linalg.qr(self.orthogonal_units(r, rng).T)
+        wo = np.zeros((d, shape.n_heads * head_dim))
+        coordinate = np.arange(r)
+        # The weights' spread over the neighbours shrinks what a step adds (the sum of independent latent parts
+        # so weighted has sum(w²) of one's energy): the step is scaled up to make up for it.
+        spread = np.sqrt(np.sum(_distance_weights(query, key, theta, head_dim) ** 2))
+        wo[:, coordinate // head_dim * group * head_dim + coordinate % head_dim] = (
+            step / spread * self.rms(gain) * (self.latent @ rotation + elsewhere))
+        return wq, wk, wv, wo
+
+    def router(self, bias: np.ndarray, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
         """Router rows whose logits on embeddings of this geometry are ``bias + ROUTER_SPREAD·ζ``: ζ holds
         coordinates of the token's random part ``n`` (times sqrt(d')) along orthonormal directions of the
         complement. Routing so reads nothing of the mean and latent parts and, in high dimension, next
         to nothing of the gate rows' own random directions: it leaves the experts' firing as planted."""
         basis, _ = np.linalg.qr(self.orthogonal_units(len(bias), rng).T)  # orthonormal: uncorrelated ζ_e
-        return (np.outer(bias / self.m, self.mean)
-                + (ROUTER_SPREAD * np.sqrt(self.complement) / self.k2) * basis.T)
+        return self.rms(gain) * (np.outer(bias / self.m, self.mean)
+                                 + (ROUTER_SPREAD * np.sqrt(self.complement) / (self.k2 * np.sqrt(gain))) * basis.T)
+
+
+def _distance_weights(query: np.ndarray, key: np.ndarray, theta: np.ndarray, head_dim: int,
+                      positions: int = 64) -> np.ndarray:
+    """The attention weights of a constant query on constant keys 0 .. ``positions`` - 1 tokens back, after
+    RoPE (rotate-half pairs, angles ``theta``), far into a sequence."""
+    half = len(theta)
+    angles = np.outer(np.arange(positions), theta)  # the key's turn relative to the query's
+    q_pairs, k_pairs = query[:half] + 1j * query[half:], key[:half] + 1j * key[half:]
+    scores = np.real(q_pairs * np.conj(k_pairs * np.exp(-1j * angles))).sum(axis=1) / np.sqrt(head_dim)
+    weights = np.exp(scores - scores.max())
+    return weights / weights.sum()
 
 
 def _config(shape: Shape, activation: str = "relu") -> dict:
@@ -457,7 +601,7 @@ def _config(shape: Shape, activation: str = "relu") -> dict:
         "num_key_value_heads": shape.n_kv_heads,
         "max_position_embeddings": shape.context,
         "rms_norm_eps": shape.rms_norm_eps,
-        "rope_theta": 10000.0,
+        "rope_theta": ROPE_THETA,
         "vocab_size": shape.vocab_size,
         "tie_word_embeddings": False,
         "bos_token_id": 0,  # the bundled tokenizer's <|endoftext|>
@@ -560,14 +704,21 @@ def _write_layer(folder: Path, shape: Shape, planting: Planting, geometry: Geome
     streams = [_ffn_rng(planting, unit) for unit in units] if shape.n_experts else [rng]
     frequencies = [firing_frequencies(shape.d_ff, planting.density, stream) for stream in streams]
     tensors, hf = _attention_tensors(shape, layer, rng, RESIDUAL_STEP), shape.table.hf_name
+    if planting.context:  # the random attention above is replaced, its draws kept: the FFNs stay the same
+        planted = geometry.previous_token_attention(shape, planting.attention_step(shape.n_layers),
+                                                    planting.latent_gain(layer - 1, shape.n_layers),
+                                                    planting.rng(6, layer))
+        names = [hf(t, layer) for t in (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)]
+        tensors |= {name: w.astype(np.float16) for name, w in zip(names, planted)}
+    gain = planting.latent_gain(layer, shape.n_layers)
     if shape.n_experts:
         bias, _ = planted_routing(shape, planting, layer)
-        tensors[hf(T.FFN_GATE_INP, layer)] = geometry.router(bias, rng).astype(np.float16)
+        tensors[hf(T.FFN_GATE_INP, layer)] = geometry.router(bias, rng, gain).astype(np.float16)
         for unit, p, stream in zip(units, frequencies, streams):
-            save_file(_ffn_tensors(geometry, unit, p, planting.noise, stream),
+            save_file(_ffn_tensors(geometry, unit, p, planting.noise, stream, gain),
                       str(folder / f"model-layer{layer:03d}-expert{unit.expert:03d}.safetensors"))
     else:
-        tensors |= _ffn_tensors(geometry, units[0], frequencies[0], planting.noise, rng)
+        tensors |= _ffn_tensors(geometry, units[0], frequencies[0], planting.noise, rng, gain)
     save_file(tensors, str(folder / f"model-layer{layer:03d}.safetensors"))
     return frequencies
 
@@ -589,13 +740,14 @@ def _ffn_names(unit: FFNUnit) -> tuple[str, str, str]:
                  for t in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
 
 
-def _ffn_tensors(geometry: Geometry, unit: FFNUnit, p: np.ndarray, noise: float,
-                 rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """An FFN whose neurons fire with probabilities ``p``: planted gate rows, random up and down weights,
-    the down projection ``RESIDUAL_STEP`` of the usual scale."""
+def _ffn_tensors(geometry: Geometry, unit: FFNUnit, p: np.ndarray, noise: float, rng: np.random.Generator,
+                 gain: float = 1.0) -> dict[str, np.ndarray]:
+    """An FFN whose neurons fire with probabilities ``p`` on its input (whose latent energy is ``gain`` times an
+    embedding's): planted gate rows, random up and down weights, the down projection ``RESIDUAL_STEP`` of
+    the usual scale."""
     gate, up, down = _ffn_names(unit)
     d_ff, d = len(p), geometry.d_model
-    return {gate: geometry.gate(p, noise, rng).astype(np.float16), up: _normal(d_ff, d, rng),
+    return {gate: geometry.gate(p, noise, rng, gain).astype(np.float16), up: _normal(d_ff, d, rng),
             down: _normal(d, d_ff, rng, RESIDUAL_STEP)}
 
 
@@ -639,6 +791,43 @@ class PlantedActivations(FFNTracer):
         gate_pre, up_pre = x @ self.checkpoint.tensor(gate).T, x @ self.checkpoint.tensor(up).T
         self.ffn_hook(FFNTrace(unit.layer, x, h, gate_pre, up_pre, activate(self.spec.ffn, gate_pre, up_pre),
                                expert=unit.expert, tokens=tokens))
+
+
+class LayerByLayer(FFNTracer):
+    """A context model's FFN inputs and activations, from forward passes of the reference engine.
+
+    Its FFN inputs depend on the attention of every layer before, so its profile needs the model run (what
+    ``Profiler`` needs of an engine, ``FFNTracer``); in float32, a 7B shape does not fit in memory whole. So
+    each window goes through the layers in turn, each layer's weights read for it and dropped after."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.model = load_model(checkpoint, layers=range(0))  # the embeddings; no layer
+        self.model.compute_logits = False
+        self.spec = self.model.spec
+        self.table = TABLES[self.spec.architecture]
+
+    @property
+    def ffn_hook(self) -> FFNHook | None:
+        return self.model.ffn_hook
+
+    @ffn_hook.setter
+    def ffn_hook(self, hook: FFNHook | None) -> None:
+        self.model.ffn_hook = hook
+
+    def new_cache(self) -> KVCache:
+        return self.model.new_cache()
+
+    def forward(self, tokens: np.ndarray, cache: KVCache) -> None:
+        weights, hf, d = CheckpointWeights(self.checkpoint, np.float32), self.table.hf_name, self.spec.d_model
+        x = self.model.embed[np.asarray(tokens)]
+        for layer in range(self.spec.n_layers):
+            self.model.blocks[layer] = load_block(weights, self.table, self.spec, layer,
+                                                  lambda tensor, i: weights.get(hf(tensor, i), d))
+            try:
+                x = self.model.stages(tokens, cache).layers[layer](x)
+            finally:
+                self.model.blocks[layer] = None
 
 
 def dense_companion(path: Path) -> Path:
@@ -937,12 +1126,20 @@ def _finish(checkpoint_dir: Path, dense: Path, outtype: str, work: Path, keep_wo
 
 def _profile(checkpoint: Checkpoint, profile_dir: Path, shape_name: str, shape: Shape, planting: Planting,
              profile_tokens: int, held_out: int, resumed: bool, progress: bool) -> FiringStats:
-    """Profile the synthetic checkpoint from its construction on uniform token ids (``Planting.profile_tokens``:
-    the last ``held_out`` from ids of their own), keeping every token's pairs."""
-    tokens = planting.profile_tokens(shape.vocab_size, profile_tokens, held_out)
-    source = (f"synthetic: {profile_tokens} uniform token ids, the last {held_out} from ids the others are not, "
-              f"seed {planting.seed}")
-    profiler = Profiler(PlantedActivations(checkpoint), f"synthetic {shape_name}", tokens, [source], profile_dir,
+    """Profile the synthetic checkpoint, keeping every token's pairs: from its construction on uniform token ids
+    (``Planting.profile_tokens``: the last ``held_out`` from ids of their own) or, a context model, by running
+    it on text (``text_profile_tokens``: the last ``held_out`` from files of their own)."""
+    if planting.context:
+        tracer = LayerByLayer(checkpoint)
+        tokens = text_profile_tokens(checkpoint.tokenizer(tracer.spec), profile_tokens, held_out)
+        source = (f"synthetic: {profile_tokens} tokens of the Python standard library's source, the last {held_out} "
+                  "from files the others are not")
+    else:
+        tracer = PlantedActivations(checkpoint)
+        tokens = planting.profile_tokens(shape.vocab_size, profile_tokens, held_out)
+        source = (f"synthetic: {profile_tokens} uniform token ids, the last {held_out} from ids the others are not, "
+                  f"seed {planting.seed}")
+    profiler = Profiler(tracer, f"synthetic {shape_name}", tokens, [source], profile_dir,
                         ProfileSettings(seq_len=min(PROFILE_WINDOW, profile_tokens), seed=planting.seed,
                                         pairs_mib=_pairs_mib(shape, profile_tokens)))
     return profiler.run(force=not resumed, progress=progress)

@@ -28,7 +28,7 @@ from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.quantization import OUTTYPES
 
 # The options of one activation only, by their parameter names.
-RELU_ONLY = ("density", "hardness", "rank", "noise", "routing_skew", "epochs", "min_precision", "ray_address")
+RELU_ONLY = ("density", "hardness", "rank", "noise", "context", "routing_skew", "epochs", "min_precision", "ray_address")
 SILU_ONLY = ("target_sparsity", "sparsity_rule")
 
 
@@ -54,7 +54,8 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
                    "overridden). hard: predictors of ~1/8 of d_model, as published ones are, that must compute "
                    "~1.5x the neurons that fire to reach 95% recall; easy: tiny predictors, near-exact; "
                    "realistic: as hard as a real model measured (SmolLM2: ~46% of the neurons computed at 95% "
-                   "recall by predictors of 10% of the FFN weights), ~5x the neurons that fire.")
+                   "recall by predictors of 10% of the FFN weights), ~5x the neurons that fire, and firing that "
+                   "depends on the earlier tokens as much as SmolLM2's (--context 0.68).")
 @click.option("--outtype", type=click.Choice(list(OUTTYPES)), default="q4_0", show_default=True)
 @click.option("--rank", type=click.IntRange(min=1), default=None,
               help="Latent dimensions that decide which neurons fire (what the predictors must learn) "
@@ -62,6 +63,10 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
 @click.option("--noise", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="Share of a gate pre-activation outside the latent space (harder to predict) "
                    "[default: from --hardness].")
+@click.option("--context", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Share of the last FFN's input that earlier tokens write, through planted previous-token "
+                   "attention heads (0: every FFN sees its token's embedding, whatever came before; above 0 the "
+                   "model is profiled by running it on Python source text) [default: from --hardness].")
 @click.option("--routing-skew", type=click.FloatRange(min=0), default=ROUTING_SKEW, show_default=True,
               help="Mixture shapes: Zipf exponent of the share of tokens routed to each expert (0: even; "
                    "large values starve the idlest experts, whose predictors then compute every neuron).")
@@ -83,7 +88,7 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @ray_option
 def synth(shape, output, activation, target_sparsity, sparsity_rule, density, layers, hardness, outtype, rank, noise,
-          routing_skew, profile_tokens, epochs, min_precision, seed, work, keep_work, force, as_json, quiet,
+          context, routing_skew, profile_tokens, epochs, min_precision, seed, work, keep_work, force, as_json, quiet,
           ray_address) -> None:
     """Write a synthetic ReLU (or SiLU) LLaMA (or Mixtral) of a real shape, for benchmarking.
 
@@ -125,7 +130,8 @@ def synth(shape, output, activation, target_sparsity, sparsity_rule, density, la
     level = HARDNESS[hardness]
     planting = level.planting(SHAPES[shape], density, seed)
     planting = dataclasses.replace(planting, rank=rank or planting.rank,
-                                   noise=planting.noise if noise is None else noise, routing_skew=routing_skew)
+                                   noise=planting.noise if noise is None else noise, routing_skew=routing_skew,
+                                   context=planting.context if context is None else context)
     train = dataclasses.replace(synth_module.SYNTH_TRAINING, epochs=epochs,
                                 min_precision=level.min_precision if min_precision is None else min_precision)
     with ray_workers(ray_address) as workers:
@@ -158,7 +164,8 @@ def _relu_report(summary: dict) -> str:
         "of the neurons on held-out tokens\n"
         f"predictability (rank {summary['rank']}, noise {summary['noise']}): an ideal predictor of "
         f"{2 * (summary['rank'] + 1)} hidden units computes {summary['ideal_computed']:.1%} of the neurons "
-        f"at 95% recall (precision {summary['ideal_precision']:.1%})"
+        f"at 95% recall (precision {summary['ideal_precision']:.1%}); earlier tokens write "
+        f"{summary['context']:.0%} of the last FFN's input"
     )
 
 
