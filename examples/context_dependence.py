@@ -119,8 +119,7 @@ def layer_stats(gate: np.ndarray, magnitude: np.ndarray, groups, density: float)
     same, different = firing_agreement(magnitude[order] > threshold, starts, counts)
     return {"within_id_share_mean": float(share.mean()), "within_id_share_median": float(np.median(share)),
             "omega2_mean": float(omega2.mean()), "threshold": float(threshold),
-            "firing_agreement_same_id": same, "firing_agreement_different_ids": different,
-            "within_id_share_per_neuron": [round(float(v), 4) for v in share]}
+            "firing_agreement_same_id": same, "firing_agreement_different_ids": different}
 
 
 COLUMNS = (("within_id_share_mean", "within mean"), ("within_id_share_median", "within median"),

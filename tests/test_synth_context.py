@@ -10,8 +10,6 @@ from gguf_fixtures import FAST_TRAINING
 
 from powerinfer_tools.benchmarking.bench import TEXT as BENCH_TEXT
 from powerinfer_tools.benchmarking.synth import (
-    HARDNESS,
-    REAL_MODEL_WITHIN_ID,
     SHAPES,
     LayerByLayer,
     Planting,
@@ -78,14 +76,6 @@ def test_the_share_of_a_gate_that_varies_within_an_id_is_what_earlier_tokens_wro
         assert (gate > 0).mean() == pytest.approx(0.1, abs=0.025)
     if not context:
         assert max(within_id_share(g, tokens) for g in gates.values()) < 0.01
-
-
-def test_the_realistic_level_depends_on_context_as_the_real_model_measured():
-    for shape in ("tinyllama-1.1b", "llama-7b"):
-        planting = HARDNESS["realistic"].planting(SHAPES[shape], 0.1, 0)
-        layers = SHAPES[shape].n_layers
-        written = np.mean([1 - 1 / planting.latent_gain(i, layers) for i in range(layers)])
-        assert written == pytest.approx(REAL_MODEL_WITHIN_ID, abs=0.01)
 
 
 def test_layer_by_layer_runs_as_the_whole_reference_engine(tmp_path, text):

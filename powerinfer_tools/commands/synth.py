@@ -55,7 +55,7 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
                    "~1.5x the neurons that fire to reach 95% recall; easy: tiny predictors, near-exact; "
                    "realistic: as hard as a real model measured (SmolLM2: ~46% of the neurons computed at 95% "
                    "recall by predictors of 10% of the FFN weights), ~5x the neurons that fire, and firing that "
-                   "depends on the earlier tokens as much as SmolLM2's (--context 0.68).")
+                   "depends on the earlier tokens as much as SmolLM2's (--context 0.8).")
 @click.option("--outtype", type=click.Choice(list(OUTTYPES)), default="q4_0", show_default=True)
 @click.option("--rank", type=click.IntRange(min=1), default=None,
               help="Latent dimensions that decide which neurons fire (what the predictors must learn) "
