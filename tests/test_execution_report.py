@@ -56,7 +56,7 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     report = model.execution_report()
     assert report[0] == f"kernels: {kernels.describe()}"
     assert report[-1] == ("prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons "
-                          "(kernels.batched)")
+                          "(kernels.batched) while they are under 30% of them, else their union")
     assert LLM.load(sparse_bundled).description.endswith(", tokens decoded by the compiled decoder")
 
 

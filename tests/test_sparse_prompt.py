@@ -13,7 +13,9 @@ from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.formats.predictor_folder import predict
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import batched
+from powerinfer_tools.kernels.batched import selected_ffn
 from powerinfer_tools.models import load_model
+from powerinfer_tools.runtime import engine
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 CONFIG = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
@@ -40,7 +42,12 @@ def sparse_model(path):
     return model
 
 
-def test_prompt_equals_the_reference_engines_predicted_path(converted):
+@pytest.mark.parametrize("limit", [1.01, 0.0], ids=["own neurons", "union"])
+def test_prompt_equals_the_reference_engines_predicted_path(converted, monkeypatch, limit):
+    """Both block paths (``engine.OWN_NEURONS_DENSITY`` chooses by the share of neurons chosen)."""
+    monkeypatch.setattr(engine, "OWN_NEURONS_DENSITY", limit)
+    calls = []
+    monkeypatch.setattr(batched, "selected_ffn", lambda *args: calls.append(1) or selected_ffn(*args))
     folder, predictors, files = converted
     reference = load_model(Checkpoint(folder), np.float64)
     reference.neuron_selector = lambda layer, residual, fired: predict(np, *predictors[layer], residual)
@@ -48,6 +55,7 @@ def test_prompt_equals_the_reference_engines_predicted_path(converted):
     logits = model.forward(PROMPT, model.new_cache())
     assert relative_error(logits, reference.forward(PROMPT, reference.new_cache())) < 1e-4
     assert 0.2 < model.stats.neurons_active / model.stats.neurons_total < 0.8  # a real selection per token
+    assert bool(calls) == (limit > 1)
 
 
 def test_prompt_equals_token_by_token_decoding(converted):

@@ -5,7 +5,8 @@ what ``pitools run --verbose`` prints, ``pitools bench`` records and ``LLM.descr
     layers 0-5: compiled decoder | attention q4_0 interleaved, ggml gemv | FFN sparse, predicted (predictor
         hidden size 16) | gate/up q4_0 rows, ggml vec_dot | down ffn_down_t q4_0, axpy of ours
     output head: q8_0, ggml vec_dot
-    prompts (blocks of tokens): general path | sparse FFN: each token's own predicted neurons (kernels.batched)
+    prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons (kernels.batched)
+        while they are under 30% of them, else their union
 
 A layer's line tells how a decoded token runs it: by the compiled decoder (``compiled_decode``) or, when
 that refuses the model, the step or this layer, by the general path (``RuntimeModel._layer``), and then
@@ -28,7 +29,7 @@ from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
-from powerinfer_tools.runtime.engine import computes_tokens_own_neurons
+from powerinfer_tools.runtime.engine import OWN_NEURONS_DENSITY, computes_tokens_own_neurons
 
 REFERENCE = "NumPy reference"
 DOWN, DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)
@@ -180,19 +181,21 @@ def _sparsity(layer) -> Phrase:
 
 def _prompt_ffn(model) -> str:
     """How a block of tokens computes the FFNs: every neuron, a SiLU model's thresholded block, or each token's
-    own predicted neurons (``kernels.batched``) where that applies (``computes_tokens_own_neurons``)."""
+    own predicted neurons (``kernels.batched``) where that applies (``computes_tokens_own_neurons``) and they are
+    few enough (``OWN_NEURONS_DENSITY``), else their union."""
     if model.mode is FFNMode.DENSE:
         return "FFN: every neuron"
     if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
         return "sparse FFN: every neuron's gate and up, then the thresholds' mask"
     cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
     taking = sum(computes_tokens_own_neurons(p) for p in cpu)
+    own = (f"each token's own chosen neurons (kernels.batched) while they are under {OWN_NEURONS_DENSITY:.0%} of "
+           "them, else")
     if taking == len(cpu):
-        return f"{model.mode.value} FFN: each token's own chosen neurons (kernels.batched)"
+        return f"{model.mode.value} FFN: {own} their union"
     if taking == 0:
         return f"{model.mode.value} FFN: the union of the tokens' chosen neurons for every token"
-    return (f"{model.mode.value} FFN: each token's own chosen neurons (kernels.batched) in {taking} of {len(cpu)} "
-            "CPU partitions, the union of them elsewhere")
+    return f"{model.mode.value} FFN: {own} their union, in {taking} of {len(cpu)} CPU partitions; the union elsewhere"
 
 
 def _partitions(layer, every_expert: bool = False) -> list:
