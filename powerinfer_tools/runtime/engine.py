@@ -440,7 +440,7 @@ class RuntimeModel(Engine):
             return out
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):
-            if part_mask is not None and n_tokens > 1 and part_mask.mean() < OWN_NEURONS_DENSITY:
+            if part_mask is not None and n_tokens > 1 and part_mask.size and part_mask.mean() < OWN_NEURONS_DENSITY:
                 out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:
                     return out
