@@ -291,8 +291,8 @@ class Planting(Seeded):
     noise: float = 0.15  # share (std) of a gate pre-activation outside the latent space
     seed: int = 0
     routing_skew: float = ROUTING_SKEW  # a mixture's: Zipf exponent of the share of tokens over experts
-    # Share of the latent part of the last FFN's input that earlier tokens wrote there, through planted
-    # previous-token heads (``Geometry.previous_token_attention``); 0: every FFN sees its token's embedding.
+    # Share of the last FFN's input (of its latent part and of the rest) that earlier tokens wrote there, through
+    # planted previous-token heads (``Geometry.previous_token_attention``); 0: every FFN sees its token's embedding.
     context: float = 0.0
 
     def __post_init__(self):
@@ -525,7 +525,8 @@ class Geometry:
         return self.rms(gain) * (
             np.outer(c / self.m, self.mean)
             + (SIGMA * np.sqrt(1 - noise**2) / (self.k1 * np.sqrt(gain))) * a @ self.latent.T
-            + (SIGMA * noise * np.sqrt(self.complement) / (self.k2 * np.sqrt(gain))) * self.orthogonal_units(len(p), rng))
+            + (SIGMA * noise * np.sqrt(self.complement) / (self.k2 * np.sqrt(gain)))
+            * self.orthogonal_units(len(p), rng))
 
     def previous_token_attention(self, shape: Shape, step: float, gain: float,
                                  rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -565,7 +566,8 @@ class Geometry:
         return wq, wk, wv, wo
 
     def router(self, bias: np.ndarray, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
-        """Router rows whose logits on embeddings of this geometry are ``bias + ROUTER_SPREAD·ζ``: ζ holds
+        """Router rows whose logits on embeddings of this geometry (streams of ``gain``: see ``gate``) are
+        ``bias + ROUTER_SPREAD·ζ``: ζ holds
         coordinates of the token's random part ``n`` (times sqrt(d')) along orthonormal directions of the
         complement. Routing so reads nothing of the mean and latent parts and, in high dimension, next
         to nothing of the gate rows' own random directions: it leaves the experts' firing as planted."""
