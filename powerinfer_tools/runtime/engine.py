@@ -440,7 +440,7 @@ class RuntimeModel(Engine):
             return out
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):
-            if part_mask is not None and n_tokens > 1 and part_mask.size and part_mask.mean() < OWN_NEURONS_DENSITY:
+            if part_mask is not None and n_tokens > 1:
                 out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:
                     return out
@@ -477,8 +477,9 @@ OWN_NEURONS_DENSITY = 0.3
 def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):
     """A partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
     (``kernels.batched``): a prompt's union of predicted neurons is nearly all of them, ~8x the work of
-    each token's own. None where that path does not apply (``computes_tokens_own_neurons``)."""
-    if not computes_tokens_own_neurons(p):
+    each token's own. None where that path does not apply (``computes_tokens_own_neurons``) or the tokens choose
+    too many of the neurons for it to pay (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way)."""
+    if not computes_tokens_own_neurons(p) or not mask.size or mask.mean() >= OWN_NEURONS_DENSITY:
         return None
     from powerinfer_tools.kernels import batched
     return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask)
