@@ -25,7 +25,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.runtime import compiled_decode as cd
 from powerinfer_tools.runtime.loader import load_runtime_model
-from powerinfer_tools.runtime.thresholded_ffn import drop_small_down_inputs
+from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs
 
 
 @njit
@@ -36,7 +36,7 @@ def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, sparse, fns, 
 @njit
 def _gate_up(w, s, n, sparse, kind, fns):
     rows = s.active[:n].copy() if sparse else s.all_rows[:n].copy()
-    cd.gate_up(w, s, rows, s.all_rows[:n], cd.CATS_GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
+    cd.gate_up(w, s, rows, s.all_rows[:n], kind + cd.GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
     return rows
 
 

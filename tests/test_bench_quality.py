@@ -52,7 +52,8 @@ def reference_recall(dense_twin, sparse_file, tokens) -> dict:
 
 def test_the_recall_the_bench_reports_is_the_reference_engines(files):
     sparse_file, dense_twin, tokens = files
-    ours = decode_agreement(load_runtime_model(sparse_file, use_split=False), tokens, PROMPT, STEPS)
+    ours = decode_agreement(load_runtime_model(sparse_file, use_split=False, neuron_choice="predictor"), tokens,
+                            PROMPT, STEPS)
     reference = reference_recall(dense_twin, sparse_file, tokens)
     # Not equal: the runtime multiplies q8_0-encoded activations, so a few scores near the threshold differ.
     assert ours.selection["recall"] == pytest.approx(reference["recall"], abs=0.02)
@@ -66,7 +67,7 @@ def test_the_recall_the_bench_reports_is_the_reference_engines(files):
 def test_agreement_follows_what_the_predictors_choose(small_powerinfer_file, threshold, recall):
     # A model whose FFNs matter (synth's add 1% to the residual stream: computing none barely moves its logits).
     tokens = bench_tokens(small_powerinfer_file, 32)  # its context window
-    model = load_runtime_model(small_powerinfer_file, use_split=False)
+    model = load_runtime_model(small_powerinfer_file, use_split=False, neuron_choice="predictor")
     for layer in model.layers:  # before the first step builds the compiled decoder, which copies them
         layer.dense.predictor.threshold = threshold
     q = decode_agreement(model, tokens, 8, 24)

@@ -13,11 +13,12 @@ neuron whose activation is ~0. Each test id ends with the path its one-token ste
 ``CompiledDecoder.forward`` and ``RuntimeModel._layer`` counts them), a fact asserted, not derived:
 
     compiled  dense and dense-powerinfer (every type: f32 f16 q8_0 q4_0, and llama.cpp's Q4_1, Q4_K_M, Q6_K
-              for the dense file, Q4_K_M's q6_K attn_v beside q4_K q/k included), predicted, cats, teal,
-              cats+teal, moe-dense, moe-sparse, cache-sparse
+              for the dense file, Q4_K_M's q6_K attn_v beside q4_K q/k included), predicted, gate-chosen (the
+              whole gate chooses: ``runtime.gate_choice``), cats, teal, cats+teal, moe-dense, moe-sparse,
+              cache-sparse
     general   cache-dense (the decoder is built, but a dense step under a neuron cache streams every neuron
               through it in chunks: ``CompiledDecoder.usable``), moe-cache (no decoder: an expert's FFN
-              behind a neuron cache), split-sparse and split-dense (no decoder: layers on the device)
+              behind a neuron cache), split-sparse, split-gate and split-dense (no decoder: layers on the device)
     mixed     split-one-layer (layer 0 on the device, left to the general path; the compiled decoder runs
               layer 1: ``CompiledDecoder.general``)
 
@@ -112,12 +113,14 @@ class Variant:
     load: str = ""  # "cache": a RAM budget of the file less half its FFN; "split": a split on the emulated device
     # (every layer; "split-one": layer 0's only)
     general_layers: int = 0  # of a compiled one-token step: the layers it leaves to the general path
+    neuron_choice: str = "auto"  # load_runtime_model's: what chooses a ReLU family's neurons
 
 
 VARIANTS = {
     "dense": Variant("dense", FFNMode.DENSE, True),
     "dense-powerinfer": Variant("predicted", FFNMode.DENSE, True),
     "predicted": Variant("predicted", FFNMode.SPARSE, True),
+    "gate-chosen": Variant("predicted", FFNMode.SPARSE, True, neuron_choice="gate"),
     "cats": Variant("silu-cats", FFNMode.SPARSE, True, thresholded=True),
     "teal": Variant("silu-teal", FFNMode.SPARSE, True, thresholded=True),
     "cats+teal": Variant("silu-cats+teal", FFNMode.SPARSE, True, thresholded=True),
@@ -129,6 +132,7 @@ VARIANTS = {
     "moe-cache": Variant("moe-predicted", FFNMode.SPARSE, False, load="cache"),  # experts behind caches: none
     "split-sparse": Variant("predicted", FFNMode.SPARSE, False, load="split"),  # layers on a device: none
     "split-dense": Variant("predicted", FFNMode.DENSE, False, load="split"),
+    "split-gate": Variant("predicted", FFNMode.SPARSE, False, load="split", neuron_choice="gate"),
     "split-one-layer": Variant("predicted", FFNMode.SPARSE, True, load="split-one", general_layers=1),
 }
 
@@ -279,7 +283,7 @@ def _split(path, folder, layers: int):
 
 
 def _load(variant: Variant, path, folder) -> RuntimeModel:
-    options = {}
+    options = {"neuron_choice": variant.neuron_choice}
     if variant.load == "cache":
         ffn = sum(t.nbytes for name, t in open_model_file(path).tensors.items() if ".ffn_" in name)
         options["ram"] = os.path.getsize(path) - ffn // 2

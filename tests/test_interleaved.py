@@ -131,7 +131,7 @@ def test_the_runtime_computes_with_interleaved_matrices_what_it_does_without(syn
     """Attention always; a dense file's FFN too (a PowerInfer file's FFN rows are read one by one)."""
     path = getattr(synthesized_tiny, which)
     tokens = np.random.default_rng(0).integers(0, 500, 12)
-    model = load_runtime_model(path)
+    model = load_runtime_model(path, neuron_choice="predictor")  # (a gate that chooses is read whole: interleaved)
     model.mode = mode
     ffn = model.layers[0].partitions[0]
     assert all(isinstance(m, InterleavedQ4) for layer in model.layers
@@ -139,7 +139,7 @@ def test_the_runtime_computes_with_interleaved_matrices_what_it_does_without(syn
     assert all(isinstance(m, InterleavedQ4) == (which == "dense") for m in (ffn.gate, ffn.up, ffn.down_t or ffn.down))
     assert model.compiled_decoder() is not None  # which multiplies interleaved matrices with ggml's gemv
     monkeypatch.setattr(kernels, "interleaves", lambda m: False)
-    stored = load_runtime_model(path)
+    stored = load_runtime_model(path, neuron_choice="predictor")
     stored.mode = mode
     assert isinstance(stored.layers[0].dense.wq, QuantMatrix)
     (steps, prompt), (want_steps, want_prompt) = _decode(model, tokens), _decode(stored, tokens)

@@ -195,7 +195,7 @@ def test_half_the_file_in_memory_computes_what_the_whole_file_does(wide_model, l
     path = wide_model[layout]
     budget = os.path.getsize(wide_model[0]) // 2  # of PowerInfer's layout: the bundled file adds padding
     tokens = np.random.default_rng(0).integers(0, 4096, 48)
-    reference = load_runtime_model(path)
+    reference = load_runtime_model(path, neuron_choice="predictor")  # as under a RAM budget (runtime.gate_choice)
     reference.mode = FFNMode.SPARSE
     model = load_runtime_model(path, ram=budget)
     model.mode = FFNMode.SPARSE
@@ -298,7 +298,7 @@ def test_a_split_solved_with_ram_decides_what_is_pinned(wide_model, tmp_path):
     model = LLM.load(path, ram=budget).engine
     for layer, pinned in enumerate(model.ram.plan.pinned):
         assert np.array_equal(pinned, np.flatnonzero(split.ram_masks[layer]))
-    reference = load_runtime_model(path, use_split=False)
+    reference = load_runtime_model(path, use_split=False, neuron_choice="predictor")  # as under a RAM budget
     reference.mode = FFNMode.SPARSE
     tokens = np.arange(1, 30)
     np.testing.assert_allclose(_logits(model, tokens, 8), _logits(reference, tokens, 8), rtol=0, atol=1e-5)

@@ -43,14 +43,17 @@ class Agreement:
         return asdict(self)
 
 
-def measure_agreement(path: Path, tokens: np.ndarray, n_prompt: int, steps: int, threads: int) -> Agreement:
-    """Load the sparse model file ``path`` on the CPU and compare its sparse decoding of
-    ``tokens[n_prompt : n_prompt + steps]`` with dense (``decode_agreement``)."""
+def measure_agreement(path: Path, tokens: np.ndarray, n_prompt: int, steps: int, threads: int,
+                      neuron_choice: str = "auto") -> Agreement:
+    """Load the sparse model file ``path`` on the CPU (its neurons chosen as ``neuron_choice`` says,
+    ``runtime.gate_choice``) and compare its sparse decoding of ``tokens[n_prompt : n_prompt + steps]`` with
+    dense (``decode_agreement``)."""
     from powerinfer_tools import kernels
     from powerinfer_tools.runtime.loader import load_runtime_model
 
     kernels.set_threads(threads)
-    return decode_agreement(load_runtime_model(path, use_split=False), tokens, n_prompt, steps)
+    return decode_agreement(load_runtime_model(path, use_split=False, neuron_choice=neuron_choice), tokens, n_prompt,
+                            steps)
 
 
 def decode_agreement(model, tokens: np.ndarray, n_prompt: int, steps: int) -> Agreement:

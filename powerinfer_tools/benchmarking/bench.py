@@ -83,6 +83,7 @@ class BenchSettings:
     memory_limit: int | None = None  # bytes: each engine process in a memory cgroup of that size
     ram: int | None = None  # bytes: our runtime's weights budget (its --ram: neuron caches)
     quality_steps: int = 32  # decoding steps of the quality pass after the rounds (0: none; benchmarking/agreement.py)
+    neuron_choice: str = "auto"  # what chooses a ReLU family's neurons in sparse mode (runtime.gate_choice)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class EngineSpec:
     buffers: Buffers | None = None  # llama.cpp's weight buffers
     binary: Path | None = None  # PowerInfer's main
     ram: int | None = None  # our runtime's weights budget
+    neuron_choice: str = "auto"  # our runtime's (runtime.gate_choice)
 
 
 @dataclass
@@ -204,7 +206,7 @@ class _Runtime:
         from powerinfer_tools.runtime.loader import load_runtime_model
 
         kernels.set_threads(spec.threads)
-        self.model = load_runtime_model(spec.path, use_split=False, ram=spec.ram)
+        self.model = load_runtime_model(spec.path, use_split=False, ram=spec.ram, neuron_choice=spec.neuron_choice)
         mode = FFNMode(spec.name)
         if mode is FFNMode.SPARSE and not self.model.can_run_sparse:
             raise PitoolsError(f"{spec.path}: no predictors (or thresholds) in the file, so no sparse run")
@@ -421,7 +423,9 @@ def engine_specs(model: Path, baseline: Path | None, settings: BenchSettings, mo
     # and its ffn_down rows are read by vec_dot, ~10% faster per token than the axpy over ffn_down_t.
     files = {SPARSE: Path(model), DENSE: Path(baseline if baseline is not None else model)}
     ours = reported | ({"ram": settings.ram} if settings.ram is not None else {})
-    specs = [(EngineSpec(m, files[m], settings.threads, total, ram=settings.ram), ours) for m in modes]
+    specs = [(EngineSpec(m, files[m], settings.threads, total, ram=settings.ram, neuron_choice=settings.neuron_choice),
+              ours | ({"neuron_choice": settings.neuron_choice} if m == SPARSE and settings.neuron_choice != "auto"
+                      else {})) for m in modes]
     if baseline is not None:
         buffers, buffer_settings = llama_cpp_buffers(Path(baseline), settings.threads, progress)
         specs.append((EngineSpec(LLAMA_CPP, Path(baseline), settings.threads, total, buffers),
@@ -550,7 +554,8 @@ def bench_quality(model: Path, settings: BenchSettings, progress=lambda message:
         return None
     progress(f"quality: {steps} decoding steps sparse against dense, off the clock ...")
     tokens = bench_tokens(model, settings.prompt_tokens + settings.generate)
-    return measure_agreement(model, tokens, settings.prompt_tokens, steps, settings.threads).as_dict()
+    return measure_agreement(model, tokens, settings.prompt_tokens, steps, settings.threads,
+                             settings.neuron_choice).as_dict()
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:

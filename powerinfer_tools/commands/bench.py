@@ -21,6 +21,7 @@ from powerinfer_tools.benchmarking.bench import (
     run_bench,
 )
 from powerinfer_tools.benchmarking.synth import dense_companion
+from powerinfer_tools.commands.options import neuron_choice_option
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.solver.hardware import load_profile
 from powerinfer_tools.units import parse_size
@@ -64,10 +65,11 @@ _DEFAULTS = BenchSettings()
               help="After the timed rounds, off the clock: decode the first N steps again sparse and dense on MODEL "
                    "and report top-1 agreement, KL and perplexity against dense, and the recall the predictors "
                    "achieved (every neuron computed beside them); 0: skip.")
+@neuron_choice_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, threads, powerinfer, modes, hardware,
-          memory_limit, ram, quality_steps, as_json, quiet) -> None:
+          memory_limit, ram, quality_steps, neuron_choice, as_json, quiet) -> None:
     """Benchmark MODEL on our runtime, sparse and dense, against llama.cpp
     (and PowerInfer's runtime).
 
@@ -110,7 +112,8 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
       pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
       pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
-    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes, quality_steps)
+    settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes, quality_steps,
+                         neuron_choice)
     baseline_model = _baseline_file(model, baseline, baseline_model)
     log = (lambda message: None) if quiet else (lambda message: click.echo(message, err=True))
     bandwidth, source = _bandwidth(hardware, threads, log)
@@ -146,7 +149,7 @@ def _bandwidth(hardware: str | None, threads: int, log) -> tuple[float, str]:
 
 
 def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads: int, memory_limit: str | None,
-              ram: str | None, modes: tuple[str, ...], quality_steps: int) -> BenchSettings:
+              ram: str | None, modes: tuple[str, ...], quality_steps: int, neuron_choice: str) -> BenchSettings:
     """The checked settings; under a memory limit without --ram, our runtime's weights get what the limit
     leaves them."""
     limit = parse_size(memory_limit, "--memory-limit") if memory_limit is not None else None
@@ -154,4 +157,4 @@ def _settings(model: Path, prompt_tokens: int, generate: int, runs: int, threads
     if budget is None and limit is not None and modes != ("none",):
         budget = ram_within_limit(model, limit, prompt_tokens + generate)
     return BenchSettings(prompt_tokens=prompt_tokens, generate=generate, runs=runs, threads=threads,
-                         memory_limit=limit, ram=budget, quality_steps=quality_steps)
+                         memory_limit=limit, ram=budget, quality_steps=quality_steps, neuron_choice=neuron_choice)

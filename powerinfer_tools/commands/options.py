@@ -13,6 +13,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
+from powerinfer_tools.runtime.gate_choice import NeuronChoice
 from powerinfer_tools.runtime.llm import AUTO, LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
@@ -76,9 +77,20 @@ def ram_options(f):
     return f
 
 
+def neuron_choice_option(f):
+    """--neuron-choice, shared by `run`, `serve`, `perplexity` and `bench`."""
+    return click.option(
+        "--neuron-choice", type=click.Choice([c.value for c in NeuronChoice]), default=NeuronChoice.AUTO.value,
+        show_default=True,
+        help="Sparse mode on a ReLU-family model (ReGLU, dReLU): which neurons to compute in each layer is chosen "
+             "by its predictor, or by its whole gate (every gate row read, then the up and down rows of the neurons "
+             "that fire: exact); auto: per layer, whichever reads fewer bytes by the shares the file records.")(f)
+
+
 def runtime_options(f):
     """How a model is loaded and run, shared by `run` and `serve` (read by ``load_llm``): -c/--ctx-size,
-    --mode, --device, -t/--threads, --split, --no-split, --vram, --hardware, --ram, --cache-policy."""
+    --mode, --device, -t/--threads, --split, --no-split, --vram, --hardware, --ram, --cache-policy,
+    --neuron-choice."""
     options = [
         click.option("-c", "--ctx-size", type=int, default=None,
                      help="Context window: positions for prompt and generated tokens together [default: the "
@@ -108,7 +120,7 @@ def runtime_options(f):
                           "while a background process builds them; or use the NumPy reference only. Also "
                           "PITOOLS_KERNELS [default: background for run, wait for serve]."),
     ]
-    f = ram_options(f)  # listed last
+    f = neuron_choice_option(ram_options(f))  # listed last
     for option in reversed(options):
         f = option(f)
     return f
@@ -116,7 +128,7 @@ def runtime_options(f):
 
 def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads: int | None, split: Path | None,
              no_split: bool, vram: str | None, hardware: str, ram: str | None, cache_policy: str, kernels: str | None,
-             default_kernels: Policy) -> LLM:
+             neuron_choice: str, default_kernels: Policy) -> LLM:
     """The model loaded as ``runtime_options`` say (``--kernels`` by the command's ``default_kernels`` when not
     given); sizes and the split are checked before anything loads."""
     budget = parse_size(vram, "--vram") if vram is not None else None
@@ -128,7 +140,7 @@ def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads:
     with _spin_only_on_idle_cores(compiled_kernels.get_threads()):
         return LLM.load(model, mode=mode, split=split, use_split=not no_split, device=device, vram=budget,
                         hardware=hardware, ctx_size=ctx_size, ram=ram_budget, cache_policy=cache_policy,
-                        kernels=kernels or default_kernels,
+                        kernels=kernels or default_kernels, neuron_choice=neuron_choice,
                         notice=lambda line: click.echo(f"pitools: {line}", err=True))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.commands.options import corpus_options, ram_options
+from powerinfer_tools.commands.options import corpus_options, neuron_choice_option, ram_options
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.predictor_folder import load_predictors
 from powerinfer_tools.interfaces import FFNMode
@@ -36,10 +36,11 @@ from powerinfer_tools.units import parse_size
 @click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
               default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
 @ram_options
+@neuron_choice_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
-               ram, cache_policy, as_json, quiet) -> None:
+               ram, cache_policy, neuron_choice, as_json, quiet) -> None:
     """Perplexity of MODEL on a corpus.
 
     MODEL is a GGUF file, run by the runtime, or a checkpoint folder or hub id,
@@ -64,11 +65,12 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
         if predictor_dir is not None:
             raise PitoolsError(f"{model}: a GGUF file runs with its own predictors; --predictors is for checkpoints")
         result = _gguf_perplexity(Path(model), corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
-                                  mode, quiet, budget, cache_policy)
+                                  mode, quiet, budget, cache_policy, neuron_choice)
         click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
         return
-    if budget is not None:
-        raise PitoolsError(f"{model}: --ram is for GGUF files on the runtime; a checkpoint runs on the reference engine")
+    if budget is not None or neuron_choice != "auto":
+        raise PitoolsError(f"{model}: --ram and --neuron-choice are for GGUF files on the runtime; a checkpoint runs "
+                           "on the reference engine")
     if (FFNMode(mode) is FFNMode.SPARSE) != (predictor_dir is not None):
         raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
     loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
@@ -87,8 +89,8 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
 
 
 def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
-                     quiet, ram: int | None, cache_policy: str) -> PerplexityResult:
-    model = load_runtime_model(path, use_split=False, ram=ram, cache_policy=cache_policy)
+                     quiet, ram: int | None, cache_policy: str, neuron_choice: str) -> PerplexityResult:
+    model = load_runtime_model(path, use_split=False, ram=ram, cache_policy=cache_policy, neuron_choice=neuron_choice)
     if FFNMode(mode) is FFNMode.SPARSE and not model.can_run_sparse:
         raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
     if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():

@@ -46,18 +46,13 @@ from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_floa
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache, mix_experts
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
-from powerinfer_tools.runtime.thresholded_ffn import (
-    cats_bounds,
-    drop_small_down_inputs,
-    thresholded_input,
-    whole_gate,
-)
+from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, thresholded_input, whole_gate
+from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
 
-# FFN kinds as integers for the compiled code; CATS_GATE_GIVEN is SwiGLU whose gate products CATS has
-# already computed for every neuron (in the scratch's ``predicted``, by row).
+# FFN kinds as integers for the compiled code. GATE_GIVEN added to a kind: its gate products are already
+# computed for every neuron (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2, FFNKind.GEGLU: 3}
-_SWIGLU = _KINDS[FFNKind.SWIGLU]
-CATS_GATE_GIVEN = 4
+GATE_GIVEN = 8
 NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not use
 # The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
 _BIASES = ("q", "k", "v")
@@ -190,24 +185,26 @@ def _activation(kind, g, u):
 def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given, x_vnni):
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
     one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
-    ``CATS_GATE_GIVEN`` the gate products are ``gate_given[row]`` and only the up rows are read. A
+    ``GATE_GIVEN`` added the gate products are ``gate_given[row]`` and only the up rows are read. A
     non-empty ``x_vnni`` (the input as ``numba_vnni.encode`` writes it) takes q4_0 rows through
     ``numba_vnni.row_dot_q4_0`` instead of ggml's ``vec_dot``."""
     # gate and up rows are alike, unless the gate is given (then it may be interleaved: never read here)
     n, row_bytes, xe = rows.shape[0], up.strides[0], x_encoded.ctypes.data
+    given = kind >= GATE_GIVEN
+    kind = kind - GATE_GIVEN if given else kind
     vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
     for i in prange(n):
         row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
         if i + PREFETCH_ROWS < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
-            if kind != CATS_GATE_GIVEN:
+            if not given:
                 prefetch_span(gate.ctypes.data + ahead, row_bytes)
             prefetch_span(up.ctypes.data + ahead, row_bytes)
-        if kind == CATS_GATE_GIVEN:
+        if given:
             gate_out[j] = gate_given[rows[i]]
         else:
             _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
         _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
-        act[j] = _activation(_SWIGLU if kind == CATS_GATE_GIVEN else kind, gate_out[j], up_out[j])
+        act[j] = _activation(kind, gate_out[j], up_out[j])
 
 
 @njit(inline="always")
@@ -449,7 +446,7 @@ def _ffn(x, w, s, n, kind, sparse, fns, n_threads):
     if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
         whole_gate(w, s, x.shape[0], fns, n_threads)
         gate_given = True
-    gate_up(w, s, rows, s.all_rows[:n], CATS_GATE_GIVEN if gate_given else kind, fns)
+    gate_up(w, s, rows, s.all_rows[:n], kind + GATE_GIVEN if gate_given else kind, fns)
     if sparse and w.ffn_down >= 0:
         m = drop_small_down_inputs(s, rows, w.ffn_down)
         down(x, w, s, s.down_rows[:m], fns, n_threads)
@@ -567,7 +564,7 @@ class CompiledDecoder:
             exponents = np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim
             rope_frequencies.setdefault((theta, scaling), 1.0 / theta ** exponents / scaling)
         halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
-        units = [[_unit_weights(layer.dense, *unit, halves, s.attention_scale) for unit in _units(layer)]
+        units = [[_unit_weights(layer.dense, *unit, halves, s.attention_scale, s.ffn) for unit in _units(layer)]
                  if reason is None else [None] for layer, reason in zip(model.layers, general)]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
                     if layer.experts and reason is None else None
@@ -748,8 +745,8 @@ def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
     return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float) -> LayerWeights:
-    """The compiled weights of one FFN (a layer's, or an expert's) with its layer's attention ``d``."""
+def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float, kind: FFNKind) -> LayerWeights:
+    """The compiled weights of one FFN (a layer's, or an expert's, of ``kind``) with its layer's attention ``d``."""
     bq, bk, bv = (d.biases.get(key, _ABSENT) for key in _BIASES)
     down = p.down_t if p.down_t is not None else p.down
     # Without a predictor (dense mode, or thresholds) the fields hold a placeholder of the same numba type.
@@ -769,7 +766,7 @@ def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float) -> Laye
         weight_bytes(down), int(down.qtype), p.down_t is not None, numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
-        cats_bounds(cats) if cats >= 0 else np.zeros(3), gemv if isinstance(p.gate, InterleavedQ4) else 0,
+        cats_bounds(cats, kind) if cats >= 0 else np.zeros(4), gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
         *(_ABSENT if norm is None else norm.weight for norm in (d.q_norm, d.k_norm, d.post_attn_norm, d.post_ffn_norm)),
         np.float32(attn_scale),

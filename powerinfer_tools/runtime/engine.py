@@ -54,7 +54,8 @@ class DenseBlock:
     post_attn_norm: Optional[Norm] = None
     post_ffn_norm: Optional[Norm] = None
     predictor: Optional[Predictor] = None
-    thresholds: Optional[LayerThresholds] = None  # a SiLU model's calibrated sparsity (instead of a predictor)
+    # Instead of the predictor: a SiLU model's calibrated sparsity, or the gate's exact choice (``gate_choice``).
+    thresholds: Optional[LayerThresholds] = None
 
 
 @dataclass
@@ -176,9 +177,10 @@ class RuntimeModel(Engine):
 
     @property
     def can_meter_firing(self) -> bool:
-        """Whether a ``firing_meter`` can count what sparse mode misses: predictors choose (thresholds have
-        no firing to miss) and every row is in memory to find the neurons that fire (no RAM budget)."""
-        return self.ram is None and all(layer.dense.thresholds is None for layer in self.layers)
+        """Whether a ``firing_meter`` can count what sparse mode misses: a ReLU family's neurons fire (a SiLU
+        model's thresholds have no firing to miss) and every row is in memory to find them (no RAM budget)."""
+        return self.ram is None and (self.spec.ffn.sparse or all(layer.dense.thresholds is None
+                                                                 for layer in self.layers))
 
     def _dense_matrices(self) -> list[QuantMatrix | InterleavedQ4]:
         per_layer = [m for layer in self.layers for m in (layer.dense.wq, layer.dense.wk, layer.dense.wv, layer.dense.wo)]
@@ -378,18 +380,18 @@ class RuntimeModel(Engine):
             return np.arange(layer.d_ff), None
         thresholds = layer.dense.thresholds
         if self.mode is FFNMode.SPARSE and thresholds is not None:
-            chosen = _thresholded().cats_choice(partitions, h, thresholds, layer.d_ff, layer.dense.backend, self.host,
-                                                step)
+            chosen = _thresholded().cats_choice(self.spec.ffn, partitions, h, thresholds, layer.d_ff,
+                                                layer.dense.backend, self.host, step)
             if chosen is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
                 return np.arange(layer.d_ff), None
         elif self.mode is FFNMode.SPARSE:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
             chosen = move(predictor(residual), layer.dense.backend, self.host)
-            if self.firing_meter is not None:
-                self.firing_meter.add(layer.index, chosen, self._firing(layer, partitions, h))
         else:
             chosen = self._firing(layer, partitions, h)
+        if self.mode is FFNMode.SPARSE and self.firing_meter is not None:
+            self.firing_meter.add(layer.index, chosen, self._firing(layer, partitions, h))
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
 
@@ -414,7 +416,7 @@ class RuntimeModel(Engine):
         if thresholds is not None:
             h = _thresholded().teal_input(h, thresholds, home.xp)
             if h.shape[0] > 1:
-                return _thresholded().block(partitions, h, thresholds, layer.d_ff, home, step)
+                return _thresholded().block(self.spec.ffn, partitions, h, thresholds, layer.d_ff, home, step)
             activation_filter = _thresholded().teal_down(thresholds)
         active, mask = self._select(layer, partitions, predictor, h, residual, step)
         n_tokens = h.shape[0]
@@ -459,7 +461,7 @@ class RuntimeModel(Engine):
 
 
 def _thresholded():
-    """``runtime.thresholded_ffn``, imported where a model with thresholds runs (it imports numba)."""
+    """``runtime.thresholded_ffn``, imported where a model with thresholds runs."""
     from powerinfer_tools.runtime import thresholded_ffn
 
     return thresholded_ffn

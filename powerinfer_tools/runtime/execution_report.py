@@ -30,6 +30,7 @@ from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.runtime.engine import OWN_NEURONS_DENSITY, computes_tokens_own_neurons
+from powerinfer_tools.runtime.gate_choice import GATE_CHOOSES
 
 REFERENCE = "NumPy reference"
 DOWN, DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)
@@ -165,8 +166,11 @@ def _ffn_variant(model, layer) -> tuple[Phrase, ...]:
 
 
 def _sparsity(layer) -> Phrase:
-    """Sparse mode's choice of neurons: a SiLU model's thresholds (CATS, TEAL or both), or predictors."""
+    """Sparse mode's choice of neurons: the whole gate's (a ReLU family's, ``gate_choice``), a SiLU model's
+    thresholds (CATS, TEAL or both), or predictors."""
     t = layer.dense.thresholds
+    if t is GATE_CHOOSES:
+        return Phrase("sparse, the firing neurons from the whole gate (exact)")
     if t is not None:
         used = [(label, value) for label, value in (("CATS", t.cats), ("TEAL input", t.ffn_in),
                                                      ("TEAL down", t.ffn_down)) if value is not None]
@@ -186,7 +190,7 @@ def _prompt_ffn(model) -> str:
     if model.mode is FFNMode.DENSE:
         return "FFN: every neuron"
     if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
-        return "sparse FFN: every neuron's gate and up, then the thresholds' mask"
+        return "sparse FFN: every neuron's gate and up, then the thresholds' (or the gate's) mask"
     cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
     taking = sum(computes_tokens_own_neurons(p) for p in cpu)
     own = (f"each token's own chosen neurons (kernels.batched) while they are under {OWN_NEURONS_DENSITY:.0%} of "

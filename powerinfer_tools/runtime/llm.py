@@ -25,6 +25,7 @@ from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
 from powerinfer_tools.models import load_model_and_tokenizer
 from powerinfer_tools.runtime.backends import require_cupy
 from powerinfer_tools.runtime.engine import RuntimeModel, TokenStats
+from powerinfer_tools.runtime.gate_choice import NeuronChoice
 from powerinfer_tools.runtime.generation import (
     Generation,
     NonFiniteLogits,
@@ -98,6 +99,7 @@ class LLM:
         cache_policy: str = DEFAULT_POLICY,
         kernels: warmup.Policy | str = warmup.Policy.WAIT,
         notice: Callable[[str], None] | None = None,
+        neuron_choice: str = "auto",
     ) -> "LLM":
         """``mode``: which FFN neurons a GGUF file's runtime computes: ``sparse`` (dense when the file has no
         predictors or thresholds), ``dense``, or ``auto``: sparse where that decodes faster than dense on this
@@ -108,7 +110,7 @@ class LLM:
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
         budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
         With ``ram`` (bytes), the weights in memory stay within it (``runtime.ram_budget``): cold neurons are
-        read from the file into neuron caches that evict by ``cache_policy``.
+        read from the file into neuron caches that evict by ``cache_policy``. ``neuron_choice``: ``runtime.gate_choice``.
 
         ``kernels``: when the compiled kernels this kind of model needs are not yet in numba's cache, ``wait``
         for them to compile (once per machine), start on the NumPy reference while a ``background`` process
@@ -127,21 +129,20 @@ class LLM:
             split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
         # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
         use_split = use_split and (device != "cpu" or ram is not None)
-        options = warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy)
+        options = warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy,
+                                     str(NeuronChoice(neuron_choice).value))
         warm_up = warmup.prepare(path, options, kernels, notice)
         model = load_runtime_model(path, split=split, use_split=use_split,
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
-                                   cache_policy=cache_policy, cpu_only=device == "cpu")
+                                   cache_policy=cache_policy, cpu_only=device == "cpu", neuron_choice=neuron_choice)
         asked = FFNMode.SPARSE if mode == AUTO else FFNMode(mode)  # sparse: dense where the file has no sparse mode
         model.mode = FFNMode.DENSE if asked is FFNMode.SPARSE and not model.can_run_sparse else asked
         warm_up(model)
         tokenizer = GGUFTokenizer(model.metadata, source=str(path))
         chosen = _auto_mode(model, tokenizer, options, notice) if mode == AUTO else ""
         where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
-        if model.ram is not None:
-            where += f", --ram {format_size(ram)} ({cache_policy} cache)"
-        if compiled_kernels.reference_chosen():
-            where += ", NumPy kernels"
+        where += f", --ram {format_size(ram)} ({cache_policy} cache)" if model.ram is not None else ""
+        where += ", NumPy kernels" if compiled_kernels.reference_chosen() else ""
         where += f", tokens decoded by the {model.decode_path()}"  # the whole story: execution_report()
         return cls(model, tokenizer, f"runtime, {model.mode.value} FFN{chosen}{where}", model.context_size, str(path))
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 from powerinfer_tools import kernels
 from powerinfer_tools.direct_io import DirectReader
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, LayerThresholds, read_thresholds
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, read_thresholds
 from powerinfer_tools.formats.constants import (
     MODEL_FINGERPRINT_KEY,
     SPARSE_THRESHOLD_KEY,
@@ -39,6 +39,7 @@ from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice, OverBudget
 from powerinfer_tools.runtime.engine import DenseBlock, Expert, RuntimeLayer, RuntimeModel
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
+from powerinfer_tools.runtime.gate_choice import NeuronChoice, gate_choices
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, NeuronCache, NeuronFile, RowSource
 from powerinfer_tools.runtime.ram_budget import DEFAULT_CACHE_SHARE, RamPlan, RamState, plan_from_split, plan_ram
 
@@ -424,15 +425,16 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray |
 
 
 def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_backend, host,
-           cache: CacheSetup | None, thresholds: ActivationThresholds | None) -> RuntimeLayer:
+           cache: CacheSetup | None, thresholds: LayerThresholds | None) -> RuntimeLayer:
     """Layer ``i``: its dense block where the split puts it (the device when it holds the layer's hot
-    neurons, unless the split says otherwise), its FFN partitions or its experts."""
+    neurons, unless the split says otherwise), its FFN partitions or its experts; ``thresholds`` choose its
+    neurons in sparse mode, instead of its predictor."""
     on_device = gpu_split is not None and (
         gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
     )
     backend = device_backend if on_device else host
     threshold = float(tensors.model.get(SPARSE_THRESHOLD_KEY, 0.0))
-    dense = _dense_block(tensors, i, backend, on_device, threshold, thresholds.layers[i] if thresholds else None)
+    dense = _dense_block(tensors, i, backend, on_device, threshold, thresholds)
     gpu_mask = gpu_split.masks[i] if gpu_split is not None else None
     if spec.moe:
         return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
@@ -471,6 +473,7 @@ def load_runtime_model(
     cache_policy: str = DEFAULT_POLICY,
     cache_share: float = DEFAULT_CACHE_SHARE,
     cpu_only: bool = False,
+    neuron_choice: NeuronChoice | str = NeuronChoice.AUTO,
 ) -> RuntimeModel:
     """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the
     model's trained positions).
@@ -481,7 +484,8 @@ def load_runtime_model(
     split everything runs on the CPU. With ``ram`` (bytes), the weights in memory stay within it:
     the CPU neurons go through neuron caches (``neuron_cache``, planned by ``ram_budget``, evicting
     by ``cache_policy``), and nothing is read through the memory map. ``cpu_only``: a split is used only
-    for its RAM tier, and one that places neurons on a GPU is refused.
+    for its RAM tier, and one that places neurons on a GPU is refused. ``neuron_choice``: what chooses a ReLU
+    family's neurons in sparse mode, each layer's predictor or its whole gate (``gate_choice``).
     """
     path = Path(path)
     model = open_model_file(path)
@@ -500,17 +504,14 @@ def load_runtime_model(
                                    "cuda, or --no-split")
             device_backend = None
     tensors, cache = _Tensors(model), None
-    thresholds = read_thresholds(model.get, spec.n_layers, str(path))
-    if ram is not None and thresholds is not None:
-        raise PitoolsError(f"{path}: a thresholded model ({thresholds.rule.value}) under a RAM budget (--ram) is "
-                           "not supported yet: its neuron choice reads every gate row")
+    layer_thresholds = _layer_thresholds(model, spec, ram, neuron_choice)
     if ram is not None:
         file = NeuronFile(path)
         cache = _ram_setup(path, model, spec, file, gpu_split, split_path, ram, cache_policy, cache_share)
         tensors = _Tensors(model, file.reader)
 
     with _within_split_budget(split_path, path):
-        layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, thresholds)
+        layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, layer_thresholds[i])
                   for i in range(spec.n_layers)]
         runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path,
                                  context_size)
@@ -519,6 +520,17 @@ def load_runtime_model(
                   for p in ffn if p.cache is not None]
         runtime.ram = RamState(cache.plan, tensors.resident_bytes, caches, cache.file)
     return runtime
+
+
+def _layer_thresholds(model: ModelFile, spec, ram: int | None, neuron_choice) -> list[LayerThresholds | None]:
+    """Per layer, what chooses its neurons in sparse mode instead of a predictor: a SiLU model's thresholds, or a
+    ReLU family's whole gate (``gate_choice``); None where the predictor does."""
+    thresholds = read_thresholds(model.get, spec.n_layers, str(model.path))
+    if ram is not None and thresholds is not None:
+        raise PitoolsError(f"{model.path}: a thresholded model ({thresholds.rule.value}) under a RAM budget (--ram) "
+                           "is not supported yet: its neuron choice reads every gate row")
+    gate_chooses = gate_choices(model, spec, neuron_choice, ram)  # checked even where thresholds choose
+    return list(thresholds.layers) if thresholds else gate_chooses
 
 
 @contextlib.contextmanager

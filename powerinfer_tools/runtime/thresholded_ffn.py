@@ -1,28 +1,27 @@
-"""A SiLU model's thresholded FFN at run time: CATS (neurons whose |silu(gate x)| clears a threshold), TEAL
+"""A thresholded FFN at run time: CATS (neurons whose |silu(gate x)| clears a threshold), TEAL
 (small entries of the FFN's input, and of the down projection's input, dropped) or both. The rules and the
-calibrated thresholds: ``formats/activation_thresholds.py``; calibration: ``profiling/calibration.py``.
+calibrated thresholds of a SiLU model: ``formats/activation_thresholds.py``; calibration:
+``profiling/calibration.py``. A ReLU-family layer whose neurons the whole gate chooses (``gate_choice``) runs
+as CATS at threshold 0 on relu(gate x): exactly the neurons that fire.
 
-Every place the runtime computes these rules is here, for each path that runs them:
+Every place the runtime computes these rules is here or, for the compiled decoder, in ``thresholded_decode``
+(whose numba loops a model on the NumPy reference kernels must not import):
 
 * a block of tokens (a prompt), general path: ``block``;
 * one token, general path: ``teal_input``, ``cats_choice`` (which neurons), ``teal_down`` (the down
   projection's input, applied by ``FFNPartition.compute``);
-* one token, compiled decoder: ``thresholded_input`` and ``drop_small_down_inputs``, called by
-  ``compiled_decode.decode_layer``; ``cats_bounds`` turns a CATS threshold into the gate values it keeps.
-
-The module imports numba: the runtime imports it only for a model that has thresholds.
+* one token, compiled decoder: ``thresholded_decode.thresholded_input`` and ``drop_small_down_inputs``,
+  called by ``compiled_decode.decode_layer``; ``cats_bounds`` (here) turns a CATS threshold into the gate values
+  it keeps.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
-from powerinfer_tools.kernels import numba_interleaved
-from powerinfer_tools.kernels import numba_kernels as nk
-from powerinfer_tools.kernels.numba_kernels import ggml_from_float
-from powerinfer_tools.models.layers import silu
+from powerinfer_tools.formats.model_spec import FFNKind
+from powerinfer_tools.models.layers import activate, relu, silu
 from powerinfer_tools.runtime.backends import move
 
 # --- the general path (NumPy, on any backend)
@@ -41,8 +40,14 @@ def teal_down(t: LayerThresholds):
     return lambda activated, xp: xp.where(kept(activated, t.ffn_down), activated, 0)
 
 
-def cats_choice(partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
-    """CATS's choice for the tokens ``h`` (on ``home``): the neurons ``[T, d_ff]`` whose |silu(gate x)| exceeds
+def gate_activation(kind: FFNKind):
+    """What CATS thresholds the magnitude of: the FFN's activation of the gate product (SiLU; a ReLU
+    family's relu, at threshold 0 exactly the firing neurons)."""
+    return relu if kind in (FFNKind.REGLU, FFNKind.DRELU) else silu
+
+
+def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
+    """CATS's choice for the tokens ``h`` (on ``home``): the neurons ``[T, d_ff]`` whose |gate activation| exceeds
     the layer's threshold, from every partition's full gate product (read here, and counted in ``step``);
     None under TEAL alone, which computes every neuron's gate and up."""
     if t.cats is None:
@@ -50,12 +55,12 @@ def cats_choice(partitions, h, t: LayerThresholds, d_ff: int, home, host, step) 
     chosen = np.zeros((h.shape[0], d_ff), dtype=bool)
     for p in partitions:
         gate_pre, _ = p.pre_activations(move(h, home, p.backend), p.backend.xp.asarray(p.row_of[p.neurons]), up=False)
-        chosen[:, p.neurons] = kept(silu(move(gate_pre, p.backend, host)), t.cats)
+        chosen[:, p.neurons] = kept(gate_activation(kind)(move(gate_pre, p.backend, host)), t.cats)
         step.bytes_read += len(p.neurons) * p.gate.row_bytes
     return chosen
 
 
-def block(partitions, h, t: LayerThresholds, d_ff: int, home, step):
+def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, step):
     """A block of tokens (a prompt; TEAL's input rule already applied): every neuron's gate and up products,
     the rules' mask, one down projection. At the densities these rules keep (half the neurons per token) a
     prompt's tokens together need nearly every row; read once here, where choosing first (``cats_choice``)
@@ -65,9 +70,8 @@ def block(partitions, h, t: LayerThresholds, d_ff: int, home, step):
     for p in partitions:
         xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
         gate_pre, up_pre = p.pre_activations(move(h, home, p.backend), rows)
-        gate = silu(gate_pre)  # once, for the choice and the activation (a SiLU model's FFN)
-        chosen = kept(gate, t.cats)
-        activated = gate * up_pre
+        chosen = kept(gate_activation(kind)(gate_pre), t.cats)
+        activated = activate(kind, gate_pre, up_pre)
         activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
         computed = int(chosen.sum())
         step.neurons_active += computed
@@ -78,13 +82,16 @@ def block(partitions, h, t: LayerThresholds, d_ff: int, home, step):
     return out
 
 
-# --- the compiled decoder (one token; ``w``: its ``LayerWeights``, ``s``: its ``Scratch``)
+# --- the compiled decoder's thresholds (its loops: ``thresholded_decode``)
 
 
-def cats_bounds(t: float) -> np.ndarray:
-    """float64 ``[above, band_lo, band_hi]``: |silu(g)| > t exactly where g > above or band_lo < g < band_hi.
-    silu falls from 0 to its minimum -0.2785 at g = -1.2785 and rises after it, so the first is where
-    it climbs past t and the band, where it dips below -t, is empty (0, 0) for larger t."""
+def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
+    """float64 ``[above, band_lo, band_hi, margin]``: |act(g)| > t exactly where g > above or band_lo < g <
+    band_hi, up to ``margin`` (``thresholded_decode``). For SiLU: it falls from 0 to its minimum -0.2785 at g = -1.2785
+    and rises after it, so the first is where it climbs past t and the band, where it dips below -t, is empty
+    (0, 0) for larger t. For a ReLU family's relu (t >= 0): g > t, exactly."""
+    if kind in (FFNKind.REGLU, FFNKind.DRELU):
+        return np.array([float(t), 0.0, 0.0, 0.0])
     silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
 
     def root(lo, hi, value):  # silu - value changes sign on [lo, hi]
@@ -98,61 +105,8 @@ def cats_bounds(t: float) -> np.ndarray:
     t = float(t)
     above = root(bottom, t + 20.0, t)
     if t >= -silu(bottom):
-        return np.array([above, 0.0, 0.0])
-    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t)])
+        return np.array([above, 0.0, 0.0, SILU_MARGIN])
+    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t), SILU_MARGIN])
 
 
-@njit(inline="always")
-def _cats_keeps(g, t, bounds):
-    """|silu(g)| > t, by comparing g with ``bounds`` (``cats_bounds(t)``): no exp, except within 1e-6 of
-    a bound, where the comparison gives way to the definition itself."""
-    for b in bounds:
-        if abs(g - b) < 1e-6:
-            return abs(nk.silu(g)) > t
-    return g > bounds[0] or bounds[1] < g < bounds[2]
-
-
-@njit(nogil=True, cache=True)
-def thresholded_input(w, s, fns, n_threads):
-    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
-    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
-    |silu| exceeds the threshold; without CATS every neuron is computed."""
-    d_model, d_ff = s.h.shape[0], w.up.shape[0]
-    if w.ffn_in >= 0:
-        for i in range(d_model):
-            if abs(s.h[i]) <= w.ffn_in:
-                s.h[i] = 0.0
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    if w.cats < 0:
-        s.active[:d_ff] = s.all_rows[:d_ff]
-        return d_ff
-    whole_gate(w, s, d_model, fns, n_threads)
-    n = 0
-    for neuron in range(d_ff):
-        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
-            s.active[n] = neuron
-            n += 1
-    return n
-
-
-@njit(nogil=True, cache=True)
-def whole_gate(w, s, d_model, fns, n_threads):
-    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
-    if w.gate_gemv:
-        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
-    else:
-        nk.matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
-
-
-@njit(nogil=True, cache=True)
-def drop_small_down_inputs(s, rows, threshold):
-    """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
-    ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
-    m = 0
-    for i in range(rows.shape[0]):
-        if abs(s.act[i]) > threshold:
-            s.down_rows[m] = rows[i]
-            s.act[m] = s.act[i]
-            m += 1
-    return m
+SILU_MARGIN = 1e-6  # how near a bound float32 rounding can put the bisected root on the wrong side of g

@@ -54,7 +54,7 @@ from powerinfer_tools.formats.model_file import open_model_file
 PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
 # The sources of numba code: a change to any of them makes numba recompile, and the markers stale.
 COMPILED_SOURCES = (PACKAGE / "kernels", PACKAGE / "runtime" / "compiled_decode.py",
-                    PACKAGE / "runtime" / "thresholded_ffn.py")
+                    PACKAGE / "runtime" / "thresholded_decode.py")
 PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
 DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
 
@@ -75,6 +75,7 @@ class LoadOptions:
     use_split: bool = True
     ram: int | None = None
     cache_policy: str | None = None
+    neuron_choice: str = "auto"
 
 
 def model_kind(model_file) -> dict:
@@ -259,7 +260,7 @@ def _load_arguments(options: LoadOptions) -> dict:
                  "ram": options.ram}
     if options.cache_policy is not None:
         arguments["cache_policy"] = options.cache_policy
-    return arguments
+    return arguments | {"neuron_choice": options.neuron_choice}
 
 
 def _version(package: str) -> str | None:

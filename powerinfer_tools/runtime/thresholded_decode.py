@@ -1,0 +1,70 @@
+"""The compiled decoder's thresholded FFN for one token (``w``: its ``LayerWeights``, ``s``: its ``Scratch``):
+the loops of the rules ``thresholded_ffn`` computes on the general path (CATS, TEAL, and the gate's exact
+choice of a ReLU family's neurons: CATS at threshold 0 on relu), called by ``compiled_decode.decode_layer``.
+Apart from ``thresholded_ffn`` because this module imports numba, which a model on the NumPy reference kernels
+never loads.
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from powerinfer_tools.kernels import numba_interleaved
+from powerinfer_tools.kernels import numba_kernels as nk
+from powerinfer_tools.kernels.numba_kernels import ggml_from_float
+
+
+@njit(inline="always")
+def _cats_keeps(g, t, bounds):
+    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp, except within the margin of
+    a SiLU bound, where the comparison gives way to the definition itself (relu's bound is exact)."""
+    for b in bounds[:3]:
+        if abs(g - b) < bounds[3]:
+            return abs(nk.silu(g)) > t
+    return g > bounds[0] or bounds[1] < g < bounds[2]
+
+
+@njit(nogil=True, cache=True)
+def thresholded_input(w, s, fns, n_threads):
+    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
+    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
+    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
+    |silu| exceeds the threshold; without CATS every neuron is computed."""
+    d_model, d_ff = s.h.shape[0], w.up.shape[0]
+    if w.ffn_in >= 0:
+        for i in range(d_model):
+            if abs(s.h[i]) <= w.ffn_in:
+                s.h[i] = 0.0
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    if w.cats < 0:
+        s.active[:d_ff] = s.all_rows[:d_ff]
+        return d_ff
+    whole_gate(w, s, d_model, fns, n_threads)
+    n = 0
+    for neuron in range(d_ff):
+        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
+            s.active[n] = neuron
+            n += 1
+    return n
+
+
+@njit(nogil=True, cache=True)
+def whole_gate(w, s, d_model, fns, n_threads):
+    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
+    if w.gate_gemv:
+        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
+    else:
+        nk.matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
+
+
+@njit(nogil=True, cache=True)
+def drop_small_down_inputs(s, rows, threshold):
+    """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
+    ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
+    m = 0
+    for i in range(rows.shape[0]):
+        if abs(s.act[i]) > threshold:
+            s.down_rows[m] = rows[i]
+            s.act[m] = s.act[i]
+            m += 1
+    return m
