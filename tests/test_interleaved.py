@@ -16,6 +16,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import InterleavedQ4, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 ROUTINES = kernels.ggml_routines()
@@ -178,3 +179,19 @@ def test_a_cats_models_gate_is_interleaved_and_computes_the_same(cats_file, monk
     close = np.abs(steps - want).max(axis=1) < 1e-4 * np.abs(want).max()
     assert close.mean() >= (1.0 if mode is FFNMode.DENSE else 0.75)
     assert np.array_equal(steps.argmax(axis=1), want.argmax(axis=1))
+
+
+def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthesized_tiny):
+    """The gate's choice reads every gate row (``runtime.gate_choice``), so the loader interleaves the gate. A
+    prompt computes with it sparse (``thresholded_ffn.block``) and in oracle mode, whose few neurons per token
+    would take ``kernels.batched`` but for the interleaved gate, whose rows it cannot read."""
+    tokens = np.random.default_rng(1).integers(0, 500, 24)
+    model = load_runtime_model(synthesized_tiny.powerinfer, neuron_choice="gate")
+    assert all(isinstance(layer.partitions[0].gate, InterleavedQ4) for layer in model.layers)
+    model.mode = FFNMode.DENSE
+    dense = model.forward(tokens, model.new_cache())
+    for mode in (FFNMode.SPARSE, FFNMode.ORACLE):
+        model.mode, model.stats = mode, TokenStats()
+        np.testing.assert_allclose(model.forward(tokens, model.new_cache()), dense, rtol=0,
+                                   atol=2e-2 * np.abs(dense).max())
+        assert 0 < model.stats.neurons_active < 0.3 * model.stats.neurons_total

@@ -54,10 +54,10 @@ def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_enc
 
 def handles(gate: QuantMatrix | None, up: QuantMatrix, down_t: QuantMatrix | None) -> bool:
     """Whether ``selected_ffn`` computes an FFN with these matrices: a gated one whose down projection
-    is stored neuron-major in a type the axpy decodes, gate and up of one type, with the compiled kernels
-    loaded."""
-    return (gate is not None and down_t is not None and gate.qtype == up.qtype and kernels.available()
-            and axpy_takes(down_t.qtype, down_t.cols))
+    is stored neuron-major in a type the axpy decodes, gate and up of one type in rows as stored (not
+    interleaved, as a gate that chooses is: ``runtime.gate_choice``), with the compiled kernels loaded."""
+    return (isinstance(gate, QuantMatrix) and isinstance(up, QuantMatrix) and down_t is not None
+            and gate.qtype == up.qtype and kernels.available() and axpy_takes(down_t.qtype, down_t.cols))
 
 
 def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: QuantMatrix, rows: np.ndarray,
