@@ -57,6 +57,7 @@ def test_the_gate_computes_only_the_firing_neurons_and_what_dense_computes(predi
     ours = _logits(model)
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-5
     assert (model.decode_path() == "compiled decoder") == compiled
+    assert "every neuron's gate, then each token's firing neurons" in "\n".join(model.execution_report())
     assert 0 < model.stats.neurons_active < 0.5 * model.stats.neurons_total  # a sparse-firing model
     by_predictor = load_runtime_model(predicted_file, neuron_choice="predictor")
     by_predictor.mode = FFNMode.SPARSE

@@ -16,6 +16,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import InterleavedQ4, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime import engine
 from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -181,11 +182,20 @@ def test_a_cats_models_gate_is_interleaved_and_computes_the_same(cats_file, monk
     assert np.array_equal(steps.argmax(axis=1), want.argmax(axis=1))
 
 
-def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthesized_tiny):
+def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthesized_tiny, monkeypatch):
     """The gate's choice reads every gate row (``runtime.gate_choice``), so the loader interleaves the gate. A
-    prompt computes with it sparse (``thresholded_ffn.block``) and in oracle mode, whose few neurons per token
-    would take ``kernels.batched`` but for the interleaved gate, whose rows it cannot read."""
+    sparse prompt chooses from its products, then each token's own neurons from up and ``ffn_down_t`` alone
+    (``kernels.batched``, given the gate products); oracle mode, which has no gate products to give, takes
+    the union's products (``batched`` cannot read the interleaved gate's rows)."""
     tokens = np.random.default_rng(1).integers(0, 500, 24)
+    own = []
+    tokens_own_neurons = engine.tokens_own_neurons
+
+    def spied(kind, p, h, ids, mask, gate_pre=None):
+        own.append((gate_pre is not None, tokens_own_neurons(kind, p, h, ids, mask, gate_pre)))
+        return own[-1][1]
+
+    monkeypatch.setattr(engine, "tokens_own_neurons", spied)
     model = load_runtime_model(synthesized_tiny.powerinfer, neuron_choice="gate")
     assert all(isinstance(layer.partitions[0].gate, InterleavedQ4) for layer in model.layers)
     model.mode = FFNMode.DENSE
@@ -195,3 +205,5 @@ def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthe
         np.testing.assert_allclose(model.forward(tokens, model.new_cache()), dense, rtol=0,
                                    atol=2e-2 * np.abs(dense).max())
         assert 0 < model.stats.neurons_active < 0.3 * model.stats.neurons_total
+    # the sparse block's calls gave the gate products and were taken; the oracle's neither
+    assert {(given, out is not None) for given, out in own} == {(True, True), (False, False)}

@@ -31,54 +31,62 @@ from powerinfer_tools.models.layers import activate
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_encoded, gate_out, up_out):
+def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_encoded, gate_out, up_out, gate_given):
     """``gate_out[t, i] = gate[rows[i]] · x[t]`` and ``up_out`` likewise, for the tokens
-    ``t in tokens[starts[i]:starts[i + 1]]`` that selected neuron i; other entries are left alone."""
+    ``t in tokens[starts[i]:starts[i + 1]]`` that selected neuron i; other entries are left alone. With
+    ``gate_given`` only ``up_out`` is computed (``gate`` is not read)."""
     n_tokens, cols = x.shape
     for t in prange(n_tokens):
         ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
-    row_bytes, xe, xe_stride = gate.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
+    row_bytes, xe, xe_stride = up.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
     g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
     n_rows = rows.shape[0]
     for i in prange(n_rows):
         if i + PREFETCH_ROWS < n_rows:  # the rows are scattered: tell the cache which come next
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
-            prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            if not gate_given:
+                prefetch_span(gate.ctypes.data + ahead, row_bytes)
             prefetch_span(up.ctypes.data + ahead, row_bytes)
         g_row, u_row = gate.ctypes.data + rows[i] * row_bytes, up.ctypes.data + rows[i] * row_bytes
         for k in range(starts[i], starts[i + 1]):  # the row stays in L1 for all of its tokens
             t = tokens[k]
-            ggml_vec_dot(vec_dot, cols, g_out + t * out_stride + 4 * i, g_row, xe + t * xe_stride)
+            if not gate_given:
+                ggml_vec_dot(vec_dot, cols, g_out + t * out_stride + 4 * i, g_row, xe + t * xe_stride)
             ggml_vec_dot(vec_dot, cols, u_out + t * out_stride + 4 * i, u_row, xe + t * xe_stride)
 
 
-def handles(gate: QuantMatrix | None, up: QuantMatrix, down_t: QuantMatrix | None) -> bool:
+def handles(gate: QuantMatrix | None, up: QuantMatrix, down_t: QuantMatrix | None, gate_given: bool = False) -> bool:
     """Whether ``selected_ffn`` computes an FFN with these matrices: a gated one whose down projection
     is stored neuron-major in a type the axpy decodes, gate and up of one type in rows as stored (not
-    interleaved, as a gate that chooses is: ``runtime.gate_choice``), with the compiled kernels loaded."""
-    return (isinstance(gate, QuantMatrix) and isinstance(up, QuantMatrix) and down_t is not None
-            and gate.qtype == up.qtype and kernels.available() and axpy_takes(down_t.qtype, down_t.cols))
+    interleaved, as a gate that chooses is: ``runtime.gate_choice``; with ``gate_given`` the gate is not
+    read), with the compiled kernels loaded."""
+    return (gate is not None and (gate_given or (isinstance(gate, QuantMatrix) and gate.qtype == up.qtype))
+            and isinstance(up, QuantMatrix) and down_t is not None and kernels.available()
+            and axpy_takes(down_t.qtype, down_t.cols))
 
 
 def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: QuantMatrix, rows: np.ndarray,
-                 x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                 x: np.ndarray, mask: np.ndarray, gate_pre: np.ndarray | None = None) -> np.ndarray:
     """FFN output ``[T, d_model]`` of ``x [T, d_model]`` where token t computes the neurons at ``rows[i]``
-    for which ``mask[t, i]`` is set, and no others (``handles`` must be true)."""
+    for which ``mask[t, i]`` is set, and no others (``handles`` must be true); ``gate_pre [T, len(rows)]``:
+    their gate products, already computed (the gate is then not read)."""
     n_tokens, n = mask.shape
     neuron, token = np.nonzero(mask.T)  # grouped by neuron, tokens ascending
     token = token.astype(np.intp)
     starts = np.zeros(n + 1, dtype=np.intp)
     np.cumsum(np.bincount(neuron, minlength=n), out=starts[1:])
     rows = np.ascontiguousarray(rows, dtype=np.intp)
-    routine = kernels.ggml_routines().routines[gate.qtype]
+    routine = kernels.ggml_routines().routines[up.qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
     x_encoded = np.empty((n_tokens, routine.encoded_bytes(x.shape[1])), dtype=np.uint8)
-    gate_out = np.zeros((n_tokens, n), dtype=np.float32)
+    given = gate_pre is not None
+    gate_out = np.ascontiguousarray(gate_pre, dtype=np.float32) if given else np.zeros((n_tokens, n), np.float32)
     up_out = np.zeros((n_tokens, n), dtype=np.float32)
     use_threads(kernels.get_threads())
-    _selected_dots(routine.from_float, routine.vec_dot, kernels.weight_bytes(gate), kernels.weight_bytes(up), rows,
-                   starts, token, x, x_encoded, gate_out, up_out)
-    activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (0, 0) is 0
+    up_rows = kernels.weight_bytes(up)
+    _selected_dots(routine.from_float, routine.vec_dot, up_rows if given else kernels.weight_bytes(gate), up_rows,
+                   rows, starts, token, x, x_encoded, gate_out, up_out, given)
+    activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (g, 0) is 0
     out = kernels.axpy_output(n_tokens, down_t.cols)
     axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), rows, starts, token, activated, out,
                   kernels.get_threads())

@@ -416,7 +416,8 @@ class RuntimeModel(Engine):
         if thresholds is not None:
             h = _thresholded().teal_input(h, thresholds, home.xp)
             if h.shape[0] > 1:
-                return _thresholded().block(self.spec.ffn, partitions, h, thresholds, layer.d_ff, home, step)
+                return _thresholded().block(self.spec.ffn, partitions, h, thresholds, layer.d_ff, home, step,
+                                            tokens_own_neurons)
             activation_filter = _thresholded().teal_down(thresholds)
         active, mask = self._select(layer, partitions, predictor, h, residual, step)
         n_tokens = h.shape[0]
@@ -443,7 +444,7 @@ class RuntimeModel(Engine):
 
         def compute(p: FFNPartition, ids: np.ndarray, part_mask):
             if part_mask is not None and n_tokens > 1:
-                out = _tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
+                out = tokens_own_neurons(self.spec.ffn, p, h, ids, part_mask)
                 if out is not None:
                     return out
             xh = move(h, home, p.backend)
@@ -467,7 +468,7 @@ def _thresholded():
     return thresholded_ffn
 
 
-# A block of tokens computes each token's own neurons (``_tokens_own_neurons``) while they are fewer than this
+# A block of tokens computes each token's own neurons (``tokens_own_neurons``) while they are fewer than this
 # share of the neurons on average; above it, the union of their neurons with the products' matrix kernels
 # (``FFNPartition.compute``), whose time hardly depends on the share. On the TinyLlama shape's 128-token prompt
 # the two cross between 28% and 39%: 1.05 s against 2.23 at 11%, 1.38 against 1.83 at 28%, 1.83 against 1.70
@@ -476,22 +477,24 @@ def _thresholded():
 OWN_NEURONS_DENSITY = 0.3
 
 
-def _tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray):
+def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray, gate_pre=None):
     """A partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
-    (``kernels.batched``): a prompt's union of predicted neurons is nearly all of them, ~8x the work of
-    each token's own. None where that path does not apply (``computes_tokens_own_neurons``) or the tokens choose
-    too many of the neurons for it to pay (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way)."""
-    if not computes_tokens_own_neurons(p) or not mask.size or mask.mean() >= OWN_NEURONS_DENSITY:
+    (``kernels.batched``; ``gate_pre``: their gate products, where the gate chose them): a prompt's union of
+    predicted neurons is nearly all of them, ~8x the work of each token's own. None where that path does not
+    apply (``computes_tokens_own_neurons``) or the tokens choose too many of the neurons for it to pay
+    (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way)."""
+    if (not computes_tokens_own_neurons(p, gate_pre is not None) or not mask.size
+            or mask.mean() >= OWN_NEURONS_DENSITY):
         return None
     from powerinfer_tools.kernels import batched
-    return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask)
+    return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask, gate_pre)
 
 
-def computes_tokens_own_neurons(p: FFNPartition) -> bool:
+def computes_tokens_own_neurons(p: FFNPartition, gate_given: bool = False) -> bool:
     """Whether a block of tokens with their own neuron choices computes each token's own neurons of ``p``
     (``kernels.batched``): a CPU partition, the compiled kernels in use, no biases, a gated FFN whose
-    matrices ``batched.handles``."""
+    matrices ``batched.handles`` (``gate_given``: their gate products already computed)."""
     if p.backend.is_device or not kernels.available():
         return False
     from powerinfer_tools.kernels import batched
-    return p.gate_bias is None and p.up_bias is None and batched.handles(p.gate, p.up, p.down_t)
+    return p.gate_bias is None and p.up_bias is None and batched.handles(p.gate, p.up, p.down_t, gate_given)

@@ -190,7 +190,10 @@ def _prompt_ffn(model) -> str:
     if model.mode is FFNMode.DENSE:
         return "FFN: every neuron"
     if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
-        return "sparse FFN: every neuron's gate and up, then the thresholds' (or the gate's) mask"
+        if model.spec.ffn.sparse:  # the gate chooses (runtime.gate_choice): few neurons per token
+            return (f"sparse FFN: every neuron's gate, then each token's firing neurons (kernels.batched) while "
+                    f"under {OWN_NEURONS_DENSITY:.0%} of them, else every neuron's up, masked")
+        return "sparse FFN: every neuron's gate and up, then the thresholds' mask"
     cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
     taking = sum(computes_tokens_own_neurons(p) for p in cpu)
     own = (f"each token's own chosen neurons (kernels.batched) while they are under {OWN_NEURONS_DENSITY:.0%} of "

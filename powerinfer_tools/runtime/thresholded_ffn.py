@@ -60,25 +60,45 @@ def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, hom
     return chosen
 
 
-def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, step):
-    """A block of tokens (a prompt; TEAL's input rule already applied): every neuron's gate and up products,
-    the rules' mask, one down projection. At the densities these rules keep (half the neurons per token) a
-    prompt's tokens together need nearly every row; read once here, where choosing first (``cats_choice``)
-    reads the gate twice and goes through per-token selections made for ReLU models' ~10%."""
+def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, step, own_neurons):
+    """A block of tokens (a prompt; TEAL's input rule already applied): every neuron's gate product, the rules'
+    mask, then where the tokens keep few neurons each (a ReLU family's gate: a tenth) each token's own from their
+    up and ``ffn_down_t`` rows alone (``own_neurons``: the engine's ``tokens_own_neurons``, None where it does
+    not pay or apply), else every neuron's up and one down projection. At the densities the SiLU rules keep (half
+    the neurons per token) a prompt's tokens together need nearly every row: read once here."""
     out = None
     step.neurons_total += d_ff * h.shape[0]
     for p in partitions:
         xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
-        gate_pre, up_pre = p.pre_activations(move(h, home, p.backend), rows)
+        x = move(h, home, p.backend)
+        gate_pre, _ = p.pre_activations(x, rows, up=False)
         chosen = kept(gate_activation(kind)(gate_pre), t.cats)
-        activated = activate(kind, gate_pre, up_pre)
-        activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
         computed = int(chosen.sum())
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
-        step.bytes_read += len(p.neurons) * p.bytes_per_neuron
-        part = move(p.backend.row_sum(p.down_t, activated, rows), p.backend, home)
+        part = _own_neurons(kind, p, x, gate_pre, chosen, t, own_neurons, step)
+        if part is None:
+            _, up_pre = p.pre_activations(x, rows, up=True)
+            activated = activate(kind, gate_pre, up_pre)
+            activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
+            step.bytes_read += len(p.neurons) * p.bytes_per_neuron
+            part = p.backend.row_sum(p.down_t, activated, rows)
+        part = move(part, p.backend, home)
         out = part if out is None else out + part
+    return out
+
+
+def _own_neurons(kind: FFNKind, p, x, gate_pre, chosen, t: LayerThresholds, own_neurons, step):
+    """``block``'s partition output from each token's own chosen neurons, their gate products given; None where
+    ``own_neurons`` declines (a device's partition, among others), or TEAL's rule on the down projection's input
+    is to be applied too."""
+    if t.ffn_down is not None or p.backend.is_device:
+        return None
+    union = np.flatnonzero(chosen.any(axis=0))
+    ids = p.neurons[union]
+    out = own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union])
+    if out is not None:
+        step.bytes_read += len(p.neurons) * p.gate.row_bytes + len(ids) * (p.bytes_per_neuron - p.gate.row_bytes)
     return out
 
 
