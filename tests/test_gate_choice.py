@@ -57,7 +57,8 @@ def test_the_gate_computes_only_the_firing_neurons_and_what_dense_computes(predi
     ours = _logits(model)
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-5
     assert (model.decode_path() == "compiled decoder") == compiled
-    assert "every neuron's gate, then each token's firing neurons" in "\n".join(model.execution_report())
+    assert "every neuron's gate, the gate's choice, then each token's kept neurons" in "\n".join(
+        model.execution_report())
     assert 0 < model.stats.neurons_active < 0.5 * model.stats.neurons_total  # a sparse-firing model
     by_predictor = load_runtime_model(predicted_file, neuron_choice="predictor")
     by_predictor.mode = FFNMode.SPARSE
@@ -107,3 +108,16 @@ def test_the_gate_is_refused_where_it_would_not_be_exact(predicted_file, silu_mo
     fails("run", predicted_file, "-n", "1", "--neuron-choice", "gate", "--ram", "100MB", match="RAM budget",
           names=predicted_file)
     fails("perplexity", silu_model, "--neuron-choice", "gate", match="--neuron-choice are for GGUF files")
+
+
+def test_the_report_says_how_a_prompt_computes_on_the_numpy_reference(predicted_file):
+    """No ``kernels.batched`` there: a prompt computes every neuron's gate and up, then the gate's choice."""
+    model = load_runtime_model(predicted_file, neuron_choice="gate")
+    model.mode = FFNMode.SPARSE
+    kernels.use_reference("tests/test_gate_choice.py")
+    try:
+        report = "\n".join(model.execution_report())
+    finally:
+        kernels.use_reference(None)
+    assert "prompts (blocks of tokens): general path | sparse FFN: every neuron's gate and up, then the gate's choice" \
+        in report, report

@@ -190,10 +190,7 @@ def _prompt_ffn(model) -> str:
     if model.mode is FFNMode.DENSE:
         return "FFN: every neuron"
     if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
-        if model.spec.ffn.sparse:  # the gate chooses (runtime.gate_choice): few neurons per token
-            return (f"sparse FFN: every neuron's gate, then each token's firing neurons (kernels.batched) while "
-                    f"under {OWN_NEURONS_DENSITY:.0%} of them, else every neuron's up, masked")
-        return "sparse FFN: every neuron's gate and up, then the thresholds' mask"
+        return _thresholded_prompt_ffn(model)
     cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
     taking = sum(computes_tokens_own_neurons(p) for p in cpu)
     own = (f"each token's own chosen neurons (kernels.batched) while they are under {OWN_NEURONS_DENSITY:.0%} of "
@@ -203,6 +200,22 @@ def _prompt_ffn(model) -> str:
     if taking == 0:
         return f"{model.mode.value} FFN: the union of the tokens' chosen neurons for every token"
     return f"{model.mode.value} FFN: {own} their union, in {taking} of {len(cpu)} CPU partitions; the union elsewhere"
+
+
+def _thresholded_prompt_ffn(model) -> str:
+    """``thresholded_ffn.block``: every neuron's gate, the mask of the rule (or of the gate's choice), then each
+    token's kept neurons from up and ``ffn_down_t`` alone where that applies (a CPU partition that
+    ``computes_tokens_own_neurons`` given the gate products, no TEAL on the down projection's input) and they
+    are few enough, else every neuron's up."""
+    mask = "the gate's choice" if model.spec.ffn.sparse else "the thresholds' mask"
+    cpu = [(layer, p) for layer in model.layers for p in _partitions(layer) if not p.backend.is_device]
+    taking = sum(layer.dense.thresholds.ffn_down is None and computes_tokens_own_neurons(p, gate_given=True)
+                 for layer, p in cpu)
+    if taking == 0:
+        return f"sparse FFN: every neuron's gate and up, then {mask}"
+    where = "" if taking == len(cpu) else f" (in {taking} of {len(cpu)} CPU partitions; elsewhere every neuron's up)"
+    return (f"sparse FFN: every neuron's gate, {mask}, then each token's kept neurons from up and down alone "
+            f"(kernels.batched) while under {OWN_NEURONS_DENSITY:.0%} of them, else every neuron's up{where}")
 
 
 def _partitions(layer, every_expert: bool = False) -> list:
