@@ -53,6 +53,11 @@ class FFNKind(str, enum.Enum):
     def sparse(self) -> bool:
         return self not in (FFNKind.SWIGLU, FFNKind.GEGLU)
 
+    @property
+    def relu_gated(self) -> bool:
+        """relu of the gate product: a neuron fires exactly where its gate product is positive."""
+        return self in (FFNKind.REGLU, FFNKind.DRELU)
+
 
 @dataclass(frozen=True)
 class FFNUnit:

@@ -262,18 +262,20 @@ FFNHook = Callable[[FFNTrace], None]
 NeuronSelector = Callable[[int, np.ndarray, np.ndarray], Optional[np.ndarray]]
 
 
+_GATE_ACTIVATIONS = {FFNKind.REGLU: relu, FFNKind.DRELU: relu, FFNKind.SWIGLU: silu, FFNKind.GEGLU: gelu_tanh}
+
+
 def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
     if kind is FFNKind.RELU:
         return relu(up_pre)
-    if kind is FFNKind.REGLU:
-        return relu(gate_pre) * up_pre
-    if kind is FFNKind.DRELU:
-        return relu(gate_pre) * relu(up_pre)
-    if kind is FFNKind.SWIGLU:
-        return silu(gate_pre) * up_pre
-    if kind is FFNKind.GEGLU:
-        return gelu_tanh(gate_pre) * up_pre
+    if kind in _GATE_ACTIVATIONS:
+        return gated(kind, _GATE_ACTIVATIONS[kind](gate_pre), up_pre)
     raise ValueError(f"unknown FFN kind {kind}")
+
+
+def gated(kind: FFNKind, gate: np.ndarray, up_pre: np.ndarray) -> np.ndarray:
+    """A gated FFN's activations from its gate's activated values and its up products (dReLU: up's relu'd)."""
+    return gate * (relu(up_pre) if kind is FFNKind.DRELU else up_pre)
 
 
 def route(router_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ from powerinfer_tools.formats.constants import PREDICTOR_COMPUTED_KEY, PowerInfe
 from powerinfer_tools.formats.metadata_keys import read_key
 from powerinfer_tools.formats.model_check import neuron_frequencies
 from powerinfer_tools.formats.model_file import ModelFile
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec
+from powerinfer_tools.formats.model_spec import ModelSpec
 
 
 class NeuronChoice(str, enum.Enum):
@@ -57,7 +57,7 @@ def gate_choices(model: ModelFile, spec: ModelSpec, choice: NeuronChoice | str,
 
 
 def _refusal(model: ModelFile, spec: ModelSpec, ram: int | None) -> str | None:
-    if spec.ffn not in (FFNKind.REGLU, FFNKind.DRELU):
+    if not spec.ffn.relu_gated:
         return f"a {spec.ffn.value} FFN, not ReGLU or dReLU, has no exact zeros"
     if spec.moe:
         return "a mixture of experts (each expert's predictor chooses)"

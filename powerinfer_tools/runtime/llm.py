@@ -110,7 +110,7 @@ class LLM:
         With ``vram`` (bytes), the split file (``split``, default beside the model) is solved for that
         budget on ``hardware`` (a preset or profile file) unless the one there already serves it.
         With ``ram`` (bytes), the weights in memory stay within it (``runtime.ram_budget``): cold neurons are
-        read from the file into neuron caches that evict by ``cache_policy``. ``neuron_choice``: ``runtime.gate_choice``.
+        read from the file into neuron caches evicting by ``cache_policy``; ``neuron_choice``: ``runtime.gate_choice``.
 
         ``kernels``: when the compiled kernels this kind of model needs are not yet in numba's cache, ``wait``
         for them to compile (once per machine), start on the NumPy reference while a ``background`` process

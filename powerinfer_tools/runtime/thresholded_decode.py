@@ -16,8 +16,8 @@ from powerinfer_tools.kernels.numba_kernels import ggml_from_float
 
 @njit(inline="always")
 def _cats_keeps(g, t, bounds):
-    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp, except within the margin of
-    a SiLU bound, where the comparison gives way to the definition itself (relu's bound is exact)."""
+    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp, except within the
+    margin of a SiLU bound, where the comparison gives way to the definition itself (relu's bound is exact)."""
     for b in bounds[:3]:
         if abs(g - b) < bounds[3]:
             return abs(nk.silu(g)) > t
@@ -28,8 +28,8 @@ def _cats_keeps(g, t, bounds):
 def thresholded_input(w, s, fns, n_threads):
     """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
     ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose
-    |silu| exceeds the threshold; without CATS every neuron is computed."""
+    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose |silu| (a
+    ReLU family's relu: those that fire) exceeds the threshold; without CATS every neuron is computed."""
     d_model, d_ff = s.h.shape[0], w.up.shape[0]
     if w.ffn_in >= 0:
         for i in range(d_model):

@@ -21,7 +21,7 @@ import numpy as np
 
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import FFNKind
-from powerinfer_tools.models.layers import activate, relu, silu
+from powerinfer_tools.models.layers import gated, relu, silu
 from powerinfer_tools.runtime.backends import move
 
 # --- the general path (NumPy, on any backend)
@@ -43,7 +43,7 @@ def teal_down(t: LayerThresholds):
 def gate_activation(kind: FFNKind):
     """What CATS thresholds the magnitude of: the FFN's activation of the gate product (SiLU; a ReLU
     family's relu, at threshold 0 exactly the firing neurons)."""
-    return relu if kind in (FFNKind.REGLU, FFNKind.DRELU) else silu
+    return relu if kind.relu_gated else silu
 
 
 def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
@@ -72,14 +72,15 @@ def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, ste
         xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
         x = move(h, home, p.backend)
         gate_pre, _ = p.pre_activations(x, rows, up=False)
-        chosen = kept(gate_activation(kind)(gate_pre), t.cats)
+        gate = gate_activation(kind)(gate_pre)  # once, for the choice and (below) the activations
+        chosen = kept(gate, t.cats)
         computed = int(chosen.sum())
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
         part = _own_neurons(kind, p, x, gate_pre, chosen, t, own_neurons, step)
         if part is None:
             _, up_pre = p.pre_activations(x, rows, up=True)
-            activated = activate(kind, gate_pre, up_pre)
+            activated = gated(kind, gate, up_pre)
             activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
             step.bytes_read += len(p.neurons) * p.bytes_per_neuron
             part = p.backend.row_sum(p.down_t, activated, rows)
@@ -110,7 +111,7 @@ def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
     band_hi, up to ``margin`` (``thresholded_decode``). For SiLU: it falls from 0 to its minimum -0.2785 at g = -1.2785
     and rises after it, so the first is where it climbs past t and the band, where it dips below -t, is empty
     (0, 0) for larger t. For a ReLU family's relu (t >= 0): g > t, exactly."""
-    if kind in (FFNKind.REGLU, FFNKind.DRELU):
+    if kind.relu_gated:
         return np.array([float(t), 0.0, 0.0, 0.0])
     silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
 
