@@ -29,8 +29,8 @@ from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs
 
 
 @njit
-def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, sparse, fns, n_threads):
-    return cd.decode_attention(x, w, s, keys, values, pos, 0, cos, sin, n_heads, eps, sparse, fns, n_threads)
+def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
+    return cd.decode_attention(x, w, s, keys, values, pos, 0, cos, sin, n_heads, eps, kind, sparse, fns, n_threads)
 
 
 @njit
@@ -91,7 +91,7 @@ def _time_layers(decoder, spec, caches, args) -> dict[str, list]:
             keys, values = cache.store(0, empty, empty)  # position pos, as a step would fill it
             residual = x.copy()
             start = time.perf_counter()
-            n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, sparse,
+            n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, kind, sparse,
                            decoder.fns, threads)
             chosen = time.perf_counter()
             rows = _gate_up(w, s, n, sparse, kind, decoder.fns)

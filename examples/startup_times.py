@@ -22,6 +22,7 @@ The prompt is three words; ``-t`` threads as ``pitools run`` defaults. Run it on
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -53,10 +54,23 @@ def _first_output(process: subprocess.Popen, started: float, skip: int = 0, time
     return time.perf_counter() - started
 
 
+def _failed_and_ended(marker: Path) -> bool:
+    with open(marker.with_suffix(".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # still building
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return marker.exists()
+
+
 def background_build_s(cache: str, started: float, timeout: float = 900) -> float:
     """Seconds from ``started`` until the background build's marker appears in ``cache``."""
     while not list(Path(cache).glob("pitools-warm-*.done")):
-        if list(Path(cache).glob("pitools-warm-*.failed")) or time.perf_counter() - started > timeout:
+        # the build writes its .failed marker when it starts and removes it when it succeeds: it failed only
+        # if the marker is there once the build has let go of its lock
+        failed = any(map(_failed_and_ended, Path(cache).glob("pitools-warm-*.failed")))
+        if failed or time.perf_counter() - started > timeout:
             raise RuntimeError(f"the background build failed or did not end: see {cache}")
         time.sleep(0.2)
     return time.perf_counter() - started

@@ -1,11 +1,11 @@
-"""Training-free activation sparsity for SwiGLU models: the rules, their per-layer thresholds, and how a
-model file stores them.
+"""Training-free activation sparsity for SwiGLU and GeGLU models: the rules, their per-layer thresholds, and
+how a model file stores them.
 
-A SiLU FFN ``down(silu(gate x) * up x)`` has no exact zeros, but most of its activations are small.
-Two published rules skip the small ones without retraining:
+A SiLU FFN ``down(silu(gate x) * up x)`` has no exact zeros, but most of its activations are small; so has
+Gemma's GeGLU, ``down(gelu(gate x) * up x)``. Two published rules skip the small ones without retraining:
 
-- **CATS** (arXiv 2404.08763): neuron ``i`` is skipped when ``|silu(gate_i x)|`` is below the layer's
-  threshold. The gate product stays dense (it decides); ``up`` and ``ffn_down_t`` are read only for the
+- **CATS** (arXiv 2404.08763): neuron ``i`` is skipped when ``|act(gate_i x)|`` (SiLU, or GELU) is below the
+  layer's threshold. The gate product stays dense (it decides); ``up`` and ``ffn_down_t`` are read only for the
   kept neurons, as for a ReLU model's firing ones.
 - **TEAL** (ICLR 2025): an entry of a projection's input is dropped when its magnitude is below the
   threshold, so the weight column it multiplies is not read. We apply it to the FFN's two inputs: ``x``
@@ -62,7 +62,7 @@ class SparsityRule(str, enum.Enum):
 class LayerThresholds:
     """One layer's thresholds; None where its rule does not use one."""
 
-    cats: Optional[float] = None  # on |silu(gate x)|, per neuron
+    cats: Optional[float] = None  # on |act(gate x)|, per neuron (act: SiLU, or GeGLU's GELU)
     ffn_in: Optional[float] = None  # on |x| entering gate and up
     ffn_down: Optional[float] = None  # on |h| entering the down projection
 

@@ -15,13 +15,14 @@ from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import (RULE_KEY, TARGET_KEY, SparsityRule, kept, read_thresholds,
                                                             threshold_key)
-from powerinfer_tools.models.layers import silu
+from powerinfer_tools.models.layers import gate_activation, silu
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
-from powerinfer_tools.models import load_model
+from powerinfer_tools.models import FFNKind, load_model
 from powerinfer_tools.profiling import calibration as calibration_module
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
 from powerinfer_tools.solver.model_stats import read_model_stats
 
 TARGET = 0.4
@@ -160,7 +161,7 @@ def test_solve_places_a_thresholded_model_by_its_frequencies(thresholded_files, 
 
 def test_target_sparsity_is_refused_where_it_does_not_apply(silu_model, tmp_path):
     relu = build_tiny_model(tmp_path / "relu", seed=1)
-    fails("convert", relu, "--target-sparsity", "0.5", "-o", tmp_path / "r.gguf", match="for SiLU models")
+    fails("convert", relu, "--target-sparsity", "0.5", "-o", tmp_path / "r.gguf", match="for SiLU and GeGLU models")
     fails("convert", silu_model, "--target-sparsity", "0.5", "--dense", "-o", tmp_path / "d.gguf",
           match="--dense writes the dense layout")
     fails("convert", silu_model, "--target-sparsity", "0.5", "--no-sparsity", "-o", tmp_path / "n.gguf",
@@ -188,3 +189,17 @@ def test_the_solver_counts_every_gate_row_of_a_cats_model_as_read(thresholded_fi
         # f32: a neuron's gate, up and down rows are the same size, a third of its bytes each
         np.testing.assert_allclose(read_model_stats(thresholded_files[rule])["freqs"][1], expected(recorded),
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [FFNKind.SWIGLU, FFNKind.GEGLU], ids=lambda k: k.value)
+@pytest.mark.parametrize("t", [0.0, 0.01, 0.1, 0.16, 0.25, 0.3, 2.0])
+def test_cats_bounds_keep_exactly_where_the_activation_clears_the_threshold(kind, t):
+    """The compiled decoder keeps a neuron by comparing its gate product with ``cats_bounds`` (no exp or tanh):
+    on a fine grid of gate products that must be |act(g)| > t everywhere but within the bounds' margin, on both
+    sides of the activation's minimum (SiLU's -0.28, GELU's -0.17: a band below zero for small t, none above)."""
+    g = np.linspace(-60, 6, 2_000_001)
+    above, band_lo, band_hi, margin = cats_bounds(t, kind)
+    wrong = (np.abs(gate_activation(kind)(g)) > t) != ((g > above) | ((band_lo < g) & (g < band_hi)))
+    near = np.abs(g[:, None] - np.array([above, band_lo, band_hi])).min(axis=1) < margin
+    assert not (wrong & ~near).any(), g[wrong & ~near][:5]
+    assert (band_lo < band_hi) == (t < -gate_activation(kind)(np.linspace(-3, 0, 30001)).min())

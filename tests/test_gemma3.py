@@ -5,6 +5,8 @@ back to the checkpoint. The slow test runs the real Gemma 3 270M (Q4_K_M, from t
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +22,11 @@ from tokenizers import Tokenizer
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.gguf_source import GGUFSource
+from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.activation_thresholds import SparsityRule, read_thresholds
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import FFNKind, load_model
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -99,6 +105,45 @@ def test_what_llamacpps_gemma3_assumes_is_required_to_convert(tmp_path):
     make_model(tmp_path / "model", "gemma3", "spm", **dict(GEMMA3, query_pre_attn_scalar=24))
     with pytest.raises(PitoolsError, match="query_pre_attn_scalar 24.0 has no GGUF layout: llama.cpp's gemma3 assumes 32"):
         convert(str(tmp_path / "model"), tmp_path / "m.gguf", outtype="f32", progress=False)
+
+
+# --- thresholded sparsity on GeGLU: CATS on |gelu(gate x)| ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thresholded_gemma3(gemma3_model, tmp_path_factory):
+    """Per rule, the random Gemma 3's f32 file with thresholds calibrated on the json package's sources."""
+    folder, _, _ = gemma3_model
+    root = tmp_path_factory.mktemp("gemma3-thresholded")
+    corpus = root / "calibration.txt"
+    corpus.write_text("\n".join(sorted(p.read_text() for p in Path(json.__file__).parent.glob("*.py"))))
+    return {rule: convert(str(folder), root / f"{rule.name}.powerinfer.gguf", outtype="f32", progress=False,
+                          sparsify=SparsifySettings(corpus=(corpus,), tokens=2048, target_sparsity=0.4, rule=rule))[0]
+            for rule in (SparsityRule.CATS, SparsityRule.CATS_TEAL)}
+
+
+@pytest.mark.parametrize("one_at_a_time, compiled", [(True, True), (True, False), (False, True)],
+                         ids=["compiled-decoder", "general-path", "prompt"])
+@pytest.mark.parametrize("rule", [SparsityRule.CATS, SparsityRule.CATS_TEAL], ids=lambda r: r.value)
+def test_thresholded_gemma3_computes_the_rule_as_the_reference(gemma3_model, thresholded_gemma3, rule,
+                                                               one_at_a_time, compiled):
+    """A GeGLU file with CATS thresholds (the gate's GELU, which dips to -0.17 below zero, against the threshold)
+    computes what the reference engine computes with the same thresholds: closely on most tokens (a neuron within
+    float32 rounding of its threshold may be kept by one and not the other), the same top choice on each."""
+    folder, _, ids = gemma3_model
+    path = thresholded_gemma3[rule]
+    runtime = load_runtime_model(path)
+    runtime.mode, runtime.compiled_decoding = FFNMode.SPARSE, compiled
+    reference = load_model(Checkpoint(folder))
+    reference.activation_thresholds = read_thresholds(open_model_file(path).get, GEMMA3["num_hidden_layers"], "f")
+    caches = runtime.new_cache()
+    ours = (np.concatenate([runtime.forward(ids[i:i + 1], caches) for i in range(len(ids))]) if one_at_a_time
+            else runtime.forward(ids, caches))
+    theirs = reference.forward(ids, reference.new_cache())
+    assert (np.abs(ours - theirs).max(axis=1) < 1e-4).mean() >= 0.75
+    assert np.array_equal(ours.argmax(axis=1), theirs.argmax(axis=1))
+    assert relative_error(theirs, reference_logits(folder, ids)) > 1e-3  # the rule changed the result
+    assert 0.4 < runtime.stats.density < 0.8
 
 
 # --- the real Gemma 3 270M, Q4_K_M ---------------------------------------------------------------------------------

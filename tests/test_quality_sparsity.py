@@ -115,4 +115,4 @@ def test_target_sparsity_and_max_quality_loss_exclude_each_other(silu_model, tmp
     fails("convert", silu_model, "--max-quality-loss", "5%", "--no-sparsity", "-o", tmp_path / "x.gguf",
           match="--max-quality-loss and --no-sparsity contradict each other")
     relu = build_tiny_model(tmp_path / "relu", seed=1)
-    fails("convert", relu, "--max-quality-loss", "5%", "-o", tmp_path / "r.gguf", match="for SiLU models")
+    fails("convert", relu, "--max-quality-loss", "5%", "-o", tmp_path / "r.gguf", match="for SiLU and GeGLU models")

@@ -133,7 +133,7 @@ def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | N
     if thresholded and (dense or spec.ffn.sparse):
         why = ("--dense writes the dense layout" if dense else
                f"its FFN is {spec.ffn.value}, sparse already: its predictors are trained, not thresholds")
-        raise PitoolsError(f"--target-sparsity is for SiLU models: {why}")
+        raise PitoolsError(f"--target-sparsity is for SiLU and GeGLU models: {why}")
     return (spec.ffn.sparse or thresholded) and not dense
 
 

@@ -236,6 +236,19 @@ def gelu_tanh(g):
     return 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
 
 
+@njit(inline="always")
+def gated_activation(kind, g, u):
+    """One neuron's activation from its gate and up products, for the FFN kinds as ``compiled_decode._KINDS``
+    numbers them (what ``models.layers.activate`` computes); with u = 1, the gate's activation alone."""
+    if kind == 0:  # ReGLU
+        return max(g, 0.0) * u
+    if kind == 1:  # dReLU
+        return max(g, 0.0) * max(u, 0.0)
+    if kind == 3:  # GeGLU
+        return gelu_tanh(g) * u
+    return silu(g) * u  # SwiGLU
+
+
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
 
 

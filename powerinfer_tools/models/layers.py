@@ -265,12 +265,18 @@ NeuronSelector = Callable[[int, np.ndarray, np.ndarray], Optional[np.ndarray]]
 _GATE_ACTIVATIONS = {FFNKind.REGLU: relu, FFNKind.DRELU: relu, FFNKind.SWIGLU: silu, FFNKind.GEGLU: gelu_tanh}
 
 
+def gate_activation(kind: FFNKind) -> Callable[[np.ndarray], np.ndarray]:
+    """A gated FFN's activation of its gate product; also what CATS thresholds the magnitude of (a ReLU
+    family's relu: at threshold 0, exactly the neurons that fire)."""
+    if kind not in _GATE_ACTIVATIONS:
+        raise ValueError(f"{kind.value} has no gate")
+    return _GATE_ACTIVATIONS[kind]
+
+
 def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
     if kind is FFNKind.RELU:
         return relu(up_pre)
-    if kind in _GATE_ACTIVATIONS:
-        return gated(kind, _GATE_ACTIVATIONS[kind](gate_pre), up_pre)
-    raise ValueError(f"unknown FFN kind {kind}")
+    return gated(kind, gate_activation(kind)(gate_pre), up_pre)
 
 
 def gated(kind: FFNKind, gate: np.ndarray, up_pre: np.ndarray) -> np.ndarray:
@@ -356,6 +362,6 @@ def feed_forward(
     if hook is not None:
         hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
     if thresholds is not None:
-        selected = kept(silu(gate_pre), thresholds.cats)
+        selected = kept(gate_activation(kind)(gate_pre), thresholds.cats)
         activated = np.where(selected & kept(activated, thresholds.ffn_down), activated, 0)
     return linear(activated, w.down, w.down_bias)

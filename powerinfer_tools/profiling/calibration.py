@@ -1,11 +1,11 @@
-"""Calibrating training-free sparsity thresholds (CATS, TEAL) of a SiLU model on calibration text.
+"""Calibrating training-free sparsity thresholds (CATS, TEAL) of a SiLU or GeGLU model on calibration text.
 
 One layer-major pass of the reference engine: every calibration window is run through layer 0, then
 through layer 1, and so on, each window's residual stream kept between layers (``DecoderModel.stages``).
 At layer ``L``:
 
 1. a spread subset of the windows (at most ``SAMPLE_TOKENS`` tokens, the first window among them) runs
-   layer ``L`` dense, and its magnitudes (``|silu(gate x)|``, ``|x|`` entering the FFN, ``|h|`` entering
+   layer ``L`` dense, and its magnitudes (``|act(gate x)|``, ``|x|`` entering the FFN, ``|h|`` entering
    its down projection) are sampled; each threshold the rule needs is set to the layer's quantile at its
    target sparsity. ``cats+teal``'s down threshold is the quantile among the neurons CATS keeps (the two
    kinds are sampled at the same positions); TEAL's, of ``h`` computed from layer ``L``'s dense input;
@@ -34,10 +34,10 @@ from powerinfer_tools.formats.activation_thresholds import (
     SparsityRule,
     kept,
 )
-from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ModelSpec
+from powerinfer_tools.formats.model_spec import FFNUnit, ModelSpec
 from powerinfer_tools.interfaces import tracing
 from powerinfer_tools.models import DecoderModel
-from powerinfer_tools.models.layers import FFNTrace, silu
+from powerinfer_tools.models.layers import FFNTrace, gate_activation
 from powerinfer_tools.profiling.profiler import windows_of
 from powerinfer_tools.progress import progress_bar
 
@@ -85,16 +85,16 @@ class Sampler:
     def of(cls, rule: SparsityRule, spec: ModelSpec, n_tokens: int, rng: np.random.Generator) -> Sampler:
         """A sampler of the magnitudes ``rule``'s thresholds are set from, over ``n_tokens`` of ``spec``'s model."""
         widths = {"cats": spec.d_ff, "ffn_in": spec.d_model, "ffn_down": spec.d_ff}
-        return cls(n_tokens, {kind: widths[kind] for kind in rule.thresholds}, rng)
+        return cls(n_tokens, {kind: widths[kind] for kind in rule.thresholds}, rng, gate_activation(spec.ffn))
 
-    def __init__(self, n_tokens: int, widths: dict[str, int], rng: np.random.Generator):
-        self.widths, self.rng = widths, rng
+    def __init__(self, n_tokens: int, widths: dict[str, int], rng: np.random.Generator, activation):
+        self.widths, self.rng, self.activation = widths, rng, activation
         self.rate = {width: min(1.0, SAMPLES / (n_tokens * width)) for width in set(widths.values())}
         self.samples: dict[str, list[np.ndarray]] = {kind: [] for kind in widths}
 
     def add(self, trace: FFNTrace) -> None:
         """An ``FFNHook``: the magnitudes of ``trace``'s tokens."""
-        every = {"cats": lambda: silu(trace.gate_pre), "ffn_in": lambda: trace.ffn_input,
+        every = {"cats": lambda: self.activation(trace.gate_pre), "ffn_in": lambda: trace.ffn_input,
                  "ffn_down": lambda: trace.activated}
         masks = {width: self.rng.random((len(trace.ffn_input), width)) < rate for width, rate in self.rate.items()}
         for kind, width in self.widths.items():
@@ -119,9 +119,9 @@ def layer_thresholds(sampler: Sampler, rule: SparsityRule, target: float) -> Lay
 
 
 def check_thresholdable(spec: ModelSpec) -> None:
-    if spec.ffn is not FFNKind.SWIGLU or spec.moe:
-        raise PitoolsError(f"thresholded sparsity (--target-sparsity) is for SiLU (SwiGLU) models without experts; "
-                           f"this model's FFN is {spec.ffn.value}{' with experts' if spec.moe else ''}")
+    if spec.ffn.sparse or spec.moe:
+        raise PitoolsError(f"thresholded sparsity (--target-sparsity) is for SiLU (SwiGLU) and GELU (GeGLU) models "
+                           f"without experts; this model's FFN is {spec.ffn.value}{' with experts' if spec.moe else ''}")
 
 
 def calibrate(model: DecoderModel, tokens: np.ndarray, settings: CalibrationSettings,
@@ -144,12 +144,13 @@ def calibrate(model: DecoderModel, tokens: np.ndarray, settings: CalibrationSett
     streams = [s.embedded for s in stages]
     layers = [LayerThresholds()] * spec.n_layers  # dense until calibrated
     counts = np.zeros((spec.n_layers, spec.d_ff), np.int64)
+    activation = gate_activation(spec.ffn)
 
     def count_read(trace: FFNTrace) -> None:
         t = layers[trace.layer]
         # the rows a token reads: CATS's kept neurons' up rows; under TEAL alone, the down rows
         counts[trace.layer] += (kept(trace.activated, t.ffn_down) if rule is SparsityRule.TEAL
-                                else kept(silu(trace.gate_pre), t.cats)).sum(axis=0)
+                                else kept(activation(trace.gate_pre), t.cats)).sum(axis=0)
 
     with progress_bar(total=spec.n_layers, desc="calibrate", unit="layer", enabled=progress) as bar:
         for layer in range(spec.n_layers):

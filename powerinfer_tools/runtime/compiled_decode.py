@@ -170,17 +170,6 @@ def _qkv(types, fns, wq, wk, wv, x_encoded, cols, q, k, v):
             ggml_vec_dot(fns[types[2], 1], cols, v.ctypes.data + 4 * j, wv.ctypes.data + j * wv.strides[0], xe)
 
 
-@njit(inline="always")
-def _activation(kind, g, u):
-    if kind == 0:  # ReGLU
-        return max(g, 0.0) * u
-    if kind == 1:  # dReLU
-        return max(g, 0.0) * max(u, 0.0)
-    if kind == 3:  # GeGLU
-        return nk.gelu_tanh(g) * u
-    return nk.silu(g) * u  # SwiGLU (CATS's too)
-
-
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
 def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given, x_vnni):
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
@@ -204,7 +193,7 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
         else:
             _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
         _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
-        act[j] = _activation(kind, gate_out[j], up_out[j])
+        act[j] = nk.gated_activation(kind, gate_out[j], up_out[j])
 
 
 @njit(inline="always")
@@ -329,7 +318,7 @@ def _predict(x, w, s, fns):
 
 
 @njit(nogil=True, cache=True)
-def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns, n_threads):
+def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
     """A layer's attention for one token at position ``pos`` (updates the residual ``x`` in place, writes
     this token's key and value into ``keys[pos]`` / ``values[pos]``), then what its FFN needs: the
     normed input encoded in ``s.x_encoded`` and, sparse, the predicted neurons in ``s.active``; returns
@@ -363,7 +352,7 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
     if sparse and w.thresholded:
-        return thresholded_input(w, s, fns, n_threads)
+        return thresholded_input(w, s, kind, fns, n_threads)
     # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
     n = _predict(x, w, s, fns) if sparse else s.act.shape[0]  # every neuron (up may be interleaved: not its rows)
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -423,7 +412,7 @@ def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
 def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
     """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
     rows of the neurons it chose); returns the number of neurons computed and of down rows read."""
-    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, sparse, fns, n_threads)
+    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads)
     if not w.post_ffn_norm.shape[0]:
         return _ffn(x, w, s, n, kind, sparse, fns, n_threads)
     out = s.ffn_out  # Gemma 3: the FFN's output normed before it joins the residual stream
@@ -464,7 +453,7 @@ def _interleaved_ffn(x, w, s, kind, fns, n_threads):
     numba_interleaved.gemv_fused(w.ffn_gemv, w.gate, w.up, _NO_GROUPS, s.x_encoded, d_model, s.gate_out, s.up_out,
                                  s.o[:0], n_threads, w.vnni)
     for i in range(d_ff):
-        s.act[i] = _activation(kind, s.gate_out[i], s.up_out[i])
+        s.act[i] = nk.gated_activation(kind, s.gate_out[i], s.up_out[i])
     ggml_from_float(fns[w.down_type, 0], s.act.ctypes.data, s.x_encoded.ctypes.data, d_ff)
     numba_interleaved.gemv(w.ffn_gemv, w.down, s.x_encoded, d_ff, s.o, n_threads, w.vnni)
     x += s.o
@@ -615,7 +604,7 @@ class CompiledDecoder:
             cache.advance(1)
             if mixture is not None:
                 decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                 s.norm_eps, False, self.fns, threads)
+                                 s.norm_eps, kind, False, self.fns, threads)
                 n = m = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse,
                                        self.fns, threads, step)
             elif neurons is None:
@@ -623,7 +612,7 @@ class CompiledDecoder:
                                     s.norm_eps, kind, sparse, self.fns, threads)
             else:
                 n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                     s.norm_eps, sparse, self.fns, threads)
+                                     s.norm_eps, kind, sparse, self.fns, threads)
                 before = neurons.counters.snapshot()
                 cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
                 step.add_cache_use(neurons.counters.since(before))

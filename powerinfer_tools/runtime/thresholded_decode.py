@@ -15,21 +15,22 @@ from powerinfer_tools.kernels.numba_kernels import ggml_from_float
 
 
 @njit(inline="always")
-def _cats_keeps(g, t, bounds):
-    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp, except within the
-    margin of a SiLU bound, where the comparison gives way to the definition itself (relu's bound is exact)."""
+def _cats_keeps(g, t, bounds, kind):
+    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp or tanh, except
+    within the margin of a SiLU or GELU bound, where the comparison gives way to the definition itself (relu's
+    bound is exact)."""
     for b in bounds[:3]:
         if abs(g - b) < bounds[3]:
-            return abs(nk.silu(g)) > t
+            return abs(nk.gated_activation(kind, g, 1.0)) > t
     return g > bounds[0] or bounds[1] < g < bounds[2]
 
 
 @njit(nogil=True, cache=True)
-def thresholded_input(w, s, fns, n_threads):
+def thresholded_input(w, s, kind, fns, n_threads):
     """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
     ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose |silu| (a
-    ReLU family's relu: those that fire) exceeds the threshold; without CATS every neuron is computed."""
+    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose |gate
+    activation| (a ReLU family's relu: those that fire) exceeds the threshold; without CATS every neuron is computed."""
     d_model, d_ff = s.h.shape[0], w.up.shape[0]
     if w.ffn_in >= 0:
         for i in range(d_model):
@@ -42,7 +43,7 @@ def thresholded_input(w, s, fns, n_threads):
     whole_gate(w, s, d_model, fns, n_threads)
     n = 0
     for neuron in range(d_ff):
-        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds):
+        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds, kind):
             s.active[n] = neuron
             n += 1
     return n

@@ -1,6 +1,6 @@
-"""A thresholded FFN at run time: CATS (neurons whose |silu(gate x)| clears a threshold), TEAL
-(small entries of the FFN's input, and of the down projection's input, dropped) or both. The rules and the
-calibrated thresholds of a SiLU model: ``formats/activation_thresholds.py``; calibration:
+"""A thresholded FFN at run time: CATS (neurons whose |act(gate x)| clears a threshold: SiLU, or GeGLU's GELU),
+TEAL (small entries of the FFN's input, and of the down projection's input, dropped) or both. The rules and the
+calibrated thresholds of a SiLU or GeGLU model: ``formats/activation_thresholds.py``; calibration:
 ``profiling/calibration.py``. A ReLU-family layer whose neurons the whole gate chooses (``gate_choice``) runs
 as CATS at threshold 0 on relu(gate x): exactly the neurons that fire.
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import FFNKind
-from powerinfer_tools.models.layers import gated, relu, silu
+from powerinfer_tools.models.layers import gate_activation, gated
 from powerinfer_tools.runtime.backends import move
 
 # --- the general path (NumPy, on any backend)
@@ -38,12 +38,6 @@ def teal_down(t: LayerThresholds):
     if t.ffn_down is None:
         return None
     return lambda activated, xp: xp.where(kept(activated, t.ffn_down), activated, 0)
-
-
-def gate_activation(kind: FFNKind):
-    """What CATS thresholds the magnitude of: the FFN's activation of the gate product (SiLU; a ReLU
-    family's relu, at threshold 0 exactly the firing neurons)."""
-    return relu if kind.relu_gated else silu
 
 
 def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
@@ -108,26 +102,34 @@ def _own_neurons(kind: FFNKind, p, x, gate_pre, chosen, t: LayerThresholds, own_
 
 def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
     """float64 ``[above, band_lo, band_hi, margin]``: |act(g)| > t exactly where g > above or band_lo < g <
-    band_hi, up to ``margin`` (``thresholded_decode``). For SiLU: it falls from 0 to its minimum -0.2785 at g = -1.2785
-    and rises after it, so the first is where it climbs past t and the band, where it dips below -t, is empty
-    (0, 0) for larger t. For a ReLU family's relu (t >= 0): g > t, exactly."""
+    band_hi, up to ``margin`` (``thresholded_decode``). SiLU and GELU fall from 0 to one minimum (SiLU's -0.2785
+    at g = -1.2785, GELU's -0.170 at g = -0.752) and rise after it: the first bound is where the activation climbs
+    past t, and the band, where it dips below -t, is empty (0, 0) for larger t. For a ReLU family's relu
+    (t >= 0): g > t, exactly."""
     if kind.relu_gated:
         return np.array([float(t), 0.0, 0.0, 0.0])
-    silu = lambda g: g / (1.0 + np.exp(-g))  # noqa: E731
+    activation = gate_activation(kind)
+    act = lambda g: float(activation(np.float64(g)))  # noqa: E731
 
-    def root(lo, hi, value):  # silu - value changes sign on [lo, hi]
-        rising = silu(hi) > silu(lo)
+    def bisect(lo, hi, inside):  # the boundary on [lo, hi] of where ``inside`` holds, holding at lo or at hi
+        first = inside(lo)
         for _ in range(200):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (silu(mid) < value) == rising else (lo, mid)
+            lo, hi = (mid, hi) if inside(mid) == first else (lo, mid)
         return (lo + hi) / 2
 
-    bottom = -1.2784645427610738  # silu's argmin, -1 - W(1/e)
+    lo, hi = -20.0, 0.0  # the minimum, by ternary search: the activation falls to it and rises after it
+    for _ in range(200):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, b) if act(a) < act(b) else (a, hi)
+    bottom = (lo + hi) / 2
     t = float(t)
-    above = root(bottom, t + 20.0, t)
-    if t >= -silu(bottom):
-        return np.array([above, 0.0, 0.0, SILU_MARGIN])
-    return np.array([above, root(-100.0, bottom, -t) if t > 0 else -np.inf, root(bottom, 0.0, -t), SILU_MARGIN])
+    above = bisect(bottom, t + 20.0, lambda g: act(g) <= t)
+    if t >= -act(bottom):
+        return np.array([above, 0.0, 0.0, THRESHOLD_MARGIN])
+    # the band's far end: where |act| is back within t (GELU reaches 0 exactly in float64, SiLU never does)
+    band_lo = bisect(-100.0, bottom, lambda g: abs(act(g)) <= t) if abs(act(-100.0)) <= t else -np.inf
+    return np.array([above, band_lo, bisect(bottom, 0.0, lambda g: act(g) < -t), THRESHOLD_MARGIN])
 
 
-SILU_MARGIN = 1e-6  # how near a bound float32 rounding can put the bisected root on the wrong side of g
+THRESHOLD_MARGIN = 1e-6  # how near a bound float32 rounding can put the bisected root on the wrong side of g
