@@ -188,6 +188,13 @@ def row_of(spec: ModelSpec, tensor: MODEL_TENSOR) -> TensorRow:
     return TABLES[spec.architecture].row(tensor)
 
 
+def logits_tensor(targets) -> str:
+    """Of a file's tensor names ``targets``, the one that computes the logits: ``output.weight``, or the shared
+    embedding where there is none (OPT)."""
+    output = tensor_name(MODEL_TENSOR.OUTPUT)
+    return output if output in set(targets) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+
+
 def tensor_names(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
     """Every model tensor of ``spec`` in file order (predictors come from elsewhere)."""
     check_supported(spec)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, MODEL_TENSOR, GGUFWriter
+from gguf import GGML_QUANT_VERSION, GGUFWriter
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.checkpoints.hub import looks_local
@@ -46,10 +46,10 @@ from powerinfer_tools.formats.constants import (
     expert_frequency_key,
     neuron_frequency_key,
     predictor_names,
-    tensor_name,
 )
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
-from powerinfer_tools.formats.gguf_names import add_hyperparameters, gguf_architecture, rope_row_order, tensor_names
+from powerinfer_tools.formats.gguf_names import (add_hyperparameters, gguf_architecture, logits_tensor, rope_row_order,
+                                                 tensor_names)
 from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
 from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictors
 from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
@@ -197,8 +197,7 @@ def plan_conversion(
     if predictors is not None:
         sources += _predictor_tensors(predictors, spec.ffn_units, orders, allow_nonfinite)
     # The tensor that computes the logits: output.weight, or the shared embedding (OPT).
-    output = tensor_name(MODEL_TENSOR.OUTPUT)
-    logits = output if any(s.target == output for s in sources) else tensor_name(MODEL_TENSOR.TOKEN_EMBD)
+    logits = logits_tensor(s.target for s in sources)
     kind = OUTTYPES[outtype]
     tensors = [
         OutputTensor(s.target, s.shape, tensor_type(s.target, s.shape, kind, is_output=s.target == logits), s.rows)
@@ -308,7 +307,7 @@ def convert(
     try:
         sparsity = None
         if thresholded:
-            calibration = calibration or calibrate_checkpoint(location, sparsify, progress)
+            calibration = calibration or calibrate_checkpoint(location, sparsify, progress, OUTTYPES[outtype])
             sparsity = thresholded_artifacts(calibration, sparsify.reorder if sparsify is not None else True)
         elif sparsify is not None and sparse_layout:
             sparsity = prepare_sparsity(

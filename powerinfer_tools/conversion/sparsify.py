@@ -16,10 +16,12 @@ import numpy as np
 
 from powerinfer_tools.conversion.reorder import hot_first_permutation, profile_permutations
 from powerinfer_tools.conversion.source import open_source
+from powerinfer_tools.conversion.stored_weights import StoredWeights
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
-from powerinfer_tools.models import DecoderModel, load_model
+from powerinfer_tools.formats.quantization import OutType
+from powerinfer_tools.models import DecoderModel, load_model, spec_from_config
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
 from powerinfer_tools.interfaces import Workers
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
@@ -72,10 +74,15 @@ def work_folder(output: Path) -> Path:
     return output.with_name(output.name + ".work")
 
 
-def model_on_corpus(source: Path, settings: SparsifySettings) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
+def model_on_corpus(source: Path, settings: SparsifySettings, stored_as: OutType | None = None
+                    ) -> tuple[DecoderModel, CorpusSource, np.ndarray]:
     """The reference engine on ``source`` (a checkpoint folder or a GGUF file), the calibration corpus
-    (by default the heldout.txt beside the model) and its tokens, read by the model's own tokenizer."""
+    (by default the heldout.txt beside the model) and its tokens, read by the model's own tokenizer. With
+    ``stored_as``, the engine's weights are those a PowerInfer file of that type holds (``StoredWeights``)."""
     checkpoint = open_source(source)
+    if stored_as is not None:
+        spec = spec_from_config(checkpoint.config, checkpoint.config_path)
+        checkpoint = StoredWeights(checkpoint, spec, stored_as, powerinfer=True)
     model = load_model(checkpoint)
     corpus = resolve_source(settings.corpus, None, checkpoint.folder)
     return model, corpus, read_tokens(corpus, checkpoint.tokenizer(model.spec), settings.tokens)
@@ -92,10 +99,10 @@ def profile_checkpoint(source: Path, profile_dir: Path, settings: SparsifySettin
     )
 
 
-def calibrate_checkpoint(source: Path, settings: SparsifySettings, progress: bool) -> Calibration:
+def calibrate_checkpoint(source: Path, settings: SparsifySettings, progress: bool, outtype: OutType) -> Calibration:
     """Thresholds for ``source``'s model at ``settings.target_sparsity``, or within ``settings.max_quality_loss``,
-    calibrated on its corpus."""
-    model, _, tokens = model_on_corpus(source, settings)
+    calibrated on its corpus, on the weights a thresholded file of ``outtype`` holds."""
+    model, _, tokens = model_on_corpus(source, settings, stored_as=outtype)
     if settings.max_quality_loss is not None:
         return choose_sparsity(model, tokens, settings.rule, settings.max_quality_loss, settings.seq_len,
                                progress=progress)
