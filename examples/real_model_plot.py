@@ -3,10 +3,11 @@
     python examples/real_model_plot.py SmolLM2=docs/bench/smollm2-cats-sweep.json \
         "Gemma 3=docs/bench/gemma3-cats-sweep.json" -o docs/real-models.png
 
-Three panels against the share of FFN neurons a token computes (dense at 100%): held-out perplexity over
-the same weights run dense (the sparse file's dense mode, where the sweep measured it), sparse generation speed over our dense engine beside what the bytes promise (dense bytes per token over
-sparse), and sparse generation speed over llama.cpp on the dense file. The point ``--max-quality-loss`` chose is
-ringed, apart from the line of uniform points.
+Three panels against the share of FFN neurons a token computes (dense at 100%): held-out perplexity over the
+same weights run dense (the sparse file's dense mode, where the sweep measured it), sparse generation speed over
+our dense engine beside what the bytes promise (dense bytes per token over sparse), and sparse generation speed
+over llama.cpp on the dense file. The points ``--max-quality-loss`` chose are ringed, apart from the line of
+uniform points.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def main() -> None:
         versus_llamacpp.plot(computed, [r["sparse_vs_llamacpp_generation"] for r in rows], "o-", color=color,
                              label=name)
         for x, r in chosen:
-            quality.plot(x, 100 * (r["perplexity"] / dense - 1), "o", ms=14, mfc="none",
-                         color=color)
-            versus_dense.plot(x, r["sparse_vs_dense_generation"], "o", ms=14, mfc="none", color=color)
-            versus_llamacpp.plot(x, r["sparse_vs_llamacpp_generation"], "o", ms=14, mfc="none", color=color)
+            for axes, y in ((quality, 100 * (r["perplexity"] / dense - 1)),
+                            (versus_dense, r["sparse_vs_dense_generation"]),
+                            (versus_llamacpp, r["sparse_vs_llamacpp_generation"])):
+                axes.plot(x, y, "o", ms=14, mfc="none", color=color)
     quality.set(ylabel="held-out perplexity over dense (%)", title="quality (ringed: --max-quality-loss 5%)")
     versus_dense.set(ylabel="sparse / our dense", title="generation speed against the bytes promise")
     versus_llamacpp.set(ylabel="sparse / llama.cpp (dense file)", title="generation speed against llama.cpp")

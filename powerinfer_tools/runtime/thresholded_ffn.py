@@ -17,6 +17,8 @@ Every place the runtime computes these rules is here or, for the compiled decode
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
@@ -108,8 +110,7 @@ def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
     (t >= 0): g > t, exactly."""
     if kind.relu_gated:
         return np.array([float(t), 0.0, 0.0, 0.0])
-    activation = gate_activation(kind)
-    act = lambda g: float(activation(np.float64(g)))  # noqa: E731
+    act, bottom = _scalar_activation(kind), _minimum(kind)
 
     def bisect(lo, hi, inside):  # the boundary on [lo, hi] of where ``inside`` holds, holding at lo or at hi
         first = inside(lo)
@@ -118,11 +119,6 @@ def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
             lo, hi = (mid, hi) if inside(mid) == first else (lo, mid)
         return (lo + hi) / 2
 
-    lo, hi = -20.0, 0.0  # the minimum, by ternary search: the activation falls to it and rises after it
-    for _ in range(200):
-        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-        lo, hi = (lo, b) if act(a) < act(b) else (a, hi)
-    bottom = (lo + hi) / 2
     t = float(t)
     above = bisect(bottom, t + 20.0, lambda g: act(g) <= t)
     if t >= -act(bottom):
@@ -130,6 +126,23 @@ def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
     # the band's far end: where |act| is back within t (GELU reaches 0 exactly in float64, SiLU never does)
     band_lo = bisect(-100.0, bottom, lambda g: abs(act(g)) <= t) if abs(act(-100.0)) <= t else -np.inf
     return np.array([above, band_lo, bisect(bottom, 0.0, lambda g: act(g) < -t), THRESHOLD_MARGIN])
+
+
+def _scalar_activation(kind: FFNKind):
+    activation = gate_activation(kind)
+    return lambda g: float(activation(np.float64(g)))
+
+
+@functools.cache
+def _minimum(kind: FFNKind) -> float:
+    """Where the gate activation (SiLU, GELU) is lowest, by ternary search: it falls to there and rises after.
+    Once per kind, not per layer."""
+    act = _scalar_activation(kind)
+    lo, hi = -20.0, 0.0
+    for _ in range(200):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, b) if act(a) < act(b) else (a, hi)
+    return (lo + hi) / 2
 
 
 THRESHOLD_MARGIN = 1e-6  # how near a bound float32 rounding can put the bisected root on the wrong side of g
