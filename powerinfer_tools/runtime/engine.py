@@ -484,7 +484,7 @@ def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, ma
     apply (``computes_tokens_own_neurons``) or the tokens choose too many of the neurons for it to pay
     (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way)."""
     if (not computes_tokens_own_neurons(p, gate_pre is not None) or not mask.size
-            or mask.mean() >= OWN_NEURONS_DENSITY):
+            or np.count_nonzero(mask) >= OWN_NEURONS_DENSITY * mask.size):
         return None
     from powerinfer_tools.kernels import batched
     return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask, gate_pre)
