@@ -20,6 +20,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels import ggml_base, ggml_ops
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime import backends
 from powerinfer_tools.runtime.backends import CpuBackend
 
 TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.own_kernels]  # f32, f16, q8_0, q4_0
@@ -369,3 +370,29 @@ def test_unavailable_kernels_fall_back_to_numpy_with_a_warning(monkeypatch):
         assert np.array_equal(kernels.matvec(m, x), m.matmul(x))
     coeffs = np.ones((1, 8), np.float32)
     assert np.array_equal(kernels.row_axpy(m, coeffs), m.weighted_row_sum(coeffs))
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", list(WEIGHT_TYPES), ids=lambda q: q.name)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_block_products_of_every_type_match_float64(qtype, threads, monkeypatch):
+    """A prompt's products (``kernels.block_matmul`` / ``block_row_sum``: each thread's rows dequantized a chunk
+    at a time, times OpenBLAS's sgemm on that thread) over every weight type, with more rows than one chunk per
+    thread (the chunks' sums accumulate) and every row selection, within float32 summation order of gguf's
+    dequantization multiplied in float64."""
+    assert backends._OPENBLAS.sgemm, "NumPy's OpenBLAS has no ILP64 cblas_sgemm here: the path is not tested"
+    monkeypatch.setattr(kernels, "_threads", threads)
+    m = make(qtype, 1100, 256, seed=5)
+    w = dequantize(np.asarray(m.data).view(np.uint8) if qtype == Q.F16 else np.asarray(m.data), qtype)
+    w = w.astype(np.float64).reshape(m.rows, m.cols)
+    rng = np.random.default_rng(threads)
+    x = rng.standard_normal((kernels.MAX_TOKENS + 7, m.cols)).astype(np.float32)
+    for name, rows in row_selections(m.rows, rng).items():
+        picked = w if rows is None else w[rows]
+        got = kernels.block_matmul(m, x, rows, backends._OPENBLAS.sgemm)
+        bound = np.abs(x) @ np.abs(picked).T * 1e-5 + 1e-6
+        assert (np.abs(got - x @ picked.T) <= bound).all(), f"rows {name}: block_matmul"
+        coeffs = rng.standard_normal((len(x), len(picked))).astype(np.float32)
+        got = kernels.block_row_sum(m, coeffs, rows, backends._OPENBLAS.sgemm)
+        bound = np.abs(coeffs) @ np.abs(picked) * 1e-5 + 1e-6
+        assert (np.abs(got - coeffs @ picked) <= bound).all(), f"rows {name}: block_row_sum"

@@ -3,6 +3,8 @@
     matvec(m, x, rows)        x [T, cols] @ W[rows].T  -> [T, len(rows)]   gate/up, dense or gathered
     row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
+    block_matmul, block_row_sum                                           matvec's and row_axpy's products
+                                                                          for a prompt: dequantized for BLAS
 
 ``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
 reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as the weight
@@ -11,8 +13,8 @@ relative error), as f16 for f16 weights. ``row_axpy`` is exact up to float32 sum
 types without decoders of ours (and f32/f16 matrices whose width is not a multiple of 32) take the
 reference, whose rows ggml's ``to_float`` dequantizes.
 
-They are meant for decoding (T up to ``MAX_TOKENS``); larger batches, i.e. prompt processing, go to
-the reference, which dequantizes once per chunk and hands the product to BLAS. When the compiled
+They are meant for decoding (T up to ``MAX_TOKENS``); larger batches, i.e. prompt processing, take the
+block products, which dequantize a chunk of rows at a time and hand it to OpenBLAS. When the compiled
 path cannot load (llama-cpp-python or numba missing, or a ggml ABI that fails ``ggml_ops``'s
 checks), both functions fall back to the reference with one warning; ``available()``,
 ``unavailable_reason()`` and ``describe()`` say which path runs.
@@ -165,6 +167,49 @@ def interleaved_matmul(p: InterleavedQ4, x: np.ndarray) -> np.ndarray:
     numba_interleaved.gemm(routines.gemm, routines.gemv, routines.quantize4, q4_0.from_float, p.data, x, x_encoded,
                            out, nk.use_threads(_threads))
     return out
+
+
+def block_matmul(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None, sgemm: int) -> np.ndarray:
+    """``matvec``'s product for a block of tokens: dequantized rows times x through ``sgemm`` (the address of
+    OpenBLAS's ILP64 ``cblas_sgemm``, kept single-threaded by the caller) on the kernels' threads
+    (``numba_blocks``); exact up to float32 summation order, as the reference."""
+    from powerinfer_tools.kernels import numba_blocks
+
+    x, rows = _checked_input(x, m.cols, "x"), _checked_rows(m, rows)
+    out = np.empty((x.shape[0], len(rows)), dtype=np.float32)
+    numba_blocks.products(_to_float(m), sgemm, weight_bytes(m), rows, x, _block_buffers(m.cols), out, False)
+    return out
+
+
+def block_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None, sgemm: int) -> np.ndarray:
+    """``row_axpy``'s product for a block of tokens, as ``block_matmul``: each thread's rows into its own
+    partial sum, added up here."""
+    from powerinfer_tools.kernels import numba_blocks
+
+    rows = _checked_rows(m, rows)
+    coeffs = _checked_input(coeffs, len(rows), "coeffs")
+    buffers = _block_buffers(m.cols)
+    partial = np.zeros((len(buffers), coeffs.shape[0], m.cols), dtype=np.float32)
+    numba_blocks.products(_to_float(m), sgemm, weight_bytes(m), rows, coeffs, buffers, partial, True)
+    return partial.sum(axis=0)
+
+
+_BLOCK_BUFFER_BYTES = 2 << 20  # a thread's float32 chunk of dequantized rows: in L2/L3 while BLAS reads it
+
+
+def _block_buffers(cols: int) -> np.ndarray:
+    """float32 ``[threads, chunk, cols]``: each of the kernels' threads' chunk of dequantized rows (the compiled
+    kernels in use: ``available()``)."""
+    threads = _backend()[0].use_threads(_threads)
+    chunk = max(16, min(512, _BLOCK_BUFFER_BYTES // (4 * cols)))
+    return np.empty((threads, chunk, cols), dtype=np.float32)
+
+
+def _to_float(m: QuantMatrix) -> int:
+    """ggml's ``to_float`` for ``m``'s type, or 0 for f32 (its rows are copied as they are)."""
+    from powerinfer_tools.kernels import ggml_base
+
+    return ggml_base.loaded().to_float.get(m.qtype, 0)
 
 
 def axpy_output(n_tokens: int, cols: int) -> np.ndarray:

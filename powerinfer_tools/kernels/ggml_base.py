@@ -58,7 +58,7 @@ class _TypeTraits(ctypes.Structure):
 
 @dataclass(frozen=True)
 class GgmlBase:
-    """The checked ``libggml-base``: ``to_float`` by weight type (the block-quantized ones), its quantizer."""
+    """The checked ``libggml-base``: ``to_float`` by weight type (all but f32), its quantizer."""
 
     library: ctypes.CDLL
     lib_dir: Path
@@ -67,7 +67,7 @@ class GgmlBase:
 
     def dequantize(self, raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         """float32 ``[rows, cols]`` from stored rows ``[rows, row_bytes]``: one ``to_float`` call for them all."""
-        raw = np.ascontiguousarray(raw)
+        raw = np.ascontiguousarray(raw).view(np.uint8)  # f16 rows arrive as float16
         t = WEIGHT_TYPES[qtype]
         out = np.empty((raw.shape[0], raw.shape[1] // t.block_bytes * t.block_size), dtype=np.float32)
         _TO_FLOAT(self.to_float[qtype])(raw.ctypes.data, out.ctypes.data, out.size)  # releases the GIL
@@ -148,7 +148,7 @@ def _checked(library: ctypes.CDLL, lib_dir: Path, version: str) -> GgmlBase:
         if (traits.blck_size, traits.type_size) != (t.block_size, t.block_bytes):
             raise GgmlUnavailable(f"{origin}: ggml type id {int(qtype)} is not {qtype.name} "
                                   f"(block of {traits.blck_size} values in {traits.type_size} bytes)")
-        if t.block_size > 1:
+        if traits.to_float:  # every type but f32
             to_float[qtype] = traits.to_float
     base = GgmlBase(library, lib_dir, version, to_float)
     rng = np.random.default_rng(0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -76,73 +75,29 @@ class CpuBackend:
 
 
 class _BlockProducts:
-    """Products for many tokens at once: weight rows dequantized a chunk at a time, multiplied by BLAS.
-
-    The chunks are shared out to ``kernels.get_threads()`` Python threads, each running BLAS and the
-    (compiled) dequantizer single-threaded. On the busy 2-core development machine OpenBLAS's own
-    2-thread sgemm stalls whenever one of its threads loses its core (median 5-40x its best time),
-    while independent chunks keep going: a thread that is descheduled just takes fewer of them. A
-    TinyLlama gate matrix times 128 tokens: 41 ms this way, 87 ms through the kernels 32 tokens at
-    a time, 372 ms with OpenBLAS's threads. Without a way to set OpenBLAS's thread count (another
-    BLAS, another OS) the kernels take the block 32 tokens at a time.
-    """
-
-    CHUNK_ROWS = 512  # ~4 MB of float32 for a 2048-wide matrix: stays in L2/L3 while BLAS reads it
-
-    def __init__(self):
-        self._pool = None
-        self._threads = 0
+    """Products for many tokens at once: weight rows dequantized a chunk at a time and multiplied by OpenBLAS's
+    ``sgemm``, single-threaded on each of the compiled kernels' threads (``kernels.block_matmul``; why their
+    threads: ``kernels.numba_blocks``). OpenBLAS's own threads stall whenever one of them loses its core on
+    the busy 2-core machine: a TinyLlama gate times 128 tokens took 372 ms so, 41 ms shared among Python
+    threads, and takes 24 ms this way. Without NumPy's OpenBLAS (another BLAS, another OS) the kernels take
+    the block 32 tokens at a time."""
 
     def matmul(self, m: QuantMatrix, x: np.ndarray, rows=None) -> np.ndarray:
-        if not _OPENBLAS.available:
+        if not _OPENBLAS.sgemm:
             return _by_token_chunks(lambda part: kernels.matvec(m, part, rows), x)
-        n = m.rows if rows is None else len(rows)
-        out = np.empty((len(x), n), dtype=np.float32)
-
-        def chunk(start: int) -> None:
-            stop = min(start + self.CHUNK_ROWS, n)
-            picked = slice(start, stop) if rows is None else rows[start:stop]
-            out[:, start:stop] = x @ m.dequantize_rows(picked).T
-
-        self._run(chunk, n)
-        return out
+        with _OPENBLAS.single_threaded():
+            return kernels.block_matmul(m, x, rows, _OPENBLAS.sgemm)
 
     def row_sum(self, m: QuantMatrix, coeffs: np.ndarray, rows=None) -> np.ndarray:
-        if not _OPENBLAS.available:
+        if not _OPENBLAS.sgemm:
             return _by_token_chunks(lambda part: kernels.row_axpy(m, part, rows), coeffs)
-        n = m.rows if rows is None else len(rows)
-
-        def chunk(start: int) -> np.ndarray:
-            stop = min(start + self.CHUNK_ROWS, n)
-            picked = slice(start, stop) if rows is None else rows[start:stop]
-            return coeffs[:, start:stop] @ m.dequantize_rows(picked)
-
-        partial = self._run(chunk, n)
-        return sum(partial, np.zeros((len(coeffs), m.cols), dtype=np.float32))
-
-    def _run(self, chunk, n: int) -> list:
-        threads = kernels.get_threads()
-        if self._threads != threads:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="block-products",
-                                            initializer=_single_threaded_numba)
-            self._threads = threads
         with _OPENBLAS.single_threaded():
-            return list(self._pool.map(chunk, range(0, n, self.CHUNK_ROWS)))
+            return kernels.block_row_sum(m, coeffs, rows, _OPENBLAS.sgemm)
 
 
 def _every_row(rows, n_rows: int) -> bool:
     """Whether ``rows`` (None: all) selects every one of ``n_rows`` rows, in order."""
     return rows is None or (len(rows) == n_rows and np.array_equal(rows, np.arange(n_rows)))
-
-
-def _single_threaded_numba() -> None:
-    if kernels.reference_chosen():  # no compiled dequantizer runs in this pool: numba need not load
-        return
-    import numba  # present whenever the compiled kernels are
-
-    numba.set_num_threads(1)  # per calling thread: the dequantizer's loop stays in this pool thread
 
 
 def _by_token_chunks(product, x: np.ndarray) -> np.ndarray:
@@ -151,15 +106,18 @@ def _by_token_chunks(product, x: np.ndarray) -> np.ndarray:
     return np.concatenate([product(x[i : i + n]) for i in range(0, len(x), n)])
 
 
-class _OpenBlasThreads:
-    """The thread count of the OpenBLAS that NumPy loaded, through its C API (as threadpoolctl does)."""
+class _OpenBlas:
+    """The OpenBLAS that NumPy loaded, through its C API: its thread count (as threadpoolctl does), and the
+    address of its ILP64 ``cblas_sgemm`` for the compiled block products (0 where it has none)."""
 
     # numpy's wheels ship scipy-openblas, whose symbols carry a prefix and, for 64-bit ints, a suffix.
     _NAMES = tuple((f"{prefix}get_num_threads{suffix}", f"{prefix}set_num_threads{suffix}")
                    for prefix in ("scipy_openblas_", "openblas_") for suffix in ("64_", ""))
+    _SGEMM_NAMES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")
 
     def __init__(self):
         self._get = self._set = None
+        self.sgemm = 0
         try:
             maps = Path("/proc/self/maps").read_text()  # Linux: the libraries this process mapped
         except OSError:
@@ -170,6 +128,8 @@ class _OpenBlasThreads:
                 if hasattr(lib, get) and hasattr(lib, set_):
                     self._get, self._set = getattr(lib, get), getattr(lib, set_)
                     self._get.restype = ctypes.c_int
+                    sgemm = next((getattr(lib, n) for n in self._SGEMM_NAMES if hasattr(lib, n)), None)
+                    self.sgemm = 0 if sgemm is None else ctypes.cast(sgemm, ctypes.c_void_p).value
                     return
 
     @property
@@ -186,7 +146,7 @@ class _OpenBlasThreads:
             self._set(previous)
 
 
-_OPENBLAS = _OpenBlasThreads()
+_OPENBLAS = _OpenBlas()
 
 
 def single_threaded_blas():
