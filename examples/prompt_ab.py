@@ -1,0 +1,78 @@
+"""A prompt's time on two checkouts of this package, alternating: what a change to the prompt path is worth.
+
+Each round runs one process per checkout (``--before``, then this one), each loading MODEL and timing
+``--repeats`` prompts of ``--tokens`` token ids in process after two warm-up prompts (``RuntimeModel.forward``,
+the last token's logits only, as generation asks); the machine's drift between rounds falls on both alike.
+Prints each round's medians and the median of the per-round ratios.
+
+    git worktree add /tmp/before <commit>
+    python examples/prompt_ab.py MODEL.gguf --before /tmp/before [--rounds 3] [--mode sparse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent  # this checkout
+
+
+def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> float:
+    """Median seconds of a ``tokens``-token prompt, in this process."""
+    import numpy as np
+
+    from powerinfer_tools.runtime.llm import LLM
+
+    engine = LLM.load(model, mode=mode).engine
+    ids = np.random.default_rng(0).integers(100, 20000, tokens)
+
+    def once() -> float:
+        caches = engine.new_cache()
+        start = time.perf_counter()
+        engine.forward(ids, caches, all_logits=False)
+        return time.perf_counter() - start
+
+    once(), once()
+    return statistics.median(once() for _ in range(repeats))
+
+
+def in_checkout(checkout: Path, args) -> float:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    out = subprocess.run([sys.executable, __file__, args.model, "--child", "--mode", args.mode, "--tokens",
+                          str(args.tokens), "--repeats", str(args.repeats)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--before", type=Path, help="the other checkout (a folder holding powerinfer_tools/)")
+    parser.add_argument("--mode", default="sparse", help="the FFN mode, as LLM.load takes it (default: sparse)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=9, help="prompts timed per process (median)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(time_prompts(args.model, args.mode, args.tokens, args.repeats))
+        return
+    if args.before is None:
+        parser.error("--before is required")
+    ratios = []
+    for i in range(args.rounds):
+        before, after = in_checkout(args.before, args), in_checkout(HERE, args)
+        ratios.append(before / after)
+        print(f"round {i + 1}: before {1000 * before:.1f} ms, this checkout {1000 * after:.1f} ms "
+              f"({before / after:.2f}x)", flush=True)
+    print(f"{args.tokens}-token prompt, this checkout against --before: {statistics.median(ratios):.2f}x "
+          f"(median of {args.rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()
