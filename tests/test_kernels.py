@@ -396,3 +396,21 @@ def test_block_products_of_every_type_match_float64(qtype, threads, monkeypatch)
         got = kernels.block_row_sum(m, coeffs, rows, backends._OPENBLAS.sgemm)
         bound = np.abs(coeffs) @ np.abs(picked) * 1e-5 + 1e-6
         assert (np.abs(got - coeffs @ picked) <= bound).all(), f"rows {name}: block_row_sum"
+
+
+@pytest.mark.usefixtures("compiled")
+def test_prompt_products_without_openblas_sgemm_take_the_kernels_in_token_chunks(monkeypatch):
+    """Where NumPy's BLAS is not an OpenBLAS with an ILP64 ``cblas_sgemm`` (another BLAS, another OS), a prompt's
+    products take the one-token kernels ``MAX_TOKENS`` tokens at a time, and compute the same products."""
+    monkeypatch.setattr(backends._OPENBLAS, "sgemm", 0)
+    called = []
+    monkeypatch.setattr(kernels, "block_matmul", lambda *a: called.append(a))
+    monkeypatch.setattr(kernels, "block_row_sum", lambda *a: called.append(a))
+    m = make(Q.Q4_K, 40, 256, seed=3)
+    w = m.dequantize_rows().astype(np.float64)
+    x = np.random.default_rng(4).standard_normal((kernels.MAX_TOKENS * 2 + 5, m.cols)).astype(np.float32)
+    backend = CpuBackend()
+    assert np.allclose(backend.matmul(m, x), x @ w.T, rtol=2e-2, atol=0.5)  # x encoded as q8_K by vec_dot
+    coeffs = np.random.default_rng(5).standard_normal((len(x), m.rows)).astype(np.float32)
+    assert np.allclose(backend.row_sum(m, coeffs), coeffs @ w, rtol=1e-4, atol=1e-3)
+    assert not called
