@@ -92,13 +92,10 @@ def _own_neurons(kind: FFNKind, p, x, gate_pre, chosen, t: LayerThresholds, own_
     if t.ffn_down is not None or p.backend.is_device:
         return None
     used = chosen.any(axis=0)
-    if used.all():  # every neuron chosen by some token (a prompt at the rules' densities): no copies of the block
-        ids = p.neurons
-        out = own_neurons(kind, p, x, ids, chosen, gate_pre)
-    else:
-        union = np.flatnonzero(used)
-        ids = p.neurons[union]
-        out = own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union])
+    # every neuron chosen by some token (a prompt at the rules' densities): views, not copies of the block
+    union = slice(None) if used.all() else np.flatnonzero(used)
+    ids = p.neurons[union]
+    out = own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union])
     if out is not None:
         step.bytes_read += len(p.neurons) * p.gate.row_bytes + len(ids) * (p.bytes_per_neuron - p.gate.row_bytes)
     return out
