@@ -3,7 +3,7 @@
     python examples/decode_breakdown.py MODEL.gguf [--mode sparse|dense] [--threads 2] [--repeats 30]
 
 After a 99-token prompt it times, for every layer in turn, the three calls a layer makes
-(``runtime/compiled_decode.py``): ``decode_attention`` (the attention, then what chooses the
+(``runtime/compiled_decode.py``, ``ffn_decode.py``): ``decode_attention`` (the attention, then what chooses the
 neurons: the predictor, or CATS's whole gate product and selection), the gate/up loop over the
 chosen neurons, and the down projection (with TEAL's selection where the file has it); then the
 output head, and whole steps for comparison. Medians per layer, times the layer count. Layers are
@@ -24,6 +24,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.runtime import compiled_decode as cd
+from powerinfer_tools.runtime import ffn_decode as fd
 from powerinfer_tools.runtime.loader import load_runtime_model
 from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs
 
@@ -36,7 +37,7 @@ def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, kind, sparse,
 @njit
 def _gate_up(w, s, n, sparse, kind, fns):
     rows = s.active[:n].copy() if sparse else s.all_rows[:n].copy()
-    cd.gate_up(w, s, rows, s.all_rows[:n], kind + cd.GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
+    fd.gate_up(w, s, rows, s.all_rows[:n], kind + fd.GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
     return rows
 
 
@@ -44,9 +45,9 @@ def _gate_up(w, s, n, sparse, kind, fns):
 def _down(x, w, s, rows, sparse, fns, n_threads):
     if sparse and w.ffn_down >= 0:
         m = drop_small_down_inputs(s, rows, w.ffn_down)
-        cd.down(x, w, s, s.down_rows[:m], fns, n_threads)
+        fd.down(x, w, s, s.down_rows[:m], fns, n_threads)
         return m
-    cd.down(x, w, s, rows, fns, n_threads)
+    fd.down(x, w, s, rows, fns, n_threads)
     return rows.shape[0]
 
 

@@ -1,0 +1,246 @@
+"""The compiled decoder's FFN for one token (``runtime/compiled_decode.py`` runs it as part of a layer's call):
+which neurons the predictor chooses (``predict``), their gate and up rows with the activation (``gate_up``), the
+down projection (``down``: an axpy over ``ffn_down_t``'s rows, or a dense file's rows), and the FFN's variants
+built from those three: dense or sparse (``ffn``; CATS and TEAL through ``thresholded_decode``), a dense file's
+interleaved FFN (``_interleaved_ffn``), one routed expert of a mixture (``expert_ffn``, weighted by
+``compiled_decode.Mixture``) and a layer whose rows are a neuron cache's (``cached_ffn``). A change to the
+arithmetic of one of them is made here; the general path's counterparts are ``runtime/ffn.py``,
+``runtime/thresholded_ffn.py`` and ``runtime/neuron_cache.py``.
+
+``w`` is a layer's ``compiled_decode.LayerWeights``, ``s`` the decoder's ``Scratch``, ``fns`` the from_float and
+vec_dot addresses by weight type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.kernels import numba_interleaved, numba_vnni
+from powerinfer_tools.kernels import numba_kernels as nk
+from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
+from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
+from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
+
+# Added to an FFN kind (``compiled_decode``'s integers): its gate products are already computed for every neuron
+# (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
+GATE_GIVEN = 8
+_NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
+_NO_GROUPS.flags.writeable = False
+_Q4_0_BLOCK_BYTES = WEIGHT_TYPES[nk.Q4_0].block_bytes
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given, x_vnni):
+    """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
+    one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
+    ``GATE_GIVEN`` added the gate products are ``gate_given[row]`` and only the up rows are read. A
+    non-empty ``x_vnni`` (the input as ``numba_vnni.encode`` writes it) takes q4_0 rows through
+    ``numba_vnni.row_dot_q4_0`` instead of ggml's ``vec_dot``."""
+    # gate and up rows are alike, unless the gate is given (then it may be interleaved: never read here)
+    n, row_bytes, xe = rows.shape[0], up.strides[0], x_encoded.ctypes.data
+    given = kind >= GATE_GIVEN
+    kind = kind - GATE_GIVEN if given else kind
+    vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
+    for i in prange(n):
+        row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
+        if i + PREFETCH_ROWS < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
+            if not given:
+                prefetch_span(gate.ctypes.data + ahead, row_bytes)
+            prefetch_span(up.ctypes.data + ahead, row_bytes)
+        if given:
+            gate_out[j] = gate_given[rows[i]]
+        else:
+            _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
+        _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
+        act[j] = nk.gated_activation(kind, gate_out[j], up_out[j])
+
+
+@njit(inline="always")
+def _row_product(vec_dot, cols, out, j, matrix, row, ahead, xe, x_vnni, vnni_groups):
+    """``out[j]`` = the row at byte ``row`` of ``matrix`` (an address) times the input (see ``_gate_up``);
+    ``row_dot`` also asks for the row at byte ``ahead``. With ``vnni_groups`` it takes the row's first
+    ``vnni_groups`` groups of ``numba_vnni.GROUP_COLS``, and ggml's ``vec_dot`` the blocks after them (a
+    width not a whole number of groups: SmolLM2's 576 is four groups and two blocks)."""
+    if vnni_groups:
+        total = numba_vnni.row_dot_q4_0(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
+        done = vnni_groups * numba_vnni.GROUP_COLS
+        if done < cols:
+            blocks = done // nk.BLOCK
+            ggml_vec_dot(vec_dot, cols - done, out.ctypes.data + 4 * j, matrix + row + blocks * _Q4_0_BLOCK_BYTES,
+                         xe + blocks * numba_vnni.Q8_0_BLOCK_BYTES)
+            total += out[j]
+        out[j] = total
+    else:
+        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * j, matrix + row, xe)
+
+
+# A predictor matrix smaller than this is multiplied on one thread: a fork/join of the thread pool costs
+# more than the rows (hidden size 8 at d_ff 5632 in f16: 90 KB).
+PARALLEL_PREDICTOR_BYTES = 256 * 1024
+
+
+@njit(nogil=True, cache=True)
+def _matvec_serial(vec_dot, w, x_encoded, cols, out):
+    """``out = W · x`` over all rows of ``w``, on the calling thread."""
+    for i in range(w.shape[0]):
+        ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
+
+
+# Narrower f16 predictor rows than this skip ggml's vec_dot (``nk.f16_row_dot``).
+NARROW_F16_COLS = 64
+
+
+@njit(nogil=True, cache=True)
+def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
+    """``out = W · x`` with ``w`` in its stored type: x encoded for ``vec_dot``, rows as the weights' are
+    (narrow f16 rows: ``nk.f16_row_dot``, which rounds x to f16 itself, as ggml's encoding would)."""
+    cols = x.shape[0]
+    if w_type == nk.F16 and cols <= NARROW_F16_COLS and cols % nk.F16_CHUNK == 0:
+        for i in range(w.shape[0]):
+            out[i] = nk.f16_row_dot(w.ctypes.data + i * w.strides[0], x.ctypes.data, cols)
+        return
+    ggml_from_float(from_float, x.ctypes.data, x_encoded.ctypes.data, cols)
+    if w.size >= PARALLEL_PREDICTOR_BYTES:
+        nk.matvec(vec_dot, w, x_encoded, cols, out)
+    else:
+        _matvec_serial(vec_dot, w, x_encoded, cols, out)
+
+
+@njit(nogil=True, cache=True)
+def predict(x, w, s, fns):
+    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches the threshold, into ``s.active``;
+    returns their count. Both products read the predictor in its stored type."""
+    hidden = s.hidden[: w.fc1.shape[0]]
+    _predictor_product(fns[w.fc1_type, 0], fns[w.fc1_type, 1], w.fc1, w.fc1_type, x, s.x_encoded, hidden)
+    for i in range(hidden.shape[0]):
+        hidden[i] = max(hidden[i], 0.0)
+    _predictor_product(fns[w.fc2_type, 0], fns[w.fc2_type, 1], w.fc2, w.fc2_type, hidden, s.x_encoded,
+                       s.predicted)
+    n = 0
+    for neuron in range(w.fc2.shape[0]):
+        if s.predicted[neuron] >= w.threshold:
+            s.active[n] = neuron
+            n += 1
+    return n
+
+
+@njit(inline="always")
+def rows_take_vnni(vnni, ffn_type, cols):
+    """Whether ``gate_up`` multiplies gate/up rows of ggml type ``ffn_type``, ``cols`` wide, with
+    ``numba_vnni.row_dot_q4_0`` (``vnni``: this CPU runs it) rather than ggml's ``vec_dot``; the execution
+    report asks too (``.py_func``). Up is never interleaved here: its rows are q4_0 as stored when
+    ``ffn_type`` says q4_0."""
+    return vnni and ffn_type == nk.Q4_0 and cols >= numba_vnni.GROUP_COLS
+
+
+@njit(nogil=True, cache=True)
+def gate_up(w, s, rows, at, kind, fns):
+    """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up (the input encoded
+    in ``s.x_encoded``)."""
+    d_model = s.h.shape[0]
+    rows_vnni = rows_take_vnni(w.vnni, w.ffn_type, d_model)
+    x_vnni = s.x_vnni if rows_vnni else s.x_vnni[:0]
+    if rows_vnni:
+        numba_vnni.encode(nk.Q4_0, s.x_encoded, x_vnni, d_model)
+    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, d_model, kind, s.gate_out, s.up_out,
+             s.act, s.predicted, x_vnni)
+
+
+@njit(nogil=True, cache=True)
+def down(x, w, s, rows, fns, n_threads):
+    """Add the down projection of ``s.act[:len(rows)]`` (neurons in rows ``rows``) to the residual ``x``."""
+    n, d_model = rows.shape[0], x.shape[0]
+    act = s.act[:n]
+    if w.down_transposed:  # ffn_down_t [d_ff, d_model]: add the active rows, weighted, to x
+        nk.axpy_rows_one_token(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
+    else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
+        ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
+        nk.matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
+        x += s.o
+
+
+@njit(nogil=True, cache=True)
+def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
+    """One routed expert of a mixture for one token (``w``: its FFN and predictor): its predicted neurons
+    (all, dense) from the normed input ``s.h``, the down projection added to ``out`` (zeros: the expert's
+    output, which ``Mixture`` weights). The predictor reads ``residual``, the stream entering the FFN block.
+    Returns the number of neurons computed."""
+    n = predict(residual, w, s, fns) if sparse else w.up.shape[0]
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, out.shape[0])
+    rows = s.active[:n] if sparse else s.all_rows[:n]
+    gate_up(w, s, rows, s.all_rows[:n], kind, fns)
+    down(out, w, s, rows, fns, n_threads)
+    return n
+
+
+@njit(nogil=True, cache=True)
+def ffn(x, w, s, n, kind, sparse, fns, n_threads):
+    """Add the FFN's output for the ``n`` neurons ``decode_attention`` chose to ``x``; returns the number of
+    neurons computed and of down rows read."""
+    if w.ffn_gemv:  # a dense file's FFN, interleaved
+        _interleaved_ffn(x, w, s, kind, fns, n_threads)
+        return n, n
+    rows = s.active[:n] if sparse else s.all_rows[:n]
+    gate_given = sparse and w.cats >= 0
+    if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
+        whole_gate(w, s, x.shape[0], fns, n_threads)
+        gate_given = True
+    gate_up(w, s, rows, s.all_rows[:n], kind + GATE_GIVEN if gate_given else kind, fns)
+    if sparse and w.ffn_down >= 0:
+        m = drop_small_down_inputs(s, rows, w.ffn_down)
+        down(x, w, s, s.down_rows[:m], fns, n_threads)
+        return n, m
+    down(x, w, s, rows, fns, n_threads)
+    return n, n
+
+
+@njit(nogil=True, cache=True)
+def _interleaved_ffn(x, w, s, kind, fns, n_threads):
+    """Add a whole FFN of interleaved q4_0 matrices (``ffn_gemv``; the normed input encoded in
+    ``s.x_encoded``) to the residual ``x``: gate and up in one parallel loop, the activations, the down
+    projection."""
+    d_model, d_ff = x.shape[0], s.act.shape[0]
+    numba_interleaved.gemv_fused(w.ffn_gemv, w.gate, w.up, _NO_GROUPS, s.x_encoded, d_model, s.gate_out, s.up_out,
+                                 s.o[:0], n_threads, w.vnni)
+    for i in range(d_ff):
+        s.act[i] = nk.gated_activation(kind, s.gate_out[i], s.up_out[i])
+    ggml_from_float(fns[w.down_type, 0], s.act.ctypes.data, s.x_encoded.ctypes.data, d_ff)
+    numba_interleaved.gemv(w.ffn_gemv, w.down, s.x_encoded, d_ff, s.o, n_threads, w.vnni)
+    x += s.o
+
+
+def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
+    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons: gate and up of the
+    resident ones run while the misses are read, then the misses', then one down projection over all,
+    in neuron order. A step needing more misses than the cache has free slots streams them through it
+    (``stream_in_order``), range by range in neuron order, each range's down rows into the partial sums
+    of one down projection: either way the sum is the one computed without the cache."""
+    resident = cache.resident(active)
+    missing = np.flatnonzero(~resident)
+    if len(missing) > cache.capacity - np.count_nonzero(cache.row_of[active[resident]] >= cache.n_pinned):
+        partial = nk.one_token_partials(len(active), x.shape[0], n_threads)
+        for first, stop in stream_in_order(cache, active):
+            _range_ffn(w, s, cache.row_of[active[first:stop]], first, len(active), partial, kind, fns)
+        nk.add_partials(partial, x.reshape((1, -1)))
+        return
+    cache.new_step(active[resident])
+    wait = cache.load(active[missing])
+    present = np.flatnonzero(resident)
+    gate_up(w, s, cache.row_of[active[present]], present, kind, fns)
+    wait()
+    gate_up(w, s, cache.row_of[active[missing]], missing, kind, fns)
+    down(x, w, s, cache.row_of[active], fns, n_threads)
+
+
+@njit(nogil=True, cache=True)
+def _range_ffn(w, s, rows, first, total, partial, kind, fns):
+    """Gate, up and the down product of the neurons at positions ``first ..`` of ``total`` (their rows
+    ``rows``), the down rows into the partial sums of the whole down projection (``ffn_down_t``: a
+    neuron cache holds transposed rows)."""
+    n = rows.shape[0]
+    at = np.arange(first, first + n)
+    gate_up(w, s, rows, at, kind, fns)
+    nk.axpy_rows_one_token_part(w.down_type, w.down, rows, s.act[first : first + n].reshape((1, n)), partial, first,
+                                total)
