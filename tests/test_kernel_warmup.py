@@ -151,3 +151,11 @@ def test_load_compiled_runs_a_short_request_in_the_engines_mode_and_leaves_the_e
     warmup.load_compiled(engine)
     assert steps == [(warmup.PROMPT_LENGTHS[0], mode)] + [(1, mode)] * warmup.DECODED_TOKENS
     assert engine.mode is mode and engine.stats is stats and stats.steps == 0
+
+
+def test_the_warm_key_covers_every_runtime_source_numba_compiles():
+    """A source of the runtime's compiled code left out of the key would let a changed kernel pass for warm."""
+    covered = {p for root in warmup.COMPILED_SOURCES for p in ([root] if root.is_file() else root.glob("*.py"))}
+    compiled = {p for folder in ("runtime", "kernels") for p in (warmup.PACKAGE / folder).glob("*.py")
+                if "@njit" in p.read_text()}
+    assert compiled and compiled <= covered, sorted(str(p) for p in compiled - covered)

@@ -53,8 +53,8 @@ from powerinfer_tools.formats.model_file import open_model_file
 
 PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
 # The sources of numba code: a change to any of them makes numba recompile, and the markers stale.
-COMPILED_SOURCES = (PACKAGE / "kernels", PACKAGE / "runtime" / "compiled_decode.py",
-                    PACKAGE / "runtime" / "thresholded_decode.py")
+COMPILED_SOURCES = (PACKAGE / "kernels", *(PACKAGE / "runtime" / name
+                                           for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")))
 PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
 DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
 
