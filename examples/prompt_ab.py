@@ -3,7 +3,8 @@
 Each round runs one process per checkout (``--before``, then this one), each loading MODEL and timing
 ``--repeats`` prompts of ``--tokens`` token ids in process after two warm-up prompts (``RuntimeModel.forward``,
 the last token's logits only, as generation asks); the machine's drift between rounds falls on both alike.
-Prints each round's medians and the median of the per-round ratios.
+Prints each round's medians (with the page faults a prompt took: fresh memory the kernel zeroed, see
+docs/kernels.md, "Page faults in prompts"; and each process's peak RSS) and the median of the per-round ratios.
 
     git worktree add /tmp/before <commit>
     python examples/prompt_ab.py MODEL.gguf --before /tmp/before [--rounds 3] [--mode sparse]
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,8 +24,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent  # this checkout
 
 
-def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> float:
-    """Median seconds of a ``tokens``-token prompt, in this process."""
+def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a ``tokens``-token prompt in this process, the minor page faults of one, and the
+    process's peak RSS in MiB."""
     import numpy as np
 
     from powerinfer_tools.runtime.llm import LLM
@@ -38,15 +41,19 @@ def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> float:
         return time.perf_counter() - start
 
     once(), once()
-    return statistics.median(once() for _ in range(repeats))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    median = statistics.median(once() for _ in range(repeats))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return median, (usage.ru_minflt - faults) / repeats, usage.ru_maxrss / 1024
 
 
-def in_checkout(checkout: Path, args) -> float:
+def in_checkout(checkout: Path, args) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run([sys.executable, __file__, args.model, "--child", "--mode", args.mode, "--tokens",
                           str(args.tokens), "--repeats", str(args.repeats)], env=env, check=True,
                          capture_output=True, text=True).stdout
-    return float(out.split()[-1])
+    seconds, faults, rss = out.split()[-3:]
+    return float(seconds), float(faults), float(rss)
 
 
 def main() -> None:
@@ -60,15 +67,17 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(time_prompts(args.model, args.mode, args.tokens, args.repeats))
+        print(*time_prompts(args.model, args.mode, args.tokens, args.repeats))
         return
     if args.before is None:
         parser.error("--before is required")
     ratios = []
     for i in range(args.rounds):
-        before, after = in_checkout(args.before, args), in_checkout(HERE, args)
+        (before, before_faults, before_rss), (after, after_faults, after_rss) = (in_checkout(args.before, args),
+                                                                                 in_checkout(HERE, args))
         ratios.append(before / after)
-        print(f"round {i + 1}: before {1000 * before:.1f} ms, this checkout {1000 * after:.1f} ms "
+        print(f"round {i + 1}: before {1000 * before:.1f} ms ({before_faults:,.0f} page faults, peak RSS "
+              f"{before_rss:.0f} MiB), this checkout {1000 * after:.1f} ms ({after_faults:,.0f}, {after_rss:.0f} MiB) "
               f"({before / after:.2f}x)", flush=True)
     print(f"{args.tokens}-token prompt, this checkout against --before: {statistics.median(ratios):.2f}x "
           f"(median of {args.rounds} rounds)")

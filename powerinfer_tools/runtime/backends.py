@@ -19,6 +19,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.runtime.host_memory import keep_freed_memory
 from powerinfer_tools.xp import cupy_or_none
 
 
@@ -44,6 +45,7 @@ class CpuBackend:
 
     def __init__(self):
         self._blocks = _BlockProducts()
+        keep_freed_memory()  # a prompt's arrays reuse the memory the last layer freed (``host_memory``)
 
     def matmul(self, m: QuantMatrix | InterleavedQ4, x: np.ndarray, rows=None) -> np.ndarray:
         if isinstance(m, InterleavedQ4):  # ggml's gemv/gemm for that layout, which compute every row
