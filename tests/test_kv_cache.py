@@ -1,4 +1,4 @@
-"""The reference engine's KV cache (``models/layers.py`` ``KVCache``): it grows with a sequence, keeping what it held."""
+"""The reference engine's KV cache (``models/layers.py`` ``KVCache``): it grows, keeping what it held."""
 
 import numpy as np
 
