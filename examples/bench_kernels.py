@@ -1,7 +1,8 @@
 """Time the compiled CPU kernels against the NumPy reference on FFN-shaped matrices.
 
     python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
-                                     [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni]
+                                     [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni |
+                                      --only-decoder-axpy]
 
 For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
 random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
@@ -18,7 +19,9 @@ with ``matvec`` (one token: ``vec_dot`` row by row, or ``numba_vnni.row_dot`` on
 VNNI) and with the runtime's prompt path, dequantize + BLAS shared out to the kernel threads
 (``runtime.backends._BlockProducts``). Where the CPU has AVX-512 VNNI, a last table times one token
 from memory through ggml's products and through ``numba_vnni``'s: scattered q4_0 rows (10%, 22%, all),
-the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048).
+the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048). ``--only-decoder-axpy`` times the one-token axpy the compiled decoder runs over
+``ffn_down_t`` (``numba_kernels.axpy_rows_one_token``: the threads share the rows), at 10, 30 and 75% of the
+rows; run it with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from powerinfer_tools.kernels.interleaved import interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.backends import CpuBackend
 
-SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096)}
+SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096), "smollm2": (1536, 576)}
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> QuantMatrix:
@@ -211,6 +214,26 @@ def bench_vnni(args, rng):
                       f"{gbps(first.nbytes, b)} ({np.median(a) / np.median(b):4.2f}x)")
 
 
+def bench_decoder_axpy(args, rng):
+    """The compiled decoder's one-token axpy over scattered rows, from memory (the pool)."""
+    print("\none token's axpy over ffn_down_t rows (axpy_rows_one_token), from memory: GB/s of rows read")
+    for shape in args.shapes.split(","):
+        n_rows, n_cols = SHAPES[shape]
+        for qtype in (Q.Q4_0, Q.Q8_0):
+            first = random_matrix(qtype, n_rows, n_cols, rng)
+            pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
+                              for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+            for density in (0.1, 0.3, 0.75):
+                rows = [r.astype(np.intp) for r in row_sets(n_rows, density, args.repeats, rng)]
+                coeffs = rng.standard_normal((1, len(rows[0])), dtype=np.float32)
+                out = np.zeros((1, n_cols), np.float32)
+                for threads in (1, 2):
+                    times = seconds(lambda m, r: nk.axpy_rows_one_token(int(qtype), m.data, r, coeffs, out, threads),
+                                    pool, rows, args.repeats)
+                    print(f"{shape:>9} {qtype.name} {density:>4.0%} {threads} thr: "
+                          f"{gbps(len(rows[0]) * first.row_bytes, times)} GB/s, {np.median(times) * 1e6:7.1f} us")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per kernel measurement")
@@ -219,11 +242,15 @@ def main():
     parser.add_argument("--shapes", default="tinyllama,llama7b")
     parser.add_argument("--only-interleaved", action="store_true", help="just the interleaved table")
     parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
+    parser.add_argument("--only-decoder-axpy", action="store_true", help="just the one-token axpy table")
     args = parser.parse_args()
     if not kernels.available():
         raise SystemExit(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
     print(kernels.describe())
     rng = np.random.default_rng(0)
+    if args.only_decoder_axpy:
+        bench_decoder_axpy(args, rng)
+        return
     if not (args.only_interleaved or args.only_vnni):
         bench_shapes(args, rng)
         bench_tokens(args, rng)

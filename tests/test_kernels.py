@@ -216,9 +216,12 @@ def test_one_token_axpy_with_threads_sharing_rows_matches_reference(qtype, shape
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_one_token_axpy_in_consecutive_parts_sums_exactly_as_whole(qtype, threads):
+@pytest.mark.parametrize("parts", [[(0, 5), (5, 40), (40, 41), (41, 97)], [(i, i + 1) for i in range(97)]],
+                         ids=["ranges", "row-by-row"])
+def test_one_token_axpy_in_consecutive_parts_sums_exactly_as_whole(qtype, threads, parts):
     """A neuron cache streams a step's rows in ranges (``runtime.neuron_cache.stream_in_order``): the parts'
-    partial sums must end bit for bit where the whole product does."""
+    partial sums must end bit for bit where the whole product does. Row by row, this is also the check that
+    the kernel's passes over several rows at once add them in order, as one at a time does."""
     from powerinfer_tools.kernels.numba_kernels import (add_partials, axpy_rows_one_token, axpy_rows_one_token_part,
                                                          one_token_partials)
 
@@ -230,7 +233,7 @@ def test_one_token_axpy_in_consecutive_parts_sums_exactly_as_whole(qtype, thread
     whole, parted = start.copy(), start.copy()
     axpy_rows_one_token(int(m.qtype), kernels.weight_bytes(m), rows, coeffs, whole, threads)
     partial = one_token_partials(len(rows), m.cols, threads)
-    for first, stop in [(0, 5), (5, 40), (40, 41), (41, 97)]:  # parts that cut the threads' runs anywhere
+    for first, stop in parts:  # parts that cut the threads' runs (and the kernel's groups of rows) anywhere
         part_coeffs = np.ascontiguousarray(coeffs[:, first:stop])
         axpy_rows_one_token_part(int(m.qtype), kernels.weight_bytes(m), rows[first:stop], part_coeffs, partial,
                                  first, len(rows))
