@@ -1,13 +1,16 @@
-"""A prompt's time on two checkouts of this package, alternating: what a change to the prompt path is worth.
+"""A prompt's time (or a decoded token's) on two checkouts of this package, alternating: what a change to the
+prompt (or decode) path is worth.
 
 Each round runs one process per checkout (``--before``, then this one), each loading MODEL and timing
 ``--repeats`` prompts of ``--tokens`` token ids in process after two warm-up prompts (``RuntimeModel.forward``,
 the last token's logits only, as generation asks); the machine's drift between rounds falls on both alike.
 Prints each round's medians (with the page faults a prompt took: fresh memory the kernel zeroed, see
 docs/kernels.md, "Page faults in prompts"; and each process's peak RSS) and the median of the per-round ratios.
+With ``--decode N``, what is timed is instead a decoded token: N one-token steps after the prompt, each feeding
+the likeliest token to the next (the time per step, the mean over the N).
 
     git worktree add /tmp/before <commit>
-    python examples/prompt_ab.py MODEL.gguf --before /tmp/before [--rounds 3] [--mode sparse]
+    python examples/prompt_ab.py MODEL.gguf --before /tmp/before [--rounds 3] [--mode sparse] [--decode 32]
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent  # this checkout
 
 
-def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of a ``tokens``-token prompt in this process, the minor page faults of one, and the
-    process's peak RSS in MiB."""
+def time_prompts(model: str, mode: str, tokens: int, repeats: int, decode: int) -> tuple[float, float, float]:
+    """Median seconds of a ``tokens``-token prompt in this process (with ``decode``, of a decoded token after
+    it), the minor page faults of one, and the process's peak RSS in MiB."""
     import numpy as np
 
     from powerinfer_tools.runtime.llm import LLM
@@ -37,8 +40,13 @@ def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> tuple[floa
     def once() -> float:
         caches = engine.new_cache()
         start = time.perf_counter()
-        engine.forward(ids, caches, all_logits=False)
-        return time.perf_counter() - start
+        logits = engine.forward(ids, caches, all_logits=False)
+        if not decode:
+            return time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(decode):
+            logits = engine.forward(np.array([int(np.argmax(logits[-1]))]), caches, all_logits=False)
+        return (time.perf_counter() - start) / decode
 
     once(), once()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -50,7 +58,7 @@ def time_prompts(model: str, mode: str, tokens: int, repeats: int) -> tuple[floa
 def in_checkout(checkout: Path, args) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     out = subprocess.run([sys.executable, __file__, args.model, "--child", "--mode", args.mode, "--tokens",
-                          str(args.tokens), "--repeats", str(args.repeats)], env=env, check=True,
+                          str(args.tokens), "--repeats", str(args.repeats), "--decode", str(args.decode)], env=env, check=True,
                          capture_output=True, text=True).stdout
     seconds, faults, rss = out.split()[-3:]
     return float(seconds), float(faults), float(rss)
@@ -64,10 +72,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=9, help="prompts timed per process (median)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=0, help="time N decoded tokens after the prompt instead")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(*time_prompts(args.model, args.mode, args.tokens, args.repeats))
+        print(*time_prompts(args.model, args.mode, args.tokens, args.repeats, args.decode))
         return
     if args.before is None:
         parser.error("--before is required")
@@ -79,7 +88,8 @@ def main() -> None:
         print(f"round {i + 1}: before {1000 * before:.1f} ms ({before_faults:,.0f} page faults, peak RSS "
               f"{before_rss:.0f} MiB), this checkout {1000 * after:.1f} ms ({after_faults:,.0f}, {after_rss:.0f} MiB) "
               f"({before / after:.2f}x)", flush=True)
-    print(f"{args.tokens}-token prompt, this checkout against --before: {statistics.median(ratios):.2f}x "
+    timed = f"a token decoded after a {args.tokens}-token prompt" if args.decode else f"{args.tokens}-token prompt"
+    print(f"{timed}, this checkout against --before: {statistics.median(ratios):.2f}x "
           f"(median of {args.rounds} rounds)")
 
 
