@@ -19,9 +19,10 @@ with ``matvec`` (one token: ``vec_dot`` row by row, or ``numba_vnni.row_dot`` on
 VNNI) and with the runtime's prompt path, dequantize + BLAS shared out to the kernel threads
 (``runtime.backends._BlockProducts``). Where the CPU has AVX-512 VNNI, a last table times one token
 from memory through ggml's products and through ``numba_vnni``'s: scattered q4_0 rows (10%, 22%, all),
-the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048). ``--only-decoder-axpy`` times the one-token axpy the compiled decoder runs over
-``ffn_down_t`` (``numba_kernels.axpy_rows_one_token``: the threads share the rows), at 10, 30 and 75% of the
-rows; run it with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel.
+the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048).
+``--only-decoder-axpy`` times the one-token axpy the compiled decoder runs over ``ffn_down_t``
+(``numba_kernels.axpy_rows_one_token``: the threads share the rows), at 10, 30 and 75% of the rows; run it
+with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel.
 """
 
 from __future__ import annotations

@@ -57,9 +57,9 @@ def time_prompts(model: str, mode: str, tokens: int, repeats: int, decode: int) 
 
 def in_checkout(checkout: Path, args) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run([sys.executable, __file__, args.model, "--child", "--mode", args.mode, "--tokens",
-                          str(args.tokens), "--repeats", str(args.repeats), "--decode", str(args.decode)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    command = [sys.executable, __file__, args.model, "--child", "--mode", args.mode, "--tokens", str(args.tokens),
+               "--repeats", str(args.repeats), "--decode", str(args.decode)]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     seconds, faults, rss = out.split()[-3:]
     return float(seconds), float(faults), float(rss)
 
