@@ -28,6 +28,7 @@ from powerinfer_tools.kernels.numba_kernels import (
 )
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -91,3 +92,6 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), rows, starts, token, activated, out,
                   kernels.get_threads())
     return out
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

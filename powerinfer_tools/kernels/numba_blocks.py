@@ -20,6 +20,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 # CBLAS's enums (cblas.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -90,3 +91,6 @@ def products(to_float, sgemm, weights, rows, a, buffers, out, sums):
             else:  # out[:, start:end] = a @ these rows.T
                 cblas_sgemm(sgemm, _TRANS, tokens, end - start, cols, a.ctypes.data, lda, b, cols, np.float32(0),
                             out.ctypes.data + 4 * start, out.strides[0] // 4)
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

@@ -31,6 +31,7 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 # ggml type ids (gguf's GGMLQuantizationType values) as the compiled code compares them; F32 is the
 # axpy's remaining case
@@ -509,3 +510,6 @@ def axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads):
     that selected row j (a prompt, each token with its own neurons; ``tokens`` intp): each row is
     read and decoded once for all of its tokens, not once per token. Columns a multiple of 32."""
     _axpy(qtype, weights, rows, starts, tokens, False, coeffs, out, n_threads)
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

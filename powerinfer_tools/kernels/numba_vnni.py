@@ -37,6 +37,7 @@ from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, ggml_from_float, lane_sum, load, offset,
                                                      prefetch, splat)
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
 _FEATURES = ("avx512f", "avx512bw", "avx512vbmi", "avx512vnni")
@@ -365,3 +366,6 @@ def block_sums(x_q8_0, n_blocks):
     for b in range(n_blocks):
         _block_sums(x_q8_0.ctypes.data + b * Q8_0_BLOCK_BYTES, out.ctypes.data + 8 * b)
     return out
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

@@ -24,6 +24,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from powerinfer_tools.direct_io import ALIGNMENT
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 PREAD = ctypes.cast(ctypes.CDLL(None).pread, ctypes.c_void_p).value  # ssize_t pread(int, void *, size_t, off_t)
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -121,3 +122,6 @@ def read_rows(fn, fd, buffer, reads, copies, copy_start, targets, got, first, st
         for c in range(copy_start[k], copy_start[k + 1]):
             src, matrix, row, nbytes = copies[c, 0], copies[c, 1], copies[c, 2], copies[c, 3]
             targets[matrix][row, :nbytes] = buffer[src : src + nbytes]
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

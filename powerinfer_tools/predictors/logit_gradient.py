@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from powerinfer_tools.kernels.numba_cache import drop_stale
+
 
 def logit_gradient_inplace(logits: np.ndarray, fired: np.ndarray, pos_scale: float, neg_scale: float) -> None:
     """Overwrite ``logits`` with ``pos_scale·(p - 1)`` where ``fired``, else ``neg_scale·p``, for
@@ -31,3 +33,6 @@ def _from_exp(exp_neg, fired, pos_scale, neg_scale):
         for j in range(row.shape[0]):
             p = one / (one + row[j])
             row[j] = pos_scale * (p - one) if y[j] else neg_scale * p
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

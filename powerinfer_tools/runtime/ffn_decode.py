@@ -22,6 +22,7 @@ from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 # Added to an FFN kind (``compiled_decode``'s integers): its gate products are already computed for every neuron
 # (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
@@ -244,3 +245,6 @@ def _range_ffn(w, s, rows, first, total, partial, kind, fns):
     gate_up(w, s, rows, at, kind, fns)
     nk.axpy_rows_one_token_part(w.down_type, w.down, rows, s.act[first : first + n].reshape((1, n)), partial, first,
                                 total)
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

@@ -12,6 +12,7 @@ from numba import njit
 from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
+from powerinfer_tools.kernels.numba_cache import drop_stale
 
 
 @njit(inline="always")
@@ -69,3 +70,6 @@ def drop_small_down_inputs(s, rows, threshold):
             s.act[m] = s.act[i]
             m += 1
     return m
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

@@ -50,11 +50,8 @@ import numpy as np
 
 from powerinfer_tools import kernels  # (numba is not imported by this: only once a compiled kernel is asked for)
 from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.kernels import numba_cache
 
-PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
-# The sources of numba code: a change to any of them makes numba recompile, and the markers stale.
-COMPILED_SOURCES = (PACKAGE / "kernels", *(PACKAGE / "runtime" / name
-                                           for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")))
 PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
 DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
 
@@ -89,11 +86,9 @@ def model_kind(model_file) -> dict:
 
 def warm_key(kind: dict, options: LoadOptions) -> str:
     """The marker's key: this kind of model, loaded so, with these kernel sources and numba, on this CPU."""
-    sources = sorted((str(p.relative_to(PACKAGE)), p.stat().st_mtime_ns, p.stat().st_size)
-                     for root in COMPILED_SOURCES for p in ([root] if root.is_file() else root.glob("*.py")))
     identity = {"numba": _version("numba"), "llama-cpp-python": _version("llama-cpp-python"), "cpu": _cpu(),
                 "numba cpu": [os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")],
-                "sources": sources, "kind": kind, "options": asdict(options)}
+                "sources": numba_cache.source_files(), "kind": kind, "options": asdict(options)}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -103,7 +98,7 @@ def marker_folder() -> Path:
     user's cache folder."""
     if os.environ.get("NUMBA_CACHE_DIR"):
         return Path(os.environ["NUMBA_CACHE_DIR"])
-    in_tree = PACKAGE / "kernels" / "__pycache__"
+    in_tree = numba_cache.PACKAGE / "kernels" / "__pycache__"
     if os.access(in_tree if in_tree.is_dir() else in_tree.parent, os.W_OK):
         return in_tree
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pitools"

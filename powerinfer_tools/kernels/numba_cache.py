@@ -1,0 +1,69 @@
+"""Machine code in numba's cache that no longer matches the package's sources, dropped before it runs.
+
+numba checks a cached function against the one source file that defines it (its modification time and size)
+and nothing else. But a compiled function holds the machine code of what it calls from other files: every
+kernel inlines ``numba_kernels``' decoders and intrinsics, the compiled decoder inlines ``ffn_decode`` and
+``thresholded_decode``. After a change to a callee's file alone, the caller's cached code keeps computing the
+callee's old arithmetic, silently: a CATS rule changed in ``thresholded_decode`` left the compiled decoder's
+logits as they were until the cache was cleared by hand (``tests/test_decode_parity.py`` passed with CATS
+keeping every neuron). This happens to an editable install after an edit, and to a cache kept apart from the
+package (``NUMBA_CACHE_DIR``) after an upgrade.
+
+So each module that caches compiled functions ends with ``drop_stale(globals())``. A stamp beside the module's
+entries in numba's cache names the sources it was filled from (``sources_stamp``: every file of
+``NUMBA_SOURCES``, with its modification time and size, and numba's version); where the stamp is not that of the
+sources now, the module's cached functions are flushed before any of them has run, and the stamp is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
+# The sources of compiled code: a change to any of them makes every cached function stale (and the warm-up
+# markers, runtime.warmup).
+NUMBA_SOURCES = (PACKAGE / "kernels", PACKAGE / "predictors" / "logit_gradient.py",
+                 *(PACKAGE / "runtime" / name
+                   for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")))
+
+
+def source_files(sources=NUMBA_SOURCES) -> list[tuple[str, int, int]]:
+    """``(path, modification time in ns, size)`` of each file of ``sources`` (files, or folders of them), sorted."""
+    return sorted((str(p), p.stat().st_mtime_ns, p.stat().st_size)
+                  for root in map(Path, sources) for p in ([root] if root.is_file() else root.glob("*.py")))
+
+
+@functools.cache
+def sources_stamp(sources=NUMBA_SOURCES) -> str:
+    identity = {"sources": source_files(sources), "numba": metadata.version("numba")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def drop_stale(namespace: dict, sources=NUMBA_SOURCES) -> None:
+    """Flush the cached functions defined in the module of ``namespace`` (its ``globals()``) if its entries in
+    numba's cache were not made from ``sources`` as they are now; then stamp them as made from these."""
+    from numba.core.dispatcher import Dispatcher  # numba is loaded by then; the warm-up's key (no numba) reads the rest
+
+    module = namespace["__name__"]
+    # ``_cache`` is numba's own attribute: the cache that cache=True gave a dispatcher (without: a NullCache,
+    # whose path is None)
+    cached = [value for value in namespace.values() if isinstance(value, Dispatcher)
+              and value.py_func.__module__ == module and value._cache.cache_path is not None]
+    if not cached:
+        return
+    folder, stem = Path(cached[0]._cache.cache_path), Path(namespace["__file__"]).stem
+    stamp = folder / f"{stem}.pitools-sources-{sources_stamp(tuple(sources))}"
+    if stamp.is_file():
+        return
+    try:
+        for dispatcher in cached:
+            dispatcher._cache.flush()
+        for old in folder.glob(f"{stem}.pitools-sources-*"):
+            old.unlink(missing_ok=True)
+        stamp.touch()
+    except OSError:  # a cache folder this process cannot write: numba cannot save there either
+        pass

@@ -1,0 +1,64 @@
+"""``kernels.numba_cache``: a cached compiled function whose callee in another file changed runs the new callee."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from powerinfer_tools.kernels import numba_cache
+
+CALLER = """from numba import njit
+
+from callee import plus
+
+
+@njit(cache=True)
+def twice_plus(x):
+    return 2 * plus(x)
+"""
+GUARD = """
+from powerinfer_tools.kernels.numba_cache import drop_stale
+
+drop_stale(globals(), sources={sources!r})
+"""
+
+
+def _write_callee(folder: Path, step: int, mtime_ns: int) -> None:
+    callee = folder / "callee.py"
+    callee.write_text(f"from numba import njit\n\n\n@njit(cache=True)\ndef plus(x):\n    return x + {step}\n")
+    os.utime(callee, ns=(mtime_ns, mtime_ns))  # distinct times, however coarse the file system's clock
+
+
+def _twice_plus_one(folder: Path) -> int:
+    """``caller.twice_plus(1)`` in a new process, numba's cache in the folder."""
+    env = {**os.environ, "PYTHONPATH": str(folder), "NUMBA_CACHE_DIR": str(folder / "cache")}
+    out = subprocess.run([sys.executable, "-c", "import caller; print(caller.twice_plus(1))"], env=env, cwd=folder,
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["drop_stale", "numba alone"])
+def test_a_callee_changed_in_another_file_is_recomputed(tmp_path, guarded):
+    sources = (str(tmp_path / "callee.py"), str(tmp_path / "caller.py"))
+    (tmp_path / "caller.py").write_text(CALLER + (GUARD.format(sources=sources) if guarded else ""))
+    _write_callee(tmp_path, 1, 10**18)
+    assert _twice_plus_one(tmp_path) == 4
+    _write_callee(tmp_path, 2, 10**18 + 10**11)
+    if guarded:
+        assert _twice_plus_one(tmp_path) == 6
+    else:  # what drop_stale is for: numba checks the caller's own file alone, and runs the old callee
+        assert _twice_plus_one(tmp_path) == 4, "numba now notices a changed callee: numba_cache may go"
+
+
+def test_every_module_that_caches_compiled_code_drops_stale_code():
+    """A module left out would keep the machine code of its callees in other files as it was when cached."""
+    modules = [p for p in numba_cache.PACKAGE.rglob("*.py")
+               if "cache=True)" in p.read_text() and p.name != "numba_cache.py"]
+    assert len(modules) >= 10
+    last_lines = {p: p.read_text().rstrip().splitlines()[-1] for p in modules}
+    missing = [str(p) for p, line in last_lines.items() if not line.startswith("drop_stale(globals())")]
+    assert not missing, missing
