@@ -120,10 +120,9 @@ def predict(x, w, s, fns):
     _predictor_product(fns[w.fc2_type, 0], fns[w.fc2_type, 1], w.fc2, w.fc2_type, hidden, s.x_encoded,
                        s.predicted)
     n = 0
-    for neuron in range(w.fc2.shape[0]):
-        if s.predicted[neuron] >= w.threshold:
-            s.active[n] = neuron
-            n += 1
+    for neuron in range(w.fc2.shape[0]):  # without a branch on the choice (``thresholded_decode.thresholded_input``)
+        s.active[n] = neuron
+        n += s.predicted[neuron] >= w.threshold
     return n
 
 

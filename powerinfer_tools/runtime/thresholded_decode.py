@@ -19,11 +19,12 @@ from powerinfer_tools.kernels.numba_cache import drop_stale
 def _cats_keeps(g, t, bounds, kind):
     """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp or tanh, except
     within the margin of a SiLU or GELU bound, where the comparison gives way to the definition itself (relu's
-    bound is exact)."""
-    for b in bounds[:3]:
-        if abs(g - b) < bounds[3]:
-            return abs(nk.gated_activation(kind, g, 1.0)) > t
-    return g > bounds[0] or bounds[1] < g < bounds[2]
+    bound is exact). The comparisons are combined without branches (``&``, ``|``): which neurons a token keeps
+    is close to a coin toss, which a branch would mispredict; the margin's branch is almost never taken."""
+    above, band_lo, band_hi, margin = bounds[0], bounds[1], bounds[2], bounds[3]
+    if (abs(g - above) < margin) | (abs(g - band_lo) < margin) | (abs(g - band_hi) < margin):
+        return abs(nk.gated_activation(kind, g, 1.0)) > t
+    return (g > above) | ((band_lo < g) & (g < band_hi))
 
 
 @njit(nogil=True, cache=True)
@@ -43,10 +44,9 @@ def thresholded_input(w, s, kind, fns, n_threads):
         return d_ff
     whole_gate(w, s, d_model, fns, n_threads)
     n = 0
-    for neuron in range(d_ff):
-        if _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds, kind):
-            s.active[n] = neuron
-            n += 1
+    for neuron in range(d_ff):  # written every time, kept by moving on: no branch on the choice
+        s.active[n] = neuron
+        n += _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds, kind)
     return n
 
 
@@ -64,11 +64,10 @@ def drop_small_down_inputs(s, rows, threshold):
     """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
     ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
     m = 0
-    for i in range(rows.shape[0]):
-        if abs(s.act[i]) > threshold:
-            s.down_rows[m] = rows[i]
-            s.act[m] = s.act[i]
-            m += 1
+    for i in range(rows.shape[0]):  # without a branch on the choice, as in ``thresholded_input``
+        s.down_rows[m] = rows[i]
+        s.act[m] = s.act[i]  # position m's own value was read at i = m <= this i
+        m += abs(s.act[m]) > threshold
     return m
 
 
