@@ -42,6 +42,7 @@ from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.backends import CpuBackend
 
 SHAPES = {"tinyllama": (5632, 2048), "llama7b": (11008, 4096), "smollm2": (1536, 576)}
+NARROW = {"smollm2"}  # widths that are not whole groups of the VNNI and streaming tables: the axpy table only
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> QuantMatrix:
@@ -52,6 +53,13 @@ def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> Q
     data = data.reshape(rows, -1)
     data.setflags(write=False)  # as a read-only GGUF memory map is
     return QuantMatrix(qtype, data)
+
+
+def matrix_pool(qtype: Q, rows: int, cols: int, pool_mb: int, rng: np.random.Generator) -> list[QuantMatrix]:
+    """Copies of a random matrix filling ``pool_mb`` (one at least): cycled through, so weights come from memory."""
+    first = random_matrix(qtype, rows, cols, rng)
+    copies = max(0, pool_mb * 2**20 // first.nbytes - 1)
+    return [first] + [random_matrix(qtype, rows, cols, rng) for _ in range(copies)]
 
 
 def seconds(call, pool: list[QuantMatrix], inputs: list, repeats: int) -> np.ndarray:
@@ -82,9 +90,8 @@ def bench_shapes(args, rng):
     for shape in args.shapes.split(","):
         n_rows, n_cols = SHAPES[shape]
         for qtype in (Q.Q4_0, Q.Q8_0):
-            first = random_matrix(qtype, n_rows, n_cols, rng)
-            pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
-                              for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+            pool = matrix_pool(qtype, n_rows, n_cols, args.pool_mb, rng)
+            first = pool[0]
             stream = seconds(lambda m, _: np.bitwise_or.reduce(m.data.view(np.uint64), axis=None), pool, [0],
                              args.repeats)
             print(f"{shape:>9} {qtype.name:>4} streaming read of the weights by NumPy, 1 thread: "
@@ -137,9 +144,7 @@ def bench_interleaved(args, rng):
           "median ms, as stored / interleaved")
     for shape in args.shapes.split(","):
         n_rows, n_cols = SHAPES[shape]
-        first = random_matrix(Q.Q4_0, n_rows, n_cols, rng)
-        pool = [first] + [random_matrix(Q.Q4_0, n_rows, n_cols, rng)
-                          for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+        pool = matrix_pool(Q.Q4_0, n_rows, n_cols, args.pool_mb, rng)
         packed = {id(m): interleave(m) for m in pool}
         for threads in (1, 2):
             kernels.set_threads(threads)
@@ -180,9 +185,8 @@ def bench_vnni(args, rng):
           "rows) [only reading the rows], ggml's gemv / numba_vnni.interleaved_group (interleaved, whole)")
     for shape, qtype in [(s, Q.Q4_0) for s in args.shapes.split(",")] + [("head", Q.Q8_0)]:
         n_rows, n_cols = SHAPES[shape] if shape in SHAPES else (32000, 2048)
-        first = random_matrix(qtype, n_rows, n_cols, rng)
-        pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
-                          for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+        pool = matrix_pool(qtype, n_rows, n_cols, args.pool_mb, rng)
+        first = pool[0]
         routine = ggml.routines[qtype]
         x = rng.standard_normal(n_cols, dtype=np.float32)
         x_q8_0 = np.empty(routine.encoded_bytes(n_cols), np.uint8)
@@ -221,9 +225,8 @@ def bench_decoder_axpy(args, rng):
     for shape in args.shapes.split(","):
         n_rows, n_cols = SHAPES[shape]
         for qtype in (Q.Q4_0, Q.Q8_0):
-            first = random_matrix(qtype, n_rows, n_cols, rng)
-            pool = [first] + [random_matrix(qtype, n_rows, n_cols, rng)
-                              for _ in range(max(0, args.pool_mb * 2**20 // first.nbytes - 1))]
+            pool = matrix_pool(qtype, n_rows, n_cols, args.pool_mb, rng)
+            first = pool[0]
             for density in (0.1, 0.3, 0.75):
                 rows = [r.astype(np.intp) for r in row_sets(n_rows, density, args.repeats, rng)]
                 coeffs = rng.standard_normal((1, len(rows[0])), dtype=np.float32)
@@ -245,6 +248,10 @@ def main():
     parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
     parser.add_argument("--only-decoder-axpy", action="store_true", help="just the one-token axpy table")
     args = parser.parse_args()
+    narrow = NARROW & set(args.shapes.split(","))
+    if narrow and not args.only_decoder_axpy:
+        parser.error(f"--shapes {','.join(sorted(narrow))}: for --only-decoder-axpy only: its 576-column rows are "
+                     "not whole 8-byte words and 128-column groups, as the other tables read rows")
     if not kernels.available():
         raise SystemExit(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
     print(kernels.describe())
