@@ -88,7 +88,7 @@ def warm_key(kind: dict, options: LoadOptions) -> str:
     """The marker's key: this kind of model, loaded so, with these kernel sources and numba, on this CPU."""
     identity = {"numba": _version("numba"), "llama-cpp-python": _version("llama-cpp-python"), "cpu": _cpu(),
                 "numba cpu": [os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")],
-                "sources": numba_cache.source_files(), "kind": kind, "options": asdict(options)}
+                "sources": numba_cache.sources_stamp(), "kind": kind, "options": asdict(options)}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
