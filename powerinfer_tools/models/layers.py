@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.xp import array_namespace
@@ -357,7 +357,7 @@ def feed_forward(
     the hook then sees the activations before the rule drops any. This reference path
     still multiplies every row; the runtime is what reads only the selected rows.
     """
-    product_input = x if thresholds is None else np.where(kept(x, thresholds.ffn_in), x, 0)
+    product_input = x if thresholds is None else thresholded(x, thresholds.ffn_in)
     gate_pre = linear(product_input, w.gate, w.gate_bias) if w.gate is not None else None
     up_pre = linear(product_input, w.up, w.up_bias)
     activated = activate(kind, gate_pre, up_pre)
@@ -365,10 +365,10 @@ def feed_forward(
     if selector is not None:
         mask = selector(layer, residual, activated != 0)
         if mask is not None:
-            activated = np.where(mask, activated, 0)
+            activated = only(activated, mask)
     if hook is not None:
         hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
     if thresholds is not None:
         selected = kept(gate_activation(kind)(gate_pre), thresholds.cats)
-        activated = np.where(selected & kept(activated, thresholds.ffn_down), activated, 0)
+        activated = only(activated, selected & kept(activated, thresholds.ffn_down))
     return linear(activated, w.down, w.down_bias)

@@ -414,7 +414,7 @@ class RuntimeModel(Engine):
         thresholds = layer.dense.thresholds if self.mode is FFNMode.SPARSE else None
         activation_filter = None
         if thresholds is not None:
-            h = _thresholded().teal_input(h, thresholds, home.xp)
+            h = _thresholded().teal_input(h, thresholds)
             if h.shape[0] > 1:
                 return _thresholded().block(self.spec.ffn, partitions, h, thresholds, layer.d_ff, home, step,
                                             tokens_own_neurons)

@@ -82,11 +82,11 @@ class FFNPartition:
         """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""
         return self._activations(kind, x, self.backend.xp.asarray(self.row_of[neurons]))
 
-    def pre_activations(self, x, rows, up: bool = True):
+    def pre_activations(self, x, rows, up: bool = True, gate: bool = True):
         """``(gate, up)`` products (biases added) ``[T, len(rows)]`` of the neurons in this partition's
-        ``rows`` (on its backend): gate None for an ungated FFN, up None when not asked for."""
+        ``rows`` (on its backend): gate None for an ungated FFN, either None when not asked for."""
         gate_pre, up_pre = None, None
-        if self.gate is not None:
+        if gate and self.gate is not None:
             gate_pre = self.backend.matmul(self.gate, x, rows)
             if self.gate_bias is not None:
                 gate_pre += self.gate_bias[rows]
@@ -103,7 +103,7 @@ class FFNPartition:
         """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
 
         ``mask [T, len(active)]`` zeroes the neurons a token did not select; without
-        it every active neuron counts for every token. ``activation_filter(activated, xp)`` may drop further
+        it every active neuron counts for every token. ``activation_filter(activated)`` may drop further
         activations before the down projection (TEAL on its input: ``thresholded_ffn.teal_down``).
         """
         rows = self.row_of[active]
@@ -112,7 +112,7 @@ class FFNPartition:
         if mask is not None:
             activated = activated * mask
         if activation_filter is not None:
-            activated = activation_filter(activated, self.backend.xp)
+            activated = activation_filter(activated)
         if self.down_t is None:
             if len(rows) != self.down.cols:
                 raise RuntimeError(

@@ -21,7 +21,7 @@ import functools
 
 import numpy as np
 
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.models.layers import gate_activation, gated
 from powerinfer_tools.runtime.backends import move
@@ -29,9 +29,9 @@ from powerinfer_tools.runtime.backends import move
 # --- the general path (NumPy, on any backend)
 
 
-def teal_input(h, t: LayerThresholds, xp):
+def teal_input(h, t: LayerThresholds):
     """TEAL on the FFN's input ``h``: entries of no larger magnitude than the threshold dropped."""
-    return h if t.ffn_in is None else xp.where(kept(h, t.ffn_in), h, 0)
+    return thresholded(h, t.ffn_in)
 
 
 def teal_down(t: LayerThresholds):
@@ -39,7 +39,7 @@ def teal_down(t: LayerThresholds):
     magnitude than the threshold (None without one), for ``FFNPartition.compute``."""
     if t.ffn_down is None:
         return None
-    return lambda activated, xp: xp.where(kept(activated, t.ffn_down), activated, 0)
+    return lambda activated: thresholded(activated, t.ffn_down)
 
 
 def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
@@ -70,14 +70,15 @@ def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, ste
         gate_pre, _ = p.pre_activations(x, rows, up=False)
         gate = gate_activation(kind)(gate_pre)  # once, for the choice and (below) the activations
         chosen = kept(gate, t.cats)
-        computed = int(chosen.sum())
+        computed = int(xp.count_nonzero(chosen))
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
         part = _own_neurons(kind, p, x, gate_pre, chosen, t, own_neurons, step)
         if part is None:
-            _, up_pre = p.pre_activations(x, rows, up=True)
+            _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is above
             activated = gated(kind, gate, up_pre)
-            activated = xp.where(chosen & kept(activated, t.ffn_down), activated, 0)
+            keep = chosen if t.ffn_down is None else chosen & kept(activated, t.ffn_down)
+            activated = only(activated, keep)
             step.bytes_read += len(p.neurons) * p.bytes_per_neuron
             part = p.backend.row_sum(p.down_t, activated, rows)
         part = move(part, p.backend, home)
