@@ -2,7 +2,7 @@
 
     python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
                                      [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni |
-                                      --only-decoder-axpy]
+                                      --only-decoder-axpy | --only-prompt-down]
 
 For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
 random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
@@ -22,7 +22,9 @@ from memory through ggml's products and through ``numba_vnni``'s: scattered q4_0
 the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048).
 ``--only-decoder-axpy`` times the one-token axpy the compiled decoder runs over ``ffn_down_t``
 (``numba_kernels.axpy_rows_one_token``: the threads share the rows), at 10, 30 and 75% of the rows; run it
-with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel.
+with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel. ``--only-prompt-down`` times
+a prompt's down projection over every q4_0 row of ``ffn_down_t`` (64 and 128 tokens), dequantized for BLAS
+against ``kernels.bf16_row_sum``'s bfloat16 products (CPUs with AVX-512 BF16), the two called in turn.
 """
 
 from __future__ import annotations
@@ -238,6 +240,35 @@ def bench_decoder_axpy(args, rng):
                           f"{gbps(len(rows[0]) * first.row_bytes, times)} GB/s, {np.median(times) * 1e6:7.1f} us")
 
 
+def bench_prompt_down(args, rng):
+    """A prompt's down projection over every q4_0 row of ``ffn_down_t``, from memory (the pool): dequantized for
+    BLAS (``_BlockProducts.row_sum``) against bfloat16 products (``kernels.bf16_row_sum``), call by call in turn."""
+    blocks = CpuBackend()._blocks
+    print("\na prompt's down projection over ffn_down_t q4_0, all rows, from memory: median ms, "
+          "dequantize + BLAS / bfloat16")
+    for shape in args.shapes.split(","):
+        n_rows, n_cols = SHAPES[shape]
+        pool = matrix_pool(Q.Q4_0, n_rows, n_cols, args.pool_mb, rng)
+        if not kernels.bf16_row_sums(pool[0]):
+            print("this CPU lacks AVX-512 BF16: a prompt's down projection takes BLAS")
+            return
+        for threads, tokens in ((1, 128), (2, 64), (2, 128)):
+            kernels.set_threads(threads)
+            coeffs = rng.standard_normal((tokens, n_rows), dtype=np.float32)
+            ways = (lambda m: blocks.row_sum(m, coeffs), lambda m: kernels.bf16_row_sum(m, coeffs, None))
+            times = np.zeros((args.repeats, 2))
+            for way in ways:
+                way(pool[0])  # compile or load the cached machine code outside the timing
+            for i in range(args.repeats):
+                for k, way in enumerate(ways):  # each call its own matrix of the pool: from memory
+                    m = pool[(2 * i + k) % len(pool)]
+                    start = time.perf_counter()
+                    way(m)
+                    times[i, k] = time.perf_counter() - start
+            blas, bf16 = np.median(times, axis=0) * 1e3
+            print(f"{shape:>9} T={tokens:>3} {threads} thr: {blas:7.2f} / {bf16:7.2f} ({blas / bf16:4.2f}x)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per kernel measurement")
@@ -247,9 +278,10 @@ def main():
     parser.add_argument("--only-interleaved", action="store_true", help="just the interleaved table")
     parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
     parser.add_argument("--only-decoder-axpy", action="store_true", help="just the one-token axpy table")
+    parser.add_argument("--only-prompt-down", action="store_true", help="just the prompt's down projection table")
     args = parser.parse_args()
     narrow = NARROW & set(args.shapes.split(","))
-    if narrow and not args.only_decoder_axpy:
+    if narrow and not (args.only_decoder_axpy or args.only_prompt_down):
         parser.error(f"--shapes {','.join(sorted(narrow))}: for --only-decoder-axpy only: its 576-column rows are "
                      "not whole 8-byte words and 128-column groups, as the other tables read rows")
     if not kernels.available():
@@ -258,6 +290,9 @@ def main():
     rng = np.random.default_rng(0)
     if args.only_decoder_axpy:
         bench_decoder_axpy(args, rng)
+        return
+    if args.only_prompt_down:
+        bench_prompt_down(args, rng)
         return
     if not (args.only_interleaved or args.only_vnni):
         bench_shapes(args, rng)

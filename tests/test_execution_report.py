@@ -55,8 +55,12 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     assert re.search(r"\| gate/up q4_0 rows, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours$", line)
     report = model.execution_report()
     assert report[0] == f"kernels: {kernels.describe()}"
+    from powerinfer_tools.kernels import numba_bf16
+
+    down = "bfloat16 products (AVX-512 BF16)" if numba_bf16.available() else "dequantized for BLAS"
     assert report[-1] == ("prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons "
-                          "(kernels.batched) while they are under 30% of them, else their union")
+                          f"(kernels.batched) while they are under 30% of them, else their union | down ffn_down_t "
+                          f"q4_0, {down}")
     assert LLM.load(sparse_bundled).description.endswith(", tokens decoded by the compiled decoder")
 
 

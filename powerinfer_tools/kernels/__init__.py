@@ -5,6 +5,8 @@
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
     block_matmul, block_row_sum                                           matvec's and row_axpy's products
                                                                           for a prompt: dequantized for BLAS
+    bf16_row_sum(m, coeffs, rows)                                         row_axpy's for a prompt over q4_0
+                                                                          rows, in bfloat16 (AVX-512 BF16)
 
 ``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
 reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as the weight
@@ -28,6 +30,7 @@ import warnings
 
 import numpy as np
 
+from powerinfer_tools.formats import weight_types
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -192,6 +195,31 @@ def block_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None, s
     partial = np.zeros((len(buffers), coeffs.shape[0], m.cols), dtype=np.float32)
     numba_blocks.products(_to_float(m), sgemm, weight_bytes(m), rows, coeffs, buffers, partial, True)
     return partial.sum(axis=0)
+
+
+def bf16_row_sums(m: QuantMatrix) -> bool:
+    """Whether ``bf16_row_sum`` takes ``m`` here: q4_0 rows, the compiled kernels in use, a CPU with AVX-512 BF16."""
+    if m.qtype != weight_types.Q4_0 or not available():
+        return False
+    from powerinfer_tools.kernels import numba_bf16
+
+    return numba_bf16.available()
+
+
+def bf16_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """``row_axpy``'s product for a block of tokens over q4_0 rows (``bf16_row_sums``), both sides rounded to
+    bfloat16 and summed in float32 (``numba_bf16``): a prompt's down projection over ``ffn_down_t`` without
+    dequantizing it for BLAS (SmolLM2's times 128 tokens: 0.6 ms against 1.8)."""
+    from powerinfer_tools.kernels import numba_bf16
+
+    rows = _checked_rows(m, rows)
+    coeffs = _checked_input(coeffs, len(rows), "coeffs")
+    threads = _backend()[0].use_threads(_threads)
+    out = np.empty((coeffs.shape[0], m.cols), dtype=np.float32)
+    slabs = np.empty((threads, numba_bf16.slab_bytes(len(rows))), dtype=np.uint8)
+    numba_bf16.row_sum(weight_bytes(m), rows, coeffs, out, slabs, np.empty((threads, numba_bf16.TOKENS, 32),
+                                                                               dtype=np.float32))
+    return out
 
 
 _BLOCK_BUFFER_BYTES = 2 << 20  # a thread's float32 chunk of dequantized rows: in L2/L3 while BLAS reads it

@@ -64,6 +64,8 @@ class CpuBackend:
     def row_sum(self, m: QuantMatrix, coeffs: np.ndarray, rows=None) -> np.ndarray:
         if len(coeffs) <= kernels.MAX_TOKENS or not kernels.available():
             return kernels.row_axpy(m, coeffs, rows)
+        if kernels.bf16_row_sums(m):
+            return kernels.bf16_row_sum(m, coeffs, rows)
         return self._blocks.row_sum(m, coeffs, rows)
 
     def upload(self, array: np.ndarray) -> np.ndarray:

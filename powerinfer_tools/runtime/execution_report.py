@@ -66,7 +66,7 @@ def execution_report(model) -> list[str]:
             lines.append(_group_line(first, layers[first:i]))
             first = i
     lines.append(f"output head: {one_token_product(model.output, model.head_backend)}")
-    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}")
+    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}{_prompt_down(model)}")
     return lines
 
 
@@ -200,6 +200,23 @@ def _prompt_ffn(model) -> str:
     if taking == 0:
         return f"{model.mode.value} FFN: the union of the tokens' chosen neurons for every token"
     return f"{model.mode.value} FFN: {own} their union, in {taking} of {len(cpu)} CPU partitions; the union elsewhere"
+
+
+def _prompt_down(model) -> str:
+    """How a block of tokens multiplies ``ffn_down_t`` on the CPU (``CpuBackend.row_sum``): q4_0 rows in bfloat16
+    products where the CPU has AVX-512 BF16 (``kernels.bf16_row_sums``), else dequantized for BLAS; nothing
+    to say for a file without it."""
+    cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True)
+           if p.down_t is not None and not p.backend.is_device]
+    if not cpu:
+        return ""
+
+    def way(m) -> str:
+        if not kernels.available():
+            return REFERENCE
+        return "bfloat16 products (AVX-512 BF16)" if kernels.bf16_row_sums(m) else "dequantized for BLAS"
+
+    return f" | down {DOWN_T} " + _distinct(f"{WEIGHT_TYPES[p.down_t.qtype].name}, {way(p.down_t)}" for p in cpu)
 
 
 def _thresholded_prompt_ffn(model) -> str:

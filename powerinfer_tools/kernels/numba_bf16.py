@@ -1,0 +1,224 @@
+"""A prompt's down projection over q4_0 ``ffn_down_t`` in bfloat16 products: ``out [T, cols] = coeffs [T, n] @
+W[rows]`` for many tokens, without dequantizing the rows to float32 for BLAS.
+
+``ffn_down_t`` keeps the down projection transposed (a row per neuron, its scales along the output), so the
+int8 GEMMs of ggml, which want each output's weights and scales along the sum, do not apply. Here each thread
+takes a share of the 32-column blocks of the output; for one block it unpacks every row's 32 weights into
+bfloat16 (``nibble - 8`` times the block's scale, rounded to nearest even: 8 significant bits, against the
+quantization's own 4), interleaved two rows at a time as ``vdpbf16ps`` reads them, once into a slab that stays
+in its L2; then eight tokens at a time run down the slab, each step one broadcast pair of a token's bfloat16
+coefficients times the slab's pair of rows into 2 x 16 float32 sums (AVX-512 BF16: 32 products an
+instruction, twice float32's FMA). The coefficients are rounded to bfloat16 once per product.
+
+Rounding both sides to bfloat16 errs by ~2^-9 of each product's size, against ggml's q8_0 rounding of its
+input to 1/254 of each block's largest (the dense file's GEMM): the sums stay within the tolerance of the
+prompt's other products (tests/test_numba_bf16.py). Without AVX-512 BF16 the same sums are spelled in plain
+vector IR (``available`` says which; the runtime takes BLAS there), as ``numba_vnni`` does for its intrinsic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import llvmlite.binding
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from powerinfer_tools.formats import weight_types
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.kernels.numba_kernels import BLOCK, load, splat
+from powerinfer_tools.kernels.numba_cache import drop_stale
+
+TOKENS = 8  # a tile's tokens: 2 x 8 float32 sums in registers, of AVX-512's 32
+_Q4_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q4_0].block_bytes
+_PAIR_BYTES = 2 * BLOCK * 2  # two rows' 32 weights as bfloat16, interleaved: one slab step
+_FEATURES = ("avx512f", "avx512bw", "avx512bf16")
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_HALF = ir.HalfType()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether numba compiles for a CPU with ``vdpbf16ps``: the host's features, or those NUMBA_CPU_FEATURES
+    lists (NUMBA_CPU_NAME naming another CPU: no)."""
+    if numba.config.CPU_FEATURES is not None:
+        listed = set(numba.config.CPU_FEATURES.split(","))
+        return all(f"+{name}" in listed for name in _FEATURES)
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    features = llvmlite.binding.get_host_cpu_features()
+    return all(features.get(name, False) for name in _FEATURES)
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _const(t, n, values):
+    return ir.Constant(_vec(t, n), list(values))
+
+
+def _store(builder, value, addr):
+    builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
+
+
+def _to_bf16(builder, floats):
+    """float32 lanes as bfloat16 bit patterns (int16), rounded to nearest even (the values here are finite)."""
+    n = floats.type.count
+    bits = builder.bitcast(floats, _vec(_I32, n))
+    odd = builder.and_(builder.lshr(bits, _const(_I32, n, [16] * n)), _const(_I32, n, [1] * n))
+    rounded = builder.add(bits, builder.add(odd, _const(_I32, n, [0x7FFF] * n)))
+    return builder.trunc(builder.lshr(rounded, _const(_I32, n, [16] * n)), _vec(_I16, n))
+
+
+def _from_bf16(builder, words):
+    """bfloat16 bit patterns (int16 lanes) as float32: exact."""
+    n = words.type.count
+    return builder.bitcast(builder.shl(builder.zext(words, _vec(_I32, n)), _const(_I32, n, [16] * n)), _vec(_F32, n))
+
+
+def _dpbf16ps(builder, acc, pairs, broadcast):
+    """``acc`` (16 float32) plus, per lane, the two products of the lane's bfloat16 pair in ``pairs`` and in
+    ``broadcast`` (each 32 int16 bit patterns). Without AVX-512 BF16, the same sum in plain vector IR."""
+    if not available():
+        for half in range(2):
+            pick = _const(_I32, 16, range(half, 32, 2))
+            a = _from_bf16(builder, builder.shuffle_vector(pairs, pairs, pick))
+            b = _from_bf16(builder, builder.shuffle_vector(broadcast, broadcast, pick))
+            acc = builder.fadd(acc, builder.fmul(a, b))
+        return acc
+    i32x16, f32x16 = _vec(_I32, 16), _vec(_F32, 16)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x16, [f32x16, i32x16, i32x16]),
+                                        "llvm.x86.avx512bf16.dpbf16ps.512")
+    return builder.call(fn, [acc, builder.bitcast(pairs, i32x16), builder.bitcast(broadcast, i32x16)])
+
+
+@intrinsic
+def _round_span(typingctx, source, target, n_chunks):
+    """``n_chunks`` x 32 float32 at address ``source`` as bfloat16 at ``target``."""
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        source_, target_, n_ = args
+        with cgutils.for_range(builder, n_) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, 32 * 4))
+            halves = [_to_bf16(builder, load(builder, builder.add(source_, builder.add(at, ir.Constant(_I64, 64 * h))),
+                                            _vec(_F32, 16))) for h in range(2)]
+            words = builder.shuffle_vector(halves[0], halves[1], _const(_I32, 32, range(32)))
+            _store(builder, words, builder.add(target_, builder.mul(loop.index, ir.Constant(_I64, 64))))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _block_values(builder, block):
+    """A q4_0 block's 32 weights as bfloat16: (nibble - 8) x its scale."""
+    quants = load(builder, builder.add(block, ir.Constant(_I64, 2)), _vec(_I8, 16))
+    low = builder.and_(quants, _const(_I8, 16, [0x0F] * 16))
+    high = builder.lshr(quants, _const(_I8, 16, [4] * 16))
+    nibbles = builder.zext(builder.shuffle_vector(low, high, _const(_I32, 32, range(32))), _vec(_I32, 32))
+    values = builder.sitofp(builder.sub(nibbles, _const(_I32, 32, [8] * 32)), _vec(_F32, 32))
+    scale = builder.fpext(load(builder, block, _HALF), _F32)
+    return _to_bf16(builder, builder.fmul(values, splat(builder, scale, 32)))
+
+
+@intrinsic
+def _unpack_pair(typingctx, block_a, block_b, target):
+    """Two rows' q4_0 blocks of the same 32 columns (at ``block_a``, ``block_b``) as one slab step at ``target``:
+    128 bytes, column c's pair (a, b) at words 2c, 2c + 1."""
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a, b, target_ = args
+        va, vb = _block_values(builder, a), _block_values(builder, b)
+        for half in range(2):
+            order = [x for c in range(16 * half, 16 * half + 16) for x in (c, 32 + c)]
+            _store(builder, builder.shuffle_vector(va, vb, _const(_I32, 32, order)),
+                   builder.add(target_, ir.Constant(_I64, 64 * half)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _tile(typingctx, slab, coeffs, coeffs_stride, n_pairs, out):
+    """Eight tokens' sums over one slab: token t's bfloat16 coefficients at ``coeffs + t * coeffs_stride``
+    (``2 * n_pairs`` of them), its 32 float32 sums stored at ``out + 128 t``."""
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        slab_, coeffs_, stride_, n_, out_ = args
+        zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+        sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(TOKENS)]
+        with cgutils.for_range(builder, n_) as loop:
+            step = builder.add(slab_, builder.mul(loop.index, ir.Constant(_I64, _PAIR_BYTES)))
+            pairs = [load(builder, builder.add(step, ir.Constant(_I64, 64 * h)), _vec(_I16, 32)) for h in range(2)]
+            at = builder.add(coeffs_, builder.mul(loop.index, ir.Constant(_I64, 4)))
+            for t in range(TOKENS):
+                pair = load(builder, builder.add(at, builder.mul(stride_, ir.Constant(_I64, t))), _I32)
+                broadcast = builder.bitcast(splat(builder, pair, 16), _vec(_I16, 32))
+                for h in range(2):
+                    builder.store(_dpbf16ps(builder, builder.load(sums[t][h]), pairs[h], broadcast), sums[t][h])
+        for t in range(TOKENS):
+            for h in range(2):
+                _store(builder, builder.load(sums[t][h]), builder.add(out_, ir.Constant(_I64, 128 * t + 64 * h)))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _share(n, thread, n_threads):
+    return thread * n // n_threads, (thread + 1) * n // n_threads
+
+
+@njit(nogil=True, cache=True)
+def _round_scalar(value):
+    """One float32 as ``_to_bf16`` rounds it (a span's tail)."""
+    bits = np.array([value], np.float32).view(np.uint32)[0]
+    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@njit(inline="always")
+def _padded(n):
+    return -(-n // 32) * 32
+
+
+def slab_bytes(n: int) -> int:
+    """A thread's slab for ``n`` rows (``row_sum``'s ``slabs``)."""
+    return _padded(n) // 2 * _PAIR_BYTES
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def row_sum(weights, rows, coeffs, out, slabs, tiles):
+    """``out [T, cols] = coeffs [T, n] @ W[rows]`` for q4_0 rows (``weights`` their bytes ``[rows, row_bytes]``),
+    ``coeffs`` float32 with contiguous rows. Scratch: ``slabs`` uint8 ``[threads, slab_bytes(n)]`` and ``tiles``
+    float32 ``[threads, TOKENS, 32]``."""
+    n_tokens, n_rows = coeffs.shape
+    cols, n, whole = out.shape[1], _padded(n_rows), n_rows // 32 * 32
+    rounded = np.zeros((-(-n_tokens // TOKENS) * TOKENS, n), np.uint16)  # zeros: the tokens and rows past the last
+    for t in prange(n_tokens):
+        _round_span(coeffs[t].ctypes.data, rounded[t].ctypes.data, n_rows // 32)
+        for i in range(whole, n_rows):
+            rounded[t, i] = _round_scalar(coeffs[t, i])
+    w, row_bytes, n_threads = weights.ctypes.data, weights.strides[0], slabs.shape[0]
+    for thread in prange(n_threads):
+        first, stop = _share(cols // BLOCK, thread, n_threads)
+        slab, tile = slabs[thread].ctypes.data, tiles[thread]
+        for block in range(first, stop):
+            at = w + block * _Q4_0_BLOCK_BYTES
+            for k in range(n // 2):  # rows past the last: any row, times zero coefficients
+                _unpack_pair(at + rows[min(2 * k, n_rows - 1)] * row_bytes,
+                             at + rows[min(2 * k + 1, n_rows - 1)] * row_bytes, slab + k * _PAIR_BYTES)
+            for t in range(0, n_tokens, TOKENS):
+                _tile(slab, rounded[t].ctypes.data, rounded.strides[0], n // 2, tile.ctypes.data)
+                for i in range(min(TOKENS, n_tokens - t)):
+                    for c in range(BLOCK):
+                        out[t + i, block * BLOCK + c] = tile[i, c]
+
+
+drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
