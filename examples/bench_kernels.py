@@ -2,7 +2,7 @@
 
     python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
                                      [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni |
-                                      --only-decoder-axpy | --only-prompt-down]
+                                      --only-decoder-axpy | --only-prompt-bf16]
 
 For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
 random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
@@ -22,9 +22,10 @@ from memory through ggml's products and through ``numba_vnni``'s: scattered q4_0
 the same matrix interleaved and used whole, and a q8_0 output head (32000 x 2048).
 ``--only-decoder-axpy`` times the one-token axpy the compiled decoder runs over ``ffn_down_t``
 (``numba_kernels.axpy_rows_one_token``: the threads share the rows), at 10, 30 and 75% of the rows; run it
-with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel. ``--only-prompt-down`` times
-a prompt's down projection over every q4_0 row of ``ffn_down_t`` (64 and 128 tokens), dequantized for BLAS
-against ``kernels.bf16_row_sum``'s bfloat16 products (CPUs with AVX-512 BF16), the two called in turn.
+with ``PYTHONPATH`` set to another checkout to compare two versions of the kernel. ``--only-prompt-bf16`` times
+a prompt's products that have no GEMM of ggml's here (64 and 128 tokens): the down projection over every q4_0
+row of ``ffn_down_t``, and q4_K, q6_K and q5_0 matrices, dequantized for BLAS against bfloat16 products
+(``kernels.bf16_row_sum`` / ``bf16_matmul``, CPUs with AVX-512 BF16), the two called in turn.
 """
 
 from __future__ import annotations
@@ -240,33 +241,50 @@ def bench_decoder_axpy(args, rng):
                           f"{gbps(len(rows[0]) * first.row_bytes, times)} GB/s, {np.median(times) * 1e6:7.1f} us")
 
 
-def bench_prompt_down(args, rng):
-    """A prompt's down projection over every q4_0 row of ``ffn_down_t``, from memory (the pool): dequantized for
-    BLAS (``_BlockProducts.row_sum``) against bfloat16 products (``kernels.bf16_row_sum``), call by call in turn."""
+def _in_turn(ways, pool: list[QuantMatrix], repeats: int) -> np.ndarray:
+    """Median seconds of each of ``ways`` (functions of a matrix), called in turn, each call on its own matrix of
+    the pool (from memory)."""
+    for way in ways:
+        way(pool[0])  # compile or load the cached machine code outside the timing
+    times = np.zeros((repeats, len(ways)))
+    for i in range(repeats):
+        for k, way in enumerate(ways):
+            m = pool[(len(ways) * i + k) % len(pool)]
+            start = time.perf_counter()
+            way(m)
+            times[i, k] = time.perf_counter() - start
+    return np.median(times, axis=0)
+
+
+def bench_prompt_bf16(args, rng):
+    """A prompt's products without a GEMM of ggml's here, from memory: dequantized for BLAS (``_BlockProducts``)
+    against bfloat16 products: the down projection over every q4_0 row of ``ffn_down_t`` (``kernels.bf16_row_sum``)
+    and gate-shaped k-quant and q5_0 matrices (``kernels.bf16_matmul``)."""
     blocks = CpuBackend()._blocks
-    print("\na prompt's down projection over ffn_down_t q4_0, all rows, from memory: median ms, "
-          "dequantize + BLAS / bfloat16")
+    if not kernels.bf16_matmuls(random_matrix(Q.Q4_0, 8, 32, rng)):
+        print("\nthis CPU lacks AVX-512 BF16: a prompt's products take BLAS")
+        return
+    print("\na prompt's products from memory, median ms, dequantize + BLAS / bfloat16 (ffn_down_t: coeffs @ W; "
+          "others: x @ W.T, W [rows, cols] as a gate is)")
     for shape in args.shapes.split(","):
         n_rows, n_cols = SHAPES[shape]
-        pool = matrix_pool(Q.Q4_0, n_rows, n_cols, args.pool_mb, rng)
-        if not kernels.bf16_row_sums(pool[0]):
-            print("this CPU lacks AVX-512 BF16: a prompt's down projection takes BLAS")
-            return
-        for threads, tokens in ((1, 128), (2, 64), (2, 128)):
-            kernels.set_threads(threads)
-            coeffs = rng.standard_normal((tokens, n_rows), dtype=np.float32)
-            ways = (lambda m: blocks.row_sum(m, coeffs), lambda m: kernels.bf16_row_sum(m, coeffs, None))
-            times = np.zeros((args.repeats, 2))
-            for way in ways:
-                way(pool[0])  # compile or load the cached machine code outside the timing
-            for i in range(args.repeats):
-                for k, way in enumerate(ways):  # each call its own matrix of the pool: from memory
-                    m = pool[(2 * i + k) % len(pool)]
-                    start = time.perf_counter()
-                    way(m)
-                    times[i, k] = time.perf_counter() - start
-            blas, bf16 = np.median(times, axis=0) * 1e3
-            print(f"{shape:>9} T={tokens:>3} {threads} thr: {blas:7.2f} / {bf16:7.2f} ({blas / bf16:4.2f}x)")
+        for qtype in (Q.Q4_0, Q.Q4_K, Q.Q6_K, Q.Q5_0):
+            if n_cols % GGML_QUANT_SIZES[qtype][0]:
+                continue  # SmolLM2's 576 columns are no whole number of k-quant blocks
+            pool = matrix_pool(qtype, n_rows, n_cols, args.pool_mb, rng)
+            for threads, tokens in ((1, 128), (2, 64), (2, 128)):
+                kernels.set_threads(threads)
+                if qtype == Q.Q4_0:
+                    a = rng.standard_normal((tokens, n_rows), dtype=np.float32)
+                    what = "ffn_down_t"
+                    ways = (lambda m: blocks.row_sum(m, a), lambda m: kernels.bf16_row_sum(m, a, None))
+                else:
+                    a = rng.standard_normal((tokens, n_cols), dtype=np.float32)
+                    what = "rows"
+                    ways = (lambda m: blocks.matmul(m, a), lambda m: kernels.bf16_matmul(m, a, None))
+                blas, bf16 = _in_turn(ways, pool, args.repeats) * 1e3
+                print(f"{shape:>9} {qtype.name:>4} {what:>10} T={tokens:>3} {threads} thr: {blas:7.2f} / {bf16:7.2f} "
+                      f"({blas / bf16:4.2f}x)")
 
 
 def main():
@@ -278,10 +296,10 @@ def main():
     parser.add_argument("--only-interleaved", action="store_true", help="just the interleaved table")
     parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
     parser.add_argument("--only-decoder-axpy", action="store_true", help="just the one-token axpy table")
-    parser.add_argument("--only-prompt-down", action="store_true", help="just the prompt's down projection table")
+    parser.add_argument("--only-prompt-bf16", action="store_true", help="just the prompt products' bfloat16 table")
     args = parser.parse_args()
     narrow = NARROW & set(args.shapes.split(","))
-    if narrow and not (args.only_decoder_axpy or args.only_prompt_down):
+    if narrow and not (args.only_decoder_axpy or args.only_prompt_bf16):
         parser.error(f"--shapes {','.join(sorted(narrow))}: for --only-decoder-axpy only: its 576-column rows are "
                      "not whole 8-byte words and 128-column groups, as the other tables read rows")
     if not kernels.available():
@@ -291,8 +309,8 @@ def main():
     if args.only_decoder_axpy:
         bench_decoder_axpy(args, rng)
         return
-    if args.only_prompt_down:
-        bench_prompt_down(args, rng)
+    if args.only_prompt_bf16:
+        bench_prompt_bf16(args, rng)
         return
     if not (args.only_interleaved or args.only_vnni):
         bench_shapes(args, rng)

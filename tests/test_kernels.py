@@ -143,7 +143,8 @@ def test_types_computed_by_ggml_match_gguf_in_float64(qtype, shape, tokens):
     (max/127: 1/254 of the block's largest |x|; q8_0 and q8_1 blocks of 32, q8_K of 256), the scale's f16
     rounding (q8_0, q8_1: up to 127 steps of 2^-11 relative), and q8_1's f16 block sum, which q4_1/q5_1
     multiply by their block minimum (|min| <= the block's largest |w|: 2^-11 of |x| times that); then
-    1e-5 relative for float32 summation, which is all a ``to_float`` product may differ by."""
+    1e-5 relative for float32 summation, which is all a ``to_float`` product may differ by. A block on a CPU
+    with AVX-512 BF16 takes bfloat16 products instead (``kernels.bf16_matmul``): 2^-8 of each product."""
     backend = CpuBackend()
     m = make(qtype, *shape, seed=21)
     w = dequantize(np.asarray(m.data), qtype).astype(np.float64)
@@ -153,9 +154,11 @@ def test_types_computed_by_ggml_match_gguf_in_float64(qtype, shape, tokens):
     for name, rows in row_selections(m.rows, rng).items():
         picked = w if rows is None else w[rows]
         summation = np.abs(x) @ np.abs(picked).T * 1e-5 + 1e-6
-        encoding = 0 if tokens > kernels.MAX_TOKENS else (
-            block_max(x, partner_block) @ np.abs(picked).T * (1 / 254 + 2.0**-11)
-            + np.abs(x) @ block_max(picked, 32).T * 2.0**-11)
+        if tokens <= kernels.MAX_TOKENS:
+            encoding = (block_max(x, partner_block) @ np.abs(picked).T * (1 / 254 + 2.0**-11)
+                        + np.abs(x) @ block_max(picked, 32).T * 2.0**-11)
+        else:
+            encoding = np.abs(x) @ np.abs(picked).T * 2.0**-8 if kernels.bf16_matmuls(m) else 0
         excess = np.abs(backend.matmul(m, x, rows) - x.astype(np.float64) @ picked.T) - (encoding + summation)
         assert (excess <= 0).all(), f"rows {name}: matmul off by {excess.max():.3g} beyond its bound"
         coeffs = rng.standard_normal((tokens, len(picked))).astype(np.float32)

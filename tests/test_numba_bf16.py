@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from powerinfer_tools import kernels
-from powerinfer_tools.kernels import numba_bf16
+from powerinfer_tools.kernels import ggml_base, numba_bf16
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.backends import CpuBackend
@@ -72,6 +72,42 @@ def test_sums_stay_within_the_bound_of_the_two_roundings():
     assert np.abs(got - coeffs @ w).max() > 0  # rounded: not the float32 sums themselves
 
 
+def exact_rows(qtype: Q, seed: int, n_rows: int = 21, cols: int = 96) -> tuple[QuantMatrix, np.ndarray]:
+    """Rows whose every weight is a bfloat16 (``exact_case``'s for q4_0 and q8_0; small integers times powers of
+    two for f16 and f32), with their values in float64."""
+    rng = np.random.default_rng(seed)
+    if qtype is Q.Q4_0:
+        weights, w, _ = exact_case(seed, n_rows, cols)
+    elif qtype is Q.Q8_0:  # any int8 times a power of two is a bfloat16
+        weights = quantize(rng.standard_normal((n_rows, cols)).astype(np.float32), Q.Q8_0).reshape(n_rows, -1, 34)
+        scales = (2.0 ** rng.integers(-6, 3, (n_rows, cols // 32, 1))).astype(np.float16)
+        weights[:, :, :2] = scales.view(np.uint8)
+        weights = weights.reshape(n_rows, -1)
+    else:
+        w = rng.integers(-8, 8, (n_rows, cols)) * 2.0 ** rng.integers(-6, 3, (n_rows, 1))
+        weights = w.astype(np.float16 if qtype is Q.F16 else np.float32)
+    return QuantMatrix(qtype, weights), dequantize(np.asarray(weights).view(np.uint8) if qtype is Q.F16 else weights,
+                                                   qtype).astype(np.float64).reshape(n_rows, cols)
+
+
+@pytest.mark.skipif(not numba_bf16.available(), reason="this CPU lacks AVX-512 BF16: kernels.bf16_matmul is not used")
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.F16, Q.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_matmul_is_exact_where_every_value_is_a_bfloat16(qtype, threads, monkeypatch):
+    """``kernels.bf16_matmul`` (``numba_bf16.matmul``): 32 tokens to a slab, eight rows to a tile; the tokens
+    and rows past the last of each are padding, and no row of a thread's share may go missing."""
+    monkeypatch.setattr(kernels, "_threads", threads)
+    m, w = exact_rows(qtype, seed=threads)
+    rng = np.random.default_rng(threads)
+    selections = {"all": None, "odd, unsorted": rng.permutation(21)[:13], "one": np.array([20]),
+                  "none": np.array([], dtype=np.int64)}
+    for name, rows in selections.items():
+        picked = w if rows is None else w[rows]
+        for tokens in (1, 13, 70):
+            x = rng.integers(-4, 5, (tokens, m.cols)).astype(np.float32)
+            assert np.array_equal(kernels.bf16_matmul(m, x, rows), x @ picked.T), f"{name}, {tokens} tokens"
+
+
 _PLAIN_IR = """
 import sys
 import numpy as np
@@ -83,6 +119,15 @@ weights, w, rng = t.exact_case(seed=4)
 rows = t.SELECTIONS["odd, unsorted"].astype(np.intp)
 coeffs = rng.integers(-4, 5, (13, len(rows))).astype(np.float32)
 assert np.array_equal(t.row_sum(weights, rows, coeffs, 2), coeffs @ w[rows])
+from powerinfer_tools.kernels import numba_kernels as nk
+m, w = t.exact_rows(t.Q.Q8_0, seed=5)
+x = rng.integers(-4, 5, (40, m.cols)).astype(np.float32)
+out, chunk = np.empty((40, m.rows), np.float32), numba_bf16.chunk_rows(m.cols)
+threads = nk.use_threads(2)
+numba_bf16.matmul(t.kernels._to_float(m), t.kernels.weight_bytes(m), np.arange(m.rows), x, out,
+                  np.empty((threads, chunk, m.cols), np.float32), np.empty((threads, chunk, m.cols), np.uint16),
+                  np.empty((threads, numba_bf16.TOKENS, 32), np.float32))
+assert np.array_equal(out, x @ w.T)
 """
 
 
@@ -101,6 +146,7 @@ def test_the_plain_ir_spelling_computes_the_same_sums(tmp_path):
 
 @pytest.mark.skipif(not numba_bf16.available(), reason="this CPU lacks AVX-512 BF16: prompts take BLAS")
 def test_a_prompt_takes_it_for_q4_0_rows_and_blas_for_others(monkeypatch):
+    """A block of tokens over q4_0 ``ffn_down_t`` takes ``bf16_row_sum`` (other types: dequantized for BLAS)."""
     weights, w, rng = exact_case(seed=9)
     coeffs = rng.integers(-4, 5, (kernels.MAX_TOKENS + 9, 75)).astype(np.float32)
     m = QuantMatrix(Q.Q4_0, weights)
@@ -111,3 +157,23 @@ def test_a_prompt_takes_it_for_q4_0_rows_and_blas_for_others(monkeypatch):
     backend.row_sum(m, coeffs[: kernels.MAX_TOKENS])  # a block within the one-token kernels' limit: theirs
     assert not taken
     assert np.array_equal(backend.row_sum(m, coeffs), coeffs @ w) and taken == [len(coeffs)]
+
+
+@pytest.mark.skipif(not numba_bf16.available(), reason="this CPU lacks AVX-512 BF16: prompts take BLAS")
+def test_a_prompt_multiplies_k_quant_rows_in_bfloat16(monkeypatch):
+    """A block of tokens times a matrix with no GEMM here (q4_K) takes ``bf16_matmul``, within the two roundings'
+    bound of float64; a block within the one-token kernels' limit takes theirs, and f16 rows (kept in floats for
+    their precision) stay with BLAS."""
+    rng = np.random.default_rng(11)
+    m = QuantMatrix(Q.Q4_K, ggml_base.load().quantize(rng.standard_normal((40, 512)).astype(np.float32), Q.Q4_K))
+    w = m.dequantize_rows().astype(np.float64)
+    assert kernels.bf16_matmuls(m) and not kernels.bf16_matmuls(QuantMatrix(Q.F16, w.astype(np.float16)))
+    taken, real = [], kernels.bf16_matmul
+    monkeypatch.setattr(kernels, "bf16_matmul", lambda *a: taken.append(len(a[1])) or real(*a))
+    backend = CpuBackend()
+    x = rng.standard_normal((kernels.MAX_TOKENS + 9, m.cols)).astype(np.float32)
+    backend.matmul(m, x[: kernels.MAX_TOKENS])
+    assert not taken
+    got = backend.matmul(m, x)
+    assert taken == [len(x)]
+    assert (np.abs(got - x @ w.T) <= np.abs(x) @ np.abs(w).T * (2.0**-8 + 512 * 2.0**-24)).all()

@@ -58,18 +58,33 @@ def encoded(v: np.ndarray, weight_type: Q) -> np.ndarray:
 
 def encodes(m: QuantMatrix, n_tokens: int) -> bool:
     """Whether the CPU's product of ``n_tokens`` with ``m`` encodes them: the kernels do for a few tokens, and
-    for a block ggml's GEMM on an interleaved copy of a q4_0 matrix does (``CpuBackend.matmul``); dequantize +
-    BLAS, and the NumPy reference, encode nothing."""
+    for a block ggml's GEMM on an interleaved copy of a q4_0 matrix does (``CpuBackend.matmul``); bfloat16
+    products (``in_bfloat16``), dequantize + BLAS, and the NumPy reference, encode nothing."""
     return kernels.available() and (n_tokens <= kernels.MAX_TOKENS or kernels.interleaves(m))
+
+
+def in_bfloat16(m: QuantMatrix, n_tokens: int) -> bool:
+    """Whether the CPU multiplies a block of ``n_tokens`` with ``m`` in bfloat16 (``kernels.bf16_matmul``)."""
+    return n_tokens > kernels.MAX_TOKENS and not kernels.interleaves(m) and kernels.bf16_matmuls(m)
+
+
+def bfloat16(v: np.ndarray) -> np.ndarray:
+    """``v`` rounded to bfloat16 (to nearest even), as float32."""
+    bits = np.ascontiguousarray(v, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 def rule_on_encoded_inputs(p: Predictor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The scores computed in float64 from inputs encoded as the CPU's products encode them (``encodes``), and
     the sum of the magnitudes of their terms (the scale of float32 summation error)."""
-    fc1, fc2 = (m.dequantize_rows().astype(np.float64) for m in (p.fc1, p.fc2))
+    n = len(x)
+    fc1, fc2 = (m.dequantize_rows() for m in (p.fc1, p.fc2))
+    fc1, fc2 = ((bfloat16(w) if in_bfloat16(m, n) else w).astype(np.float64) for w, m in ((fc1, p.fc1), (fc2, p.fc2)))
 
     def enc(v: np.ndarray, m: QuantMatrix) -> np.ndarray:
-        return encoded(v, m.qtype) if encodes(m, len(v)) else v
+        if in_bfloat16(m, n):
+            return bfloat16(v)
+        return encoded(v, m.qtype) if encodes(m, n) else v
 
     hidden = np.maximum(enc(x, p.fc1) @ fc1.T, 0).astype(np.float32)
     hidden = enc(hidden, p.fc2).astype(np.float64)
@@ -82,7 +97,7 @@ def residuals(n_tokens: int, seed: int = 1) -> np.ndarray:
 
 @pytest.mark.parametrize("fc1_type", TYPES)
 @pytest.mark.parametrize("fc2_type", TYPES)
-@pytest.mark.parametrize("n_tokens", [8, 64])  # decoding (the kernels) and a prompt block (dequantized rows)
+@pytest.mark.parametrize("n_tokens", [8, 64])  # decoding (the kernels) and a prompt block (rows in bfloat16 or BLAS)
 def test_cpu_predictor_from_stored_type_agrees_with_float32_rule(fc1_type, fc2_type, n_tokens):
     p = random_predictor(fc1_type, fc2_type, CpuBackend())
     x = residuals(n_tokens)
@@ -95,7 +110,8 @@ def test_cpu_predictor_from_stored_type_agrees_with_float32_rule(fc1_type, fc2_t
     # Against the float32 rule: scores move by the input's rounding only, and so do the decisions.
     exact = np.maximum(x @ fc1.T, 0) @ fc2.T
     worst = {Q.F32: 1e-5, Q.F16: 1e-3, Q.Q8_0: 0.01, Q.Q4_0: 0.01}
-    allowed = max(worst[m.qtype] if encodes(m, n_tokens) else 1e-5 for m in (p.fc1, p.fc2))
+    allowed = max(0.01 if in_bfloat16(m, n_tokens) else worst[m.qtype] if encodes(m, n_tokens) else 1e-5
+                  for m in (p.fc1, p.fc2))
     assert np.sqrt(np.mean((scores - exact) ** 2)) <= allowed * np.sqrt(np.mean(exact**2))
     flipped = p(x) != reference
     moved_across = (emulated >= 0) != (exact >= 0)

@@ -5,8 +5,8 @@
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
     block_matmul, block_row_sum                                           matvec's and row_axpy's products
                                                                           for a prompt: dequantized for BLAS
-    bf16_row_sum(m, coeffs, rows)                                         row_axpy's for a prompt over q4_0
-                                                                          rows, in bfloat16 (AVX-512 BF16)
+    bf16_matmul, bf16_row_sum                                             the same in bfloat16 products (AVX-512
+                                                                          BF16; row_sum: q4_0 rows)
 
 ``rows=None`` means every row. Both match ``QuantMatrix.matmul`` / ``weighted_row_sum``, the NumPy
 reference, except that ``matvec`` encodes x the way llama.cpp does before ``vec_dot``: as the weight
@@ -31,6 +31,7 @@ import warnings
 import numpy as np
 
 from powerinfer_tools.formats import weight_types
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -199,11 +200,38 @@ def block_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None, s
 
 def bf16_row_sums(m: QuantMatrix) -> bool:
     """Whether ``bf16_row_sum`` takes ``m`` here: q4_0 rows, the compiled kernels in use, a CPU with AVX-512 BF16."""
-    if m.qtype != weight_types.Q4_0 or not available():
+    return m.qtype == weight_types.Q4_0 and _bf16_products()
+
+
+def bf16_matmuls(m: QuantMatrix) -> bool:
+    """Whether ``bf16_matmul`` takes ``m`` here: a quantized type (whose own rounding is far coarser than
+    bfloat16's; f32 and f16 matrices, kept in floats for their precision, stay with BLAS), rows of a multiple
+    of 32 weights, the compiled kernels in use, a CPU with AVX-512 BF16."""
+    return WEIGHT_TYPES[m.qtype].block_size > 1 and m.cols % 32 == 0 and _bf16_products()
+
+
+def _bf16_products() -> bool:
+    if not available():
         return False
     from powerinfer_tools.kernels import numba_bf16
 
     return numba_bf16.available()
+
+
+def bf16_matmul(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """``matvec``'s product for a block of tokens (``bf16_matmuls``), both sides rounded to bfloat16 and summed in
+    float32 (``numba_bf16.matmul``): each thread's rows dequantized a chunk at a time, as ``block_matmul``'s,
+    but multiplied with ``vdpbf16ps`` instead of BLAS's float32."""
+    from powerinfer_tools.kernels import numba_bf16
+
+    x, rows = _checked_input(x, m.cols, "x"), _checked_rows(m, rows)
+    threads = _backend()[0].use_threads(_threads)
+    chunk = numba_bf16.chunk_rows(m.cols)
+    out = np.empty((x.shape[0], len(rows)), dtype=np.float32)
+    numba_bf16.matmul(_to_float(m), weight_bytes(m), rows, x, out, np.empty((threads, chunk, m.cols), np.float32),
+                      np.empty((threads, chunk, m.cols), np.uint16),
+                      np.empty((threads, numba_bf16.TOKENS, 32), dtype=np.float32))
+    return out
 
 
 def bf16_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

@@ -1,19 +1,21 @@
-"""A prompt's down projection over q4_0 ``ffn_down_t`` in bfloat16 products: ``out [T, cols] = coeffs [T, n] @
-W[rows]`` for many tokens, without dequantizing the rows to float32 for BLAS.
+"""A prompt's products that have no int8 GEMM of ggml's here, in bfloat16 products (AVX-512 BF16's ``vdpbf16ps``:
+32 products an instruction, twice float32's FMA, summed in float32), where they were dequantized for BLAS:
 
-``ffn_down_t`` keeps the down projection transposed (a row per neuron, its scales along the output), so the
-int8 GEMMs of ggml, which want each output's weights and scales along the sum, do not apply. Here each thread
-takes a share of the 32-column blocks of the output; for one block it unpacks every row's 32 weights into
-bfloat16 (``nibble - 8`` times the block's scale, rounded to nearest even: 8 significant bits, against the
-quantization's own 4), interleaved two rows at a time as ``vdpbf16ps`` reads them, once into a slab that stays
-in its L2; then eight tokens at a time run down the slab, each step one broadcast pair of a token's bfloat16
-coefficients times the slab's pair of rows into 2 x 16 float32 sums (AVX-512 BF16: 32 products an
-instruction, twice float32's FMA). The coefficients are rounded to bfloat16 once per product.
+* ``row_sum``: ``out [T, cols] = coeffs [T, n] @ W[rows]`` over q4_0 ``ffn_down_t``, which keeps the down
+  projection transposed (a row per neuron, its scales along the output), so ggml's GEMMs, which want each
+  output's weights and scales along the sum, do not apply. Each thread takes a share of the 32-column blocks
+  of the output; for one block it unpacks every row's 32 weights into bfloat16 (``nibble - 8`` times the
+  block's scale, rounded to nearest even), interleaved two rows at a time as ``vdpbf16ps`` reads them, once
+  into a slab that stays in its L2; then eight tokens at a time run down the slab, each step one broadcast
+  pair of a token's bfloat16 coefficients times the slab's pair of rows into 2 x 16 float32 sums.
+* ``matmul``: ``out [T, len(rows)] = x [T, K] @ W[rows].T`` over rows of any type ggml's ``to_float``
+  dequantizes (k-quants, q5_0, q8_0, f16, f32): the same tile (``_tile``) with the roles swapped, the tokens'
+  inputs 32 to a slab, eight dequantized rows at a time broadcast against it.
 
-Rounding both sides to bfloat16 errs by ~2^-9 of each product's size, against ggml's q8_0 rounding of its
-input to 1/254 of each block's largest (the dense file's GEMM): the sums stay within the tolerance of the
-prompt's other products (tests/test_numba_bf16.py). Without AVX-512 BF16 the same sums are spelled in plain
-vector IR (``available`` says which; the runtime takes BLAS there), as ``numba_vnni`` does for its intrinsic.
+Rounding weight and input to bfloat16 errs by at most 2^-8 of each product's size, finer than the q8_0
+rounding ggml's GEMMs give their input (1/127 of each block's largest): tests/test_numba_bf16.py. Without
+AVX-512 BF16 the same sums are spelled in plain vector IR (``available`` says which; the runtime takes BLAS
+there), as ``numba_vnni`` does for its intrinsic.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.kernels.numba_blocks import dequantize_rows
 from powerinfer_tools.kernels.numba_kernels import BLOCK, load, splat
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
@@ -188,6 +191,15 @@ def _padded(n):
     return -(-n // 32) * 32
 
 
+_CHUNK_BYTES = 512 << 10  # a thread's chunk of rows, as float32 and bfloat16: in its L2 while the tiles read it
+
+
+def chunk_rows(cols: int) -> int:
+    """Rows a thread of ``matmul`` dequantizes at a time (``floats`` and ``rounded_rows``): a multiple of
+    ``TOKENS``."""
+    return max(TOKENS, _CHUNK_BYTES // (6 * cols) // TOKENS * TOKENS)
+
+
 def slab_bytes(n: int) -> int:
     """A thread's slab for ``n`` rows (``row_sum``'s ``slabs``)."""
     return _padded(n) // 2 * _PAIR_BYTES
@@ -219,6 +231,46 @@ def row_sum(weights, rows, coeffs, out, slabs, tiles):
                 for i in range(min(TOKENS, n_tokens - t)):
                     for c in range(BLOCK):
                         out[t + i, block * BLOCK + c] = tile[i, c]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def matmul(to_float, weights, rows, x, out, floats, rounded_rows, tiles):
+    """``out [T, len(rows)] = x [T, K] @ W[rows].T`` for rows of any type ggml's ``to_float`` dequantizes (0: f32
+    rows), ``K`` a multiple of 32, ``x`` float32 with contiguous rows. The roles of ``row_sum`` swapped: the
+    tokens' bfloat16 pairs, 32 tokens to a slab, are the vector side, and eight weight rows at a time the
+    broadcast side. Each thread dequantizes its share of the rows a chunk at a time into ``floats`` and
+    rounds them into ``rounded_rows`` (``[threads, chunk, K]``, chunk a multiple of ``TOKENS``); ``tiles``
+    float32 ``[threads, TOKENS, 32]``."""
+    n_tokens, k = x.shape
+    n_blocks, n, chunk = -(-n_tokens // 32), rows.shape[0], floats.shape[1]
+    rounded = np.zeros((n_blocks * 32, k), np.uint16)  # zeros: the tokens past the last
+    for t in prange(n_tokens):
+        _round_span(x[t].ctypes.data, rounded[t].ctypes.data, k // 32)
+    pairs = rounded.view(np.uint32)
+    slabs = np.empty((n_blocks, k // 2, 32), np.uint32)  # slabs[b, p, c]: pair p of token 32 b + c
+    for b in prange(n_blocks):
+        for p in range(k // 2):
+            for c in range(32):
+                slabs[b, p, c] = pairs[32 * b + c, p]
+    n_threads = floats.shape[0]
+    for thread in prange(n_threads):
+        first, stop = _share(-(-n // TOKENS), thread, n_threads)  # groups of eight rows
+        buffer, weights_bf16, tile = floats[thread], rounded_rows[thread], tiles[thread]
+        for start in range(first * TOKENS, stop * TOKENS, chunk):
+            end = min(start + chunk, stop * TOKENS)
+            dequantize_rows(to_float, weights, rows, start, min(end, n), buffer)
+            for i in range(start, end):
+                if i >= n:  # the last group's rows past the last: zeros (a loop: see numba_blocks.dequantize_rows)
+                    for j in range(k):
+                        buffer[i - start, j] = 0
+                _round_span(buffer[i - start].ctypes.data, weights_bf16[i - start].ctypes.data, k // 32)
+            for g in range(start, end, TOKENS):
+                for b in range(n_blocks):
+                    _tile(slabs[b].ctypes.data, weights_bf16[g - start].ctypes.data, weights_bf16.strides[0], k // 2,
+                          tile.ctypes.data)
+                    for i in range(min(TOKENS, n - g)):
+                        for c in range(min(32, n_tokens - 32 * b)):
+                            out[32 * b + c, g + i] = tile[i, c]
 
 
 drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)

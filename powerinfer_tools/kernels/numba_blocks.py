@@ -53,7 +53,7 @@ def cblas_sgemm(typingctx, fn, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc):
 
 
 @njit(inline="always")
-def _dequantize(to_float, weights, rows, first, stop, buffer):
+def dequantize_rows(to_float, weights, rows, first, stop, buffer):
     """``buffer[: stop - first]`` = rows ``rows[first:stop]`` of ``weights`` as float32: ``to_float``, or the bytes
     themselves where it is 0 (f32 rows)."""
     cols = buffer.shape[1]
@@ -84,7 +84,7 @@ def products(to_float, sgemm, weights, rows, a, buffers, out, sums):
         b = buffers[thread].ctypes.data
         for start in range(first, stop, chunk):
             end = min(start + chunk, stop)
-            _dequantize(to_float, weights, rows, start, end, buffers[thread])
+            dequantize_rows(to_float, weights, rows, start, end, buffers[thread])
             if sums:  # out[thread] += a[:, start:end] @ these rows
                 cblas_sgemm(sgemm, _NO_TRANS, tokens, cols, end - start, a.ctypes.data + 4 * start, lda, b, cols,
                             np.float32(1), out.ctypes.data + thread * out.strides[0], cols)

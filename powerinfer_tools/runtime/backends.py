@@ -36,7 +36,8 @@ class CpuBackend:
 
     Products go through the compiled kernels (``powerinfer_tools.kernels``), which
     fall back to the NumPy reference when they cannot load; blocks of more tokens
-    than the kernels take (prompts) go through ``_BlockProducts``.
+    than the kernels take (prompts) go through ggml's GEMM (q4_0 matrices used whole), bfloat16 products
+    (``kernels.bf16_matmul`` / ``bf16_row_sum``, on a CPU with AVX-512 BF16), or ``_BlockProducts``.
     """
 
     name = "cpu"
@@ -59,6 +60,8 @@ class CpuBackend:
             # interleaved for this product alone, ggml's GEMM with the copy takes 128 tokens 1.4-2.2x as fast
             # as dequantizing for BLAS (AVX-512 VNNI EPYC; 1536 x 576 to 11008 x 4096).
             return kernels.interleaved_matmul(kernels.for_whole_products(m), x)
+        if kernels.bf16_matmuls(m):
+            return kernels.bf16_matmul(m, x, rows)
         return self._blocks.matmul(m, x, rows)
 
     def row_sum(self, m: QuantMatrix, coeffs: np.ndarray, rows=None) -> np.ndarray:
