@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import functools
 
-import llvmlite.binding
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -33,55 +31,39 @@ from numba.extending import intrinsic
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_blocks import dequantize_rows
-from powerinfer_tools.kernels.numba_kernels import BLOCK, load, splat
+from powerinfer_tools.kernels.numba_kernels import BLOCK, compiles_for, const, decode_q4_0, load, splat, store, vec
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
 TOKENS = 8  # a tile's tokens: 2 x 8 float32 sums in registers, of AVX-512's 32
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q4_0].block_bytes
 _PAIR_BYTES = 2 * BLOCK * 2  # two rows' 32 weights as bfloat16, interleaved: one slab step
 _FEATURES = ("avx512f", "avx512bw", "avx512bf16")
-_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-_HALF = ir.HalfType()
+_I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
 @functools.cache
 def available() -> bool:
     """Whether numba compiles for a CPU with ``vdpbf16ps``: the host's features, or those NUMBA_CPU_FEATURES
     lists (NUMBA_CPU_NAME naming another CPU: no)."""
-    if numba.config.CPU_FEATURES is not None:
-        listed = set(numba.config.CPU_FEATURES.split(","))
-        return all(f"+{name}" in listed for name in _FEATURES)
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    features = llvmlite.binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in _FEATURES)
+    return compiles_for(_FEATURES)
 
 
-def _vec(t, n):
-    return ir.VectorType(t, n)
 
-
-def _const(t, n, values):
-    return ir.Constant(_vec(t, n), list(values))
-
-
-def _store(builder, value, addr):
-    builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
 
 
 def _to_bf16(builder, floats):
     """float32 lanes as bfloat16 bit patterns (int16), rounded to nearest even (the values here are finite)."""
     n = floats.type.count
-    bits = builder.bitcast(floats, _vec(_I32, n))
-    odd = builder.and_(builder.lshr(bits, _const(_I32, n, [16] * n)), _const(_I32, n, [1] * n))
-    rounded = builder.add(bits, builder.add(odd, _const(_I32, n, [0x7FFF] * n)))
-    return builder.trunc(builder.lshr(rounded, _const(_I32, n, [16] * n)), _vec(_I16, n))
+    bits = builder.bitcast(floats, vec(_I32, n))
+    odd = builder.and_(builder.lshr(bits, const(_I32, n, [16] * n)), const(_I32, n, [1] * n))
+    rounded = builder.add(bits, builder.add(odd, const(_I32, n, [0x7FFF] * n)))
+    return builder.trunc(builder.lshr(rounded, const(_I32, n, [16] * n)), vec(_I16, n))
 
 
 def _from_bf16(builder, words):
     """bfloat16 bit patterns (int16 lanes) as float32: exact."""
     n = words.type.count
-    return builder.bitcast(builder.shl(builder.zext(words, _vec(_I32, n)), _const(_I32, n, [16] * n)), _vec(_F32, n))
+    return builder.bitcast(builder.shl(builder.zext(words, vec(_I32, n)), const(_I32, n, [16] * n)), vec(_F32, n))
 
 
 def _dpbf16ps(builder, acc, pairs, broadcast):
@@ -89,12 +71,12 @@ def _dpbf16ps(builder, acc, pairs, broadcast):
     ``broadcast`` (each 32 int16 bit patterns). Without AVX-512 BF16, the same sum in plain vector IR."""
     if not available():
         for half in range(2):
-            pick = _const(_I32, 16, range(half, 32, 2))
+            pick = const(_I32, 16, range(half, 32, 2))
             a = _from_bf16(builder, builder.shuffle_vector(pairs, pairs, pick))
             b = _from_bf16(builder, builder.shuffle_vector(broadcast, broadcast, pick))
             acc = builder.fadd(acc, builder.fmul(a, b))
         return acc
-    i32x16, f32x16 = _vec(_I32, 16), _vec(_F32, 16)
+    i32x16, f32x16 = vec(_I32, 16), vec(_F32, 16)
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x16, [f32x16, i32x16, i32x16]),
                                         "llvm.x86.avx512bf16.dpbf16ps.512")
     return builder.call(fn, [acc, builder.bitcast(pairs, i32x16), builder.bitcast(broadcast, i32x16)])
@@ -110,9 +92,9 @@ def _round_span(typingctx, source, target, n_chunks):
         with cgutils.for_range(builder, n_) as loop:
             at = builder.mul(loop.index, ir.Constant(_I64, 32 * 4))
             halves = [_to_bf16(builder, load(builder, builder.add(source_, builder.add(at, ir.Constant(_I64, 64 * h))),
-                                            _vec(_F32, 16))) for h in range(2)]
-            words = builder.shuffle_vector(halves[0], halves[1], _const(_I32, 32, range(32)))
-            _store(builder, words, builder.add(target_, builder.mul(loop.index, ir.Constant(_I64, 64))))
+                                            vec(_F32, 16))) for h in range(2)]
+            words = builder.shuffle_vector(halves[0], halves[1], const(_I32, 32, range(32)))
+            store(builder, words, builder.add(target_, builder.mul(loop.index, ir.Constant(_I64, 64))))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -120,13 +102,8 @@ def _round_span(typingctx, source, target, n_chunks):
 
 def _block_values(builder, block):
     """A q4_0 block's 32 weights as bfloat16: (nibble - 8) x its scale."""
-    quants = load(builder, builder.add(block, ir.Constant(_I64, 2)), _vec(_I8, 16))
-    low = builder.and_(quants, _const(_I8, 16, [0x0F] * 16))
-    high = builder.lshr(quants, _const(_I8, 16, [4] * 16))
-    nibbles = builder.zext(builder.shuffle_vector(low, high, _const(_I32, 32, range(32))), _vec(_I32, 32))
-    values = builder.sitofp(builder.sub(nibbles, _const(_I32, 32, [8] * 32)), _vec(_F32, 32))
-    scale = builder.fpext(load(builder, block, _HALF), _F32)
-    return _to_bf16(builder, builder.fmul(values, splat(builder, scale, 32)))
+    values, scale = decode_q4_0(builder, block)
+    return _to_bf16(builder, builder.fmul(values, splat(builder, scale, BLOCK)))
 
 
 @intrinsic
@@ -140,7 +117,7 @@ def _unpack_pair(typingctx, block_a, block_b, target):
         va, vb = _block_values(builder, a), _block_values(builder, b)
         for half in range(2):
             order = [x for c in range(16 * half, 16 * half + 16) for x in (c, 32 + c)]
-            _store(builder, builder.shuffle_vector(va, vb, _const(_I32, 32, order)),
+            store(builder, builder.shuffle_vector(va, vb, const(_I32, 32, order)),
                    builder.add(target_, ir.Constant(_I64, 64 * half)))
         return context.get_dummy_value()
 
@@ -155,20 +132,20 @@ def _tile(typingctx, slab, coeffs, coeffs_stride, n_pairs, out):
 
     def codegen(context, builder, signature, args):
         slab_, coeffs_, stride_, n_, out_ = args
-        zero = ir.Constant(_vec(_F32, 16), [0.0] * 16)
+        zero = ir.Constant(vec(_F32, 16), [0.0] * 16)
         sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(TOKENS)]
         with cgutils.for_range(builder, n_) as loop:
             step = builder.add(slab_, builder.mul(loop.index, ir.Constant(_I64, _PAIR_BYTES)))
-            pairs = [load(builder, builder.add(step, ir.Constant(_I64, 64 * h)), _vec(_I16, 32)) for h in range(2)]
+            pairs = [load(builder, builder.add(step, ir.Constant(_I64, 64 * h)), vec(_I16, 32)) for h in range(2)]
             at = builder.add(coeffs_, builder.mul(loop.index, ir.Constant(_I64, 4)))
             for t in range(TOKENS):
                 pair = load(builder, builder.add(at, builder.mul(stride_, ir.Constant(_I64, t))), _I32)
-                broadcast = builder.bitcast(splat(builder, pair, 16), _vec(_I16, 32))
+                broadcast = builder.bitcast(splat(builder, pair, 16), vec(_I16, 32))
                 for h in range(2):
                     builder.store(_dpbf16ps(builder, builder.load(sums[t][h]), pairs[h], broadcast), sums[t][h])
         for t in range(TOKENS):
             for h in range(2):
-                _store(builder, builder.load(sums[t][h]), builder.add(out_, ir.Constant(_I64, 128 * t + 64 * h)))
+                store(builder, builder.load(sums[t][h]), builder.add(out_, ir.Constant(_I64, 128 * t + 64 * h)))
         return context.get_dummy_value()
 
     return sig, codegen

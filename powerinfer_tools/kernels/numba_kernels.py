@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import llvmlite.binding
 import numpy as np
 import numba
 from llvmlite import ir
@@ -137,6 +138,31 @@ def splat(builder, value, n):
     vec = ir.VectorType(value.type, n)
     one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def const(t, n, values):
+    """An ``n``-lane vector constant of type ``t``."""
+    return ir.Constant(vec(t, n), list(values))
+
+
+def store(builder, value, addr):
+    builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
+
+
+def compiles_for(features: tuple[str, ...]) -> bool:
+    """Whether numba compiles for a CPU with ``features`` (LLVM's names): the host's features, or those
+    NUMBA_CPU_FEATURES lists (NUMBA_CPU_NAME naming another CPU: no)."""
+    if numba.config.CPU_FEATURES is not None:
+        listed = set(numba.config.CPU_FEATURES.split(","))
+        return all(f"+{name}" in listed for name in features)
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    host = llvmlite.binding.get_host_cpu_features()
+    return all(host.get(name, False) for name in features)
 
 
 def offset(builder, addr, n):
@@ -273,7 +299,7 @@ def _decode_q8_0(builder, block):  # f16 scale, then 32 int8
     return builder.sitofp(ints, ir.VectorType(_FLOAT, BLOCK)), _scale(builder, block)
 
 
-def _decode_q4_0(builder, block):  # f16 scale, then 16 bytes: low nibbles are elements 0-15, high 16-31
+def decode_q4_0(builder, block):  # f16 scale, then 16 bytes: low nibbles are elements 0-15, high 16-31
     # widened to 32 bits first: one zero-extending load, then the nibbles' and/shift in 32-bit lanes
     packed = builder.zext(load(builder, offset(builder, block, 2), ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
     low = builder.and_(packed, ir.Constant(ir.VectorType(_I32, 16), [0x0F] * 16))
@@ -373,7 +399,7 @@ def _row_axpy(decode):
 
 
 _axpy_q8_0, _row_axpy_q8_0 = _block_axpy(_decode_q8_0), _row_axpy(_decode_q8_0)
-_axpy_q4_0, _row_axpy_q4_0 = _block_axpy(_decode_q4_0), _row_axpy(_decode_q4_0)
+_axpy_q4_0, _row_axpy_q4_0 = _block_axpy(decode_q4_0), _row_axpy(decode_q4_0)
 _axpy_f16, _row_axpy_f16 = _block_axpy(_decode_f16), _row_axpy(_decode_f16)
 _axpy_f32, _row_axpy_f32 = _block_axpy(_decode_f32), _row_axpy(_decode_f32)
 

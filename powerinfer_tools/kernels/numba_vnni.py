@@ -25,9 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import llvmlite.binding
 import numpy as np
-import numba
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -35,8 +33,8 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, ggml_from_float, lane_sum, load, offset,
-                                                     prefetch, splat)
+from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, compiles_for, const, ggml_from_float, lane_sum,
+                                                     load, offset, prefetch, splat, store, vec)
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
@@ -88,13 +86,7 @@ _Q8_0_GROUP_COLS, _Q8_0_X_BYTES = _Q8_0_ROWS.group_cols, _Q8_0_ROWS.encoded_grou
 def available() -> bool:
     """Whether numba compiles for a CPU with the instructions ``row_dot`` uses: the host's features,
     or those NUMBA_CPU_FEATURES lists (NUMBA_CPU_NAME naming another CPU without them: no)."""
-    if numba.config.CPU_FEATURES is not None:
-        listed = set(numba.config.CPU_FEATURES.split(","))
-        return all(f"+{name}" in listed for name in _FEATURES)
-    if numba.config.CPU_NAME not in (None, "host"):
-        return False
-    features = llvmlite.binding.get_host_cpu_features()
-    return all(features.get(name, False) for name in _FEATURES)
+    return compiles_for(_FEATURES)
 
 
 def usable(qtype: int, cols: int) -> bool:
@@ -107,16 +99,7 @@ def encoded_bytes(qtype: int, cols: int) -> int:
     return cols // rows.group_cols * rows.encoded_group_bytes
 
 
-def _vec(t, n):
-    return ir.VectorType(t, n)
 
-
-def _const(t, n, values):
-    return ir.Constant(_vec(t, n), list(values))
-
-
-def _store(builder, value, addr):
-    builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
 
 
 def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
@@ -125,11 +108,11 @@ def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
     For a CPU without it the same sum is spelled in plain vector IR: the functions that hold these
     kernels are compiled everywhere (the choice between them and ggml's is made at run time), and
     LLVM cannot compile the intrinsic for a CPU that lacks it."""
-    i32x16 = _vec(_I32, _LANES)
+    i32x16 = vec(_I32, _LANES)
     if not available():
-        products = builder.mul(builder.zext(unsigned_bytes, _vec(_I32, 64)), builder.sext(signed_bytes, _vec(_I32, 64)))
+        products = builder.mul(builder.zext(unsigned_bytes, vec(_I32, 64)), builder.sext(signed_bytes, vec(_I32, 64)))
         for k in range(4):
-            acc = builder.add(acc, builder.shuffle_vector(products, products, _const(_I32, _LANES, range(k, 64, 4))))
+            acc = builder.add(acc, builder.shuffle_vector(products, products, const(_I32, _LANES, range(k, 64, 4))))
         return acc
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x16, [i32x16] * 3),
                                         "llvm.x86.avx512.vpdpbusd.512")
@@ -139,28 +122,28 @@ def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
 def _weight_operands(builder, fmt: _Rows, quants):
     """The group's weights as unsigned bytes, one 64-byte operand each (see the module doc)."""
     if fmt.qtype == Q4_0:
-        return [builder.and_(quants, _const(_I8, 64, [0x0F] * 64)), builder.lshr(quants, _const(_I8, 64, [4] * 64))]
-    return [builder.xor(quants, _const(_I8, 64, [0x80] * 64))]
+        return [builder.and_(quants, const(_I8, 64, [0x0F] * 64)), builder.lshr(quants, const(_I8, 64, [4] * 64))]
+    return [builder.xor(quants, const(_I8, 64, [0x80] * 64))]
 
 
 def _group_product(builder, fmt: _Rows, row_group, x_group):
     """16 float lanes whose sum is one group's share of the dot product (see the module doc)."""
-    first = load(builder, row_group, _vec(_I8, 64))
+    first = load(builder, row_group, vec(_I8, 64))
     tail = fmt.group_bytes - 64  # the second load ends where the group ends
-    second = load(builder, offset(builder, row_group, tail), _vec(_I8, 64))
+    second = load(builder, offset(builder, row_group, tail), vec(_I8, 64))
     where = [fmt.block_bytes * k + 2 + j for k in range(fmt.blocks) for j in range(fmt.quant_bytes)]
-    quants = builder.shuffle_vector(first, second, _const(_I32, 64, [p if p < 64 else 64 + p - tail for p in where]))
+    quants = builder.shuffle_vector(first, second, const(_I32, 64, [p if p < 64 else 64 + p - tail for p in where]))
     operands = 64 * fmt.operands
-    sums = load(builder, offset(builder, x_group, operands + 4 * _LANES), _vec(_I32, _LANES))  # the offsets
+    sums = load(builder, offset(builder, x_group, operands + 4 * _LANES), vec(_I32, _LANES))  # the offsets
     for i, weights in enumerate(_weight_operands(builder, fmt, quants)):
-        sums = _vpdpbusd(builder, sums, weights, load(builder, offset(builder, x_group, 64 * i), _vec(_I8, 64)))
+        sums = _vpdpbusd(builder, sums, weights, load(builder, offset(builder, x_group, 64 * i), vec(_I8, 64)))
     lanes = _LANES // fmt.blocks
-    words = builder.bitcast(first, _vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
-    scales = builder.shuffle_vector(words, words, _const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
+    words = builder.bitcast(first, vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
+    scales = builder.shuffle_vector(words, words, const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
                                                                          for lane in range(_LANES)]))
-    scales = builder.fpext(builder.bitcast(scales, _vec(_HALF, _LANES)), _vec(_F32, _LANES))
-    scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), _vec(_F32, _LANES)))
-    return builder.fmul(builder.sitofp(sums, _vec(_F32, _LANES)), scales, flags=("contract",))
+    scales = builder.fpext(builder.bitcast(scales, vec(_HALF, _LANES)), vec(_F32, _LANES))
+    scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), vec(_F32, _LANES)))
+    return builder.fmul(builder.sitofp(sums, vec(_F32, _LANES)), scales, flags=("contract",))
 
 
 def _row_dot(fmt: _Rows):
@@ -170,7 +153,7 @@ def _row_dot(fmt: _Rows):
 
         def codegen(context, builder, signature, args):
             row_, x_, n_groups_, ahead_ = args
-            total = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, _LANES), [0.0] * _LANES))
+            total = cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, _LANES), [0.0] * _LANES))
             with cgutils.for_range(builder, n_groups_) as loop:
                 at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
                 for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
@@ -205,18 +188,18 @@ def _encode_group(fmt: _Rows):
             lanes, operands = _LANES // fmt.blocks, 64 * fmt.operands
             for k in range(fmt.blocks):
                 block = offset(builder, blocks_, k * Q8_0_BLOCK_BYTES)
-                values = load(builder, offset(builder, block, 2), _vec(_I8, BLOCK))
+                values = load(builder, offset(builder, block, 2), vec(_I8, BLOCK))
                 for o in range(fmt.operands):  # operand o meets values o*q .. of each block, q = quant bytes
                     q = fmt.quant_bytes
-                    part = builder.shuffle_vector(values, values, _const(_I32, q, range(o * q, o * q + q)))
-                    _store(builder, part, offset(builder, out_, 64 * o + q * k))
+                    part = builder.shuffle_vector(values, values, const(_I32, q, range(o * q, o * q + q)))
+                    store(builder, part, offset(builder, out_, 64 * o + q * k))
                 scale = builder.fpext(load(builder, block, _HALF), _F32)
-                total = _lane_sum_int(builder, builder.sext(values, _vec(_I32, BLOCK)))
+                total = _lane_sum_int(builder, builder.sext(values, vec(_I32, BLOCK)))
                 start = builder.mul(total, ir.Constant(_I32, -fmt.zero))
                 for lane in range(lanes):
                     at = 4 * (lanes * k + lane)
-                    _store(builder, scale, offset(builder, out_, operands + at))
-                    _store(builder, start if lane == 0 else ir.Constant(_I32, 0),
+                    store(builder, scale, offset(builder, out_, operands + at))
+                    store(builder, start if lane == 0 else ir.Constant(_I32, 0),
                            offset(builder, out_, operands + 4 * _LANES + at))
             return context.get_dummy_value()
 
@@ -287,28 +270,28 @@ _INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * WEIGHT_TYPES[weight_types.Q4_0].b
 def _splat_bytes(builder, addr):
     """The 8 bytes at ``addr`` repeated eight times, as 64 int8."""
     one = load(builder, addr, _I64)
-    lanes = builder.insert_element(ir.Constant(_vec(_I64, 8), ir.Undefined), one, ir.Constant(_I32, 0))
-    lanes = builder.shuffle_vector(lanes, lanes, _const(_I32, 8, [0] * 8))
-    return builder.bitcast(lanes, _vec(_I8, 64))
+    lanes = builder.insert_element(ir.Constant(vec(_I64, 8), ir.Undefined), one, ir.Constant(_I32, 0))
+    lanes = builder.shuffle_vector(lanes, lanes, const(_I32, 8, [0] * 8))
+    return builder.bitcast(lanes, vec(_I8, 64))
 
 
 def _interleaved_block(builder, block, x_block, sums):
     """16 float lanes whose pairs (2r, 2r + 1) sum to row r's share of one 32-column block."""
     nibbles = []
     for half in range(2):  # ggml stores each nibble XOR 8, a signed 4-bit value: undo it
-        quants = load(builder, offset(builder, block, 16 + 64 * half), _vec(_I8, 64))
+        quants = load(builder, offset(builder, block, 16 + 64 * half), vec(_I8, 64))
         for shift in (0, 4):
-            part = builder.lshr(quants, _const(_I8, 64, [shift] * 64)) if shift else quants
-            nibbles.append(builder.xor(builder.and_(part, _const(_I8, 64, [0x0F] * 64)), _const(_I8, 64, [8] * 64)))
+            part = builder.lshr(quants, const(_I8, 64, [shift] * 64)) if shift else quants
+            nibbles.append(builder.xor(builder.and_(part, const(_I8, 64, [0x0F] * 64)), const(_I8, 64, [8] * 64)))
     low_first, high_first, low_second, high_second = nibbles  # values 0-7, 16-23, 8-15, 24-31 of each row
-    acc = ir.Constant(_vec(_I32, 16), [0] * 16)
+    acc = ir.Constant(vec(_I32, 16), [0] * 16)
     for values, first_value in ((low_first, 0), (low_second, 8), (high_first, 16), (high_second, 24)):
         acc = _vpdpbusd(builder, acc, values, _splat_bytes(builder, offset(builder, x_block, 2 + first_value)))
-    halves = load(builder, block, _vec(_HALF, _INTERLEAVED_ROWS))
-    scales = builder.fpext(builder.shuffle_vector(halves, halves, _const(_I32, 16, [lane // 2 for lane in range(16)])),
-                           _vec(_F32, 16))
+    halves = load(builder, block, vec(_HALF, _INTERLEAVED_ROWS))
+    scales = builder.fpext(builder.shuffle_vector(halves, halves, const(_I32, 16, [lane // 2 for lane in range(16)])),
+                           vec(_F32, 16))
     x_scale, x_offset = (splat(builder, load(builder, offset(builder, sums, 4 * k), _F32), _LANES) for k in range(2))
-    product = builder.fmul(builder.sitofp(acc, _vec(_F32, 16)), builder.fmul(scales, x_scale), flags=("contract",))
+    product = builder.fmul(builder.sitofp(acc, vec(_F32, 16)), builder.fmul(scales, x_scale), flags=("contract",))
     return builder.fadd(product, builder.fmul(scales, x_offset, flags=("contract",)), flags=("contract",))
 
 
@@ -321,7 +304,7 @@ def interleaved_group(typingctx, group, x_q8_0, sums, n_blocks, out):
 
     def codegen(context, builder, signature, args):
         group_, x_, sums_, n_blocks_, out_ = args
-        total = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 16), [0.0] * 16))
+        total = cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, 16), [0.0] * 16))
         with cgutils.for_range(builder, n_blocks_) as loop:
             b = loop.index
             here = builder.add(group_, builder.mul(b, ir.Constant(_I64, _INTERLEAVED_BLOCK_BYTES)))
@@ -332,9 +315,9 @@ def interleaved_group(typingctx, group, x_q8_0, sums, n_blocks, out):
                                       builder.add(sums_, builder.mul(b, ir.Constant(_I64, 8))))
             builder.store(builder.fadd(builder.load(total), part, flags=("contract",)), total)
         lanes = builder.load(total)
-        rows = builder.fadd(builder.shuffle_vector(lanes, lanes, _const(_I32, 8, range(0, 16, 2))),
-                            builder.shuffle_vector(lanes, lanes, _const(_I32, 8, range(1, 16, 2))))
-        _store(builder, rows, out_)
+        rows = builder.fadd(builder.shuffle_vector(lanes, lanes, const(_I32, 8, range(0, 16, 2))),
+                            builder.shuffle_vector(lanes, lanes, const(_I32, 8, range(1, 16, 2))))
+        store(builder, rows, out_)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -349,10 +332,10 @@ def _block_sums(typingctx, block, out):
     def codegen(context, builder, signature, args):
         block_, out_ = args
         d = builder.fpext(load(builder, block_, _HALF), _F32)
-        total = _lane_sum_int(builder, builder.sext(load(builder, offset(builder, block_, 2), _vec(_I8, BLOCK)),
-                                                   _vec(_I32, BLOCK)))
-        _store(builder, d, out_)
-        _store(builder, builder.fmul(builder.fmul(d, ir.Constant(_F32, -4.0)), builder.sitofp(total, _F32)),
+        total = _lane_sum_int(builder, builder.sext(load(builder, offset(builder, block_, 2), vec(_I8, BLOCK)),
+                                                   vec(_I32, BLOCK)))
+        store(builder, d, out_)
+        store(builder, builder.fmul(builder.fmul(d, ir.Constant(_F32, -4.0)), builder.sitofp(total, _F32)),
                offset(builder, out_, 4))
         return context.get_dummy_value()
 
