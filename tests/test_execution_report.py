@@ -58,9 +58,10 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     from powerinfer_tools.kernels import numba_bf16
 
     down = "bfloat16 products (AVX-512 BF16)" if numba_bf16.available() else "dequantized for BLAS"
+    rows = "ggml GEMM on an interleaved copy" if kernels.ggml_routines().interleaved else down  # x86 with AVX2
     assert report[-1] == ("prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons "
-                          f"(kernels.batched) while they are under 30% of them, else their union | down ffn_down_t "
-                          f"q4_0, {down}")
+                          f"(kernels.batched) while they are under 30% of them, else their union | rows q4_0: {rows} | "
+                          f"ffn_down_t q4_0: {down}")
     assert LLM.load(sparse_bundled).description.endswith(", tokens decoded by the compiled decoder")
 
 

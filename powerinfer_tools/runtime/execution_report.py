@@ -66,7 +66,7 @@ def execution_report(model) -> list[str]:
             lines.append(_group_line(first, layers[first:i]))
             first = i
     lines.append(f"output head: {one_token_product(model.output, model.head_backend)}")
-    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}{_prompt_down(model)}")
+    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}{_prompt_products(model)}")
     return lines
 
 
@@ -202,21 +202,43 @@ def _prompt_ffn(model) -> str:
     return f"{model.mode.value} FFN: {own} their union, in {taking} of {len(cpu)} CPU partitions; the union elsewhere"
 
 
-def _prompt_down(model) -> str:
-    """How a block of tokens multiplies ``ffn_down_t`` on the CPU (``CpuBackend.row_sum``): q4_0 rows in bfloat16
-    products where the CPU has AVX-512 BF16 (``kernels.bf16_row_sums``), else dequantized for BLAS; nothing
-    to say for a file without it."""
-    cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True)
-           if p.down_t is not None and not p.backend.is_device]
-    if not cpu:
-        return ""
+def _prompt_products(model) -> str:
+    """How a block of tokens multiplies the host's matrices kept as rows (``CpuBackend.matmul`` and ``row_sum``
+    beyond the one-token kernels; interleaved ones take ggml's GEMM, as the layer lines say): a q4_0 matrix
+    used whole through ggml's GEMM on an interleaved copy, other quantized rows and q4_0 ``ffn_down_t`` in
+    bfloat16 products where the CPU has AVX-512 BF16 (``kernels.bf16_matmuls`` / ``bf16_row_sums``), the rest
+    dequantized for BLAS; nothing to say where no matrix is kept as rows."""
+    rows, down_t = [], []
+    for layer in model.layers:
+        d = layer.dense
+        if not d.backend.is_device:
+            rows += [m for m in (d.wq, d.wk, d.wv, d.wo) if not isinstance(m, InterleavedQ4)]
+        for p in _partitions(layer, every_expert=True):
+            if not p.backend.is_device:
+                rows += [m for m in (p.gate, p.up, p.down) if m is not None and not isinstance(m, InterleavedQ4)]
+                down_t += [p.down_t] if p.down_t is not None else []
+    parts = []
+    if rows:
+        parts.append("rows " + _by_way((m, _block_way(kernels.interleaves(m), kernels.bf16_matmuls(m))) for m in rows))
+    if down_t:
+        parts.append(f"{DOWN_T} " + _by_way((m, _block_way(False, kernels.bf16_row_sums(m))) for m in down_t))
+    return "".join(f" | {part}" for part in parts)
 
-    def way(m) -> str:
-        if not kernels.available():
-            return REFERENCE
-        return "bfloat16 products (AVX-512 BF16)" if kernels.bf16_row_sums(m) else "dequantized for BLAS"
 
-    return f" | down {DOWN_T} " + _distinct(f"{WEIGHT_TYPES[p.down_t.qtype].name}, {way(p.down_t)}" for p in cpu)
+def _block_way(interleaves: bool, in_bf16: bool) -> str:
+    if not kernels.available():
+        return REFERENCE
+    if interleaves:
+        return "ggml GEMM on an interleaved copy"
+    return "bfloat16 products (AVX-512 BF16)" if in_bf16 else "dequantized for BLAS"
+
+
+def _by_way(matrices_and_ways) -> str:
+    """``q5_0, q4_k: bfloat16 products / f16: dequantized for BLAS``: each way once, with its types in order."""
+    types: dict[str, dict[str, None]] = {}
+    for m, way in matrices_and_ways:
+        types.setdefault(way, {})[WEIGHT_TYPES[m.qtype].name] = None
+    return " / ".join(f"{', '.join(names)}: {way}" for way, names in types.items())
 
 
 def _thresholded_prompt_ffn(model) -> str:
