@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_blocks import dequantize_rows
+from powerinfer_tools.kernels.numba_blocks import dequantize_rows, share
 from powerinfer_tools.kernels.numba_kernels import BLOCK, compiles_for, const, decode_q4_0, load, splat, store, vec
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
@@ -46,9 +46,6 @@ def available() -> bool:
     """Whether numba compiles for a CPU with ``vdpbf16ps``: the host's features, or those NUMBA_CPU_FEATURES
     lists (NUMBA_CPU_NAME naming another CPU: no)."""
     return compiles_for(_FEATURES)
-
-
-
 
 
 def _to_bf16(builder, floats):
@@ -151,11 +148,6 @@ def _tile(typingctx, slab, coeffs, coeffs_stride, n_pairs, out):
     return sig, codegen
 
 
-@njit(inline="always")
-def _share(n, thread, n_threads):
-    return thread * n // n_threads, (thread + 1) * n // n_threads
-
-
 @njit(nogil=True, cache=True)
 def _round_scalar(value):
     """One float32 as ``_to_bf16`` rounds it (a span's tail)."""
@@ -196,7 +188,7 @@ def row_sum(weights, rows, coeffs, out, slabs, tiles):
             rounded[t, i] = _round_scalar(coeffs[t, i])
     w, row_bytes, n_threads = weights.ctypes.data, weights.strides[0], slabs.shape[0]
     for thread in prange(n_threads):
-        first, stop = _share(cols // BLOCK, thread, n_threads)
+        first, stop = share(cols // BLOCK, thread, n_threads)
         slab, tile = slabs[thread].ctypes.data, tiles[thread]
         for block in range(first, stop):
             at = w + block * _Q4_0_BLOCK_BYTES
@@ -231,7 +223,7 @@ def matmul(to_float, weights, rows, x, out, floats, rounded_rows, tiles):
                 slabs[b, p, c] = pairs[32 * b + c, p]
     n_threads = floats.shape[0]
     for thread in prange(n_threads):
-        first, stop = _share(-(-n // TOKENS), thread, n_threads)  # groups of eight rows
+        first, stop = share(-(-n // TOKENS), thread, n_threads)  # groups of eight rows
         buffer, weights_bf16, tile = floats[thread], rounded_rows[thread], tiles[thread]
         for start in range(first * TOKENS, stop * TOKENS, chunk):
             end = min(start + chunk, stop * TOKENS)

@@ -67,7 +67,8 @@ def dequantize_rows(to_float, weights, rows, first, stop, buffer):
 
 
 @njit(inline="always")
-def _share(n, thread, n_threads):
+def share(n, thread, n_threads):
+    """Thread ``thread``'s contiguous share ``[first, stop)`` of ``n`` items."""
     return thread * n // n_threads, (thread + 1) * n // n_threads
 
 
@@ -80,7 +81,7 @@ def products(to_float, sgemm, weights, rows, a, buffers, out, sums):
     n, chunk, cols = rows.shape[0], buffers.shape[1], buffers.shape[2]
     tokens, lda = a.shape[0], a.strides[0] // 4
     for thread in prange(buffers.shape[0]):
-        first, stop = _share(n, thread, buffers.shape[0])
+        first, stop = share(n, thread, buffers.shape[0])
         b = buffers[thread].ctypes.data
         for start in range(first, stop, chunk):
             end = min(start + chunk, stop)
