@@ -115,7 +115,7 @@ def _unpack_pair(typingctx, block_a, block_b, target):
         for half in range(2):
             order = [x for c in range(16 * half, 16 * half + 16) for x in (c, 32 + c)]
             store(builder, builder.shuffle_vector(va, vb, const(_I32, 32, order)),
-                   builder.add(target_, ir.Constant(_I64, 64 * half)))
+                  builder.add(target_, ir.Constant(_I64, 64 * half)))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -160,6 +160,20 @@ def _padded(n):
     return -(-n // 32) * 32
 
 
+@njit(inline="always")
+def _rounded(a, rows_multiple):
+    """The rows of ``a`` (float32, each contiguous) as bfloat16, zero-padded to a multiple of ``rows_multiple``
+    rows and of 32 columns: the tiles read whole groups of both."""
+    n_rows, n_cols = a.shape
+    out = np.zeros((-(-n_rows // rows_multiple) * rows_multiple, _padded(n_cols)), np.uint16)
+    whole = n_cols // 32 * 32
+    for t in prange(n_rows):
+        _round_span(a[t].ctypes.data, out[t].ctypes.data, n_cols // 32)
+        for i in range(whole, n_cols):
+            out[t, i] = _round_scalar(a[t, i])
+    return out
+
+
 _CHUNK_BYTES = 512 << 10  # a thread's chunk of rows, as float32 and bfloat16: in its L2 while the tiles read it
 
 
@@ -180,12 +194,8 @@ def row_sum(weights, rows, coeffs, out, slabs, tiles):
     ``coeffs`` float32 with contiguous rows. Scratch: ``slabs`` uint8 ``[threads, slab_bytes(n)]`` and ``tiles``
     float32 ``[threads, TOKENS, 32]``."""
     n_tokens, n_rows = coeffs.shape
-    cols, n, whole = out.shape[1], _padded(n_rows), n_rows // 32 * 32
-    rounded = np.zeros((-(-n_tokens // TOKENS) * TOKENS, n), np.uint16)  # zeros: the tokens and rows past the last
-    for t in prange(n_tokens):
-        _round_span(coeffs[t].ctypes.data, rounded[t].ctypes.data, n_rows // 32)
-        for i in range(whole, n_rows):
-            rounded[t, i] = _round_scalar(coeffs[t, i])
+    cols, n = out.shape[1], _padded(n_rows)
+    rounded = _rounded(coeffs, TOKENS)
     w, row_bytes, n_threads = weights.ctypes.data, weights.strides[0], slabs.shape[0]
     for thread in prange(n_threads):
         first, stop = share(cols // BLOCK, thread, n_threads)
@@ -212,10 +222,7 @@ def matmul(to_float, weights, rows, x, out, floats, rounded_rows, tiles):
     float32 ``[threads, TOKENS, 32]``."""
     n_tokens, k = x.shape
     n_blocks, n, chunk = -(-n_tokens // 32), rows.shape[0], floats.shape[1]
-    rounded = np.zeros((n_blocks * 32, k), np.uint16)  # zeros: the tokens past the last
-    for t in prange(n_tokens):
-        _round_span(x[t].ctypes.data, rounded[t].ctypes.data, k // 32)
-    pairs = rounded.view(np.uint32)
+    pairs = _rounded(x, 32).view(np.uint32)
     slabs = np.empty((n_blocks, k // 2, 32), np.uint32)  # slabs[b, p, c]: pair p of token 32 b + c
     for b in prange(n_blocks):
         for p in range(k // 2):

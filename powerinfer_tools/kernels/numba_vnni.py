@@ -99,9 +99,6 @@ def encoded_bytes(qtype: int, cols: int) -> int:
     return cols // rows.group_cols * rows.encoded_group_bytes
 
 
-
-
-
 def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
     """``acc`` (16 int32) plus, per lane, the sum of four products of unsigned and signed bytes. The
     intrinsic is declared with int32 operands, the form LLVM before 21 takes and newer ones upgrade.
@@ -140,7 +137,7 @@ def _group_product(builder, fmt: _Rows, row_group, x_group):
     lanes = _LANES // fmt.blocks
     words = builder.bitcast(first, vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
     scales = builder.shuffle_vector(words, words, const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
-                                                                         for lane in range(_LANES)]))
+                                                                        for lane in range(_LANES)]))
     scales = builder.fpext(builder.bitcast(scales, vec(_HALF, _LANES)), vec(_F32, _LANES))
     scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), vec(_F32, _LANES)))
     return builder.fmul(builder.sitofp(sums, vec(_F32, _LANES)), scales, flags=("contract",))
@@ -200,7 +197,7 @@ def _encode_group(fmt: _Rows):
                     at = 4 * (lanes * k + lane)
                     store(builder, scale, offset(builder, out_, operands + at))
                     store(builder, start if lane == 0 else ir.Constant(_I32, 0),
-                           offset(builder, out_, operands + 4 * _LANES + at))
+                          offset(builder, out_, operands + 4 * _LANES + at))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -336,7 +333,7 @@ def _block_sums(typingctx, block, out):
                                                    vec(_I32, BLOCK)))
         store(builder, d, out_)
         store(builder, builder.fmul(builder.fmul(d, ir.Constant(_F32, -4.0)), builder.sitofp(total, _F32)),
-               offset(builder, out_, 4))
+              offset(builder, out_, 4))
         return context.get_dummy_value()
 
     return sig, codegen

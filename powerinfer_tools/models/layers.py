@@ -370,5 +370,5 @@ def feed_forward(
         hook(FFNTrace(layer, x, residual, gate_pre, up_pre, activated))
     if thresholds is not None:
         selected = kept(gate_activation(kind)(gate_pre), thresholds.cats)
-        activated = only(activated, selected & kept(activated, thresholds.ffn_down))
+        activated = thresholded(only(activated, selected), thresholds.ffn_down)
     return linear(activated, w.down, w.down_bias)

@@ -77,8 +77,7 @@ def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, ste
         if part is None:
             _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is above
             activated = gated(kind, gate, up_pre)
-            keep = chosen if t.ffn_down is None else chosen & kept(activated, t.ffn_down)
-            activated = only(activated, keep)
+            activated = thresholded(only(activated, chosen), t.ffn_down)
             step.bytes_read += len(p.neurons) * p.bytes_per_neuron
             part = p.backend.row_sum(p.down_t, activated, rows)
         part = move(part, p.backend, home)
