@@ -4,8 +4,8 @@
 
 After a 99-token prompt it times, for every layer in turn, the three calls a layer makes
 (``runtime/compiled_decode.py``, ``ffn_decode.py``): ``decode_attention`` (the attention, then what chooses the
-neurons: the predictor, or CATS's whole gate product and selection), the gate/up loop over the
-chosen neurons, and the down projection (with TEAL's selection where the file has it); then the
+neurons: the predictor, or CATS's whole gate product and selection), the chosen neurons' activations
+(their gate and up rows, or whole products where the loader interleaved the matrices), and the down projection (with TEAL's selection where the file has it); then the
 output head, and whole steps for comparison. Medians per layer, times the layer count. Layers are
 timed on the model's own weights in memory order, so the weights come from memory as in a real
 step (the KV cache position is held fixed, and the residual is a random vector, which only moves
@@ -26,7 +26,6 @@ from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.runtime import compiled_decode as cd
 from powerinfer_tools.runtime import ffn_decode as fd
 from powerinfer_tools.runtime.loader import load_runtime_model
-from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs
 
 
 @njit
@@ -35,20 +34,13 @@ def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, kind, sparse,
 
 
 @njit
-def _gate_up(w, s, n, sparse, kind, fns):
-    rows = s.active[:n].copy() if sparse else s.all_rows[:n].copy()
-    fd.gate_up(w, s, rows, s.all_rows[:n], kind + fd.GATE_GIVEN if sparse and w.cats >= 0 else kind, fns)
-    return rows
+def _gate_up(w, s, n, sparse, kind, fns, n_threads):
+    return fd.activations(w, s, n, kind, sparse, fns, n_threads).copy()
 
 
 @njit
 def _down(x, w, s, rows, sparse, fns, n_threads):
-    if sparse and w.ffn_down >= 0:
-        m = drop_small_down_inputs(s, rows, w.ffn_down)
-        fd.down(x, w, s, s.down_rows[:m], fns, n_threads)
-        return m
-    fd.down(x, w, s, rows, fns, n_threads)
-    return rows.shape[0]
+    return fd.down_of_activations(x, w, s, rows, sparse, fns, n_threads)
 
 
 def main():
@@ -95,7 +87,7 @@ def _time_layers(decoder, spec, caches, args) -> dict[str, list]:
             n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, kind, sparse,
                            decoder.fns, threads)
             chosen = time.perf_counter()
-            rows = _gate_up(w, s, n, sparse, kind, decoder.fns)
+            rows = _gate_up(w, s, n, sparse, kind, decoder.fns, threads)
             computed = time.perf_counter()
             m = _down(residual, w, s, rows, sparse, decoder.fns, threads)
             done = time.perf_counter()

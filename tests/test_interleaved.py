@@ -16,7 +16,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import InterleavedQ4, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.runtime import engine
+from powerinfer_tools.runtime import engine, loader
 from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -162,24 +162,38 @@ def cats_file(tmp_path_factory):
                            progress=False).powerinfer
 
 
+@pytest.mark.parametrize("whole_up", [True, False])
 @pytest.mark.parametrize("mode", [FFNMode.DENSE, FFNMode.SPARSE])
-def test_a_cats_models_gate_is_interleaved_and_computes_the_same(cats_file, monkeypatch, mode):
-    """Its up and down rows are read by neuron, its gate whole. Sparse, a gate product within float32
+def test_a_cats_models_gate_is_interleaved_and_computes_the_same(cats_file, monkeypatch, mode, whole_up):
+    """Its gate is computed whole, and so is up where CATS keeps at least ``loader.WHOLE_UP_SHARE`` of the
+    neurons (this file: half), else up's rows are read by neuron, as down's are. Sparse, a gate product within float32
     summation order of CATS's threshold can tip a neuron either way: most steps agree closely, all on
-    the top token."""
+    the top token. A step counts what it reads: a matrix computed whole, whole."""
     tokens = np.random.default_rng(1).integers(0, 4096, 16)
+    for share in ("WHOLE_UP_SHARE", "WHOLE_UP_SHARE_VNNI_ROWS"):  # this file keeps half, below or above them
+        monkeypatch.setattr(loader, share, 0.4 if whole_up else 0.6)
     model = load_runtime_model(cats_file)
     model.mode = mode
-    assert all(isinstance(layer.partitions[0].gate, InterleavedQ4) and isinstance(layer.partitions[0].up, QuantMatrix)
-               for layer in model.layers)
+    partitions = [layer.partitions[0] for layer in model.layers]
+    assert all(isinstance(p.gate, InterleavedQ4) and isinstance(p.up, InterleavedQ4 if whole_up else QuantMatrix)
+               for p in partitions)
     assert model.compiled_decoder() is not None
-    monkeypatch.setattr(kernels, "interleaves", lambda m: False)
-    stored = load_runtime_model(cats_file)
+    with monkeypatch.context() as patched:
+        patched.setattr(kernels, "interleaves", lambda m: False)
+        stored = load_runtime_model(cats_file)
     stored.mode = mode
     (steps, _), (want, _) = _decode(model, tokens), _decode(stored, tokens)
     close = np.abs(steps - want).max(axis=1) < 1e-4 * np.abs(want).max()
     assert close.mean() >= (1.0 if mode is FFNMode.DENSE else 0.75)
     assert np.array_equal(steps.argmax(axis=1), want.argmax(axis=1))
+
+    caches = model.new_cache()
+    model.forward(tokens[:4], caches)
+    model.stats = TokenStats()
+    model.forward(tokens[4:5], caches)
+    whole = sum(m.nbytes for p in partitions for m in (p.gate, p.up) if isinstance(m, InterleavedQ4))
+    rows = partitions[0].down_t.row_bytes + (0 if whole_up else partitions[0].up.row_bytes)
+    assert model.stats.bytes_read == model.static_bytes + whole + model.stats.neurons_active * rows
 
 
 def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthesized_tiny, monkeypatch):

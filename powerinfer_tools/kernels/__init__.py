@@ -133,6 +133,17 @@ def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None)
     return out
 
 
+def vnni_rows(m: QuantMatrix) -> bool:
+    """Whether one token's rows of ``m``, read one by one, take ``numba_vnni``'s row product over all their
+    columns here (the compiled decoder's gate and up rows, ``ffn_decode.rows_take_vnni``, q4_0: a tail of
+    columns short of its groups goes through ggml's ``vec_dot``)."""
+    if not available() or m.qtype != weight_types.Q4_0:
+        return False
+    from powerinfer_tools.kernels import numba_vnni  # needs numba, which the compiled path has
+
+    return numba_vnni.usable(int(m.qtype), m.cols)
+
+
 def interleaves(m: QuantMatrix) -> bool:
     """Whether ``for_whole_products`` gives ``m`` a new layout here."""
     ggml = ggml_routines()

@@ -8,6 +8,7 @@ makes one call per matrix: ggml's routine then streams its groups with nothing i
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from powerinfer_tools.formats.weight_types import Q4_0, Q8_0, WEIGHT_TYPES
@@ -18,6 +19,8 @@ from powerinfer_tools.kernels.numba_cache import drop_stale
 
 _Q8_0_BLOCK_BYTES = WEIGHT_TYPES[Q8_0].block_bytes  # x's encoding for the products
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[Q4_0].block_bytes
+NO_GROUPS = np.zeros((0, 1), np.uint8)  # a matrix of no rows for ``gemv_fused``'s unused third, typed as the others
+NO_GROUPS.flags.writeable = False
 
 
 @njit(parallel=True, nogil=True, cache=True)

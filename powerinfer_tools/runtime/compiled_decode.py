@@ -87,8 +87,9 @@ class LayerWeights(structref.StructRefProxy):
     one vec_dot partner type; ``ffn_type`` for gate and up, one type), so the input is encoded once for them
     (``CompiledDecoder.build`` checks). ``attn_gemv``: the address of
     ggml's gemv when q, k, v and o are interleaved q4_0 (``kernels.interleaved``; their bytes are then
-    ``[rows / 8, 8 * row_bytes]``), else 0; ``ffn_gemv`` likewise for a dense file's gate, up and down,
-    which are then always computed whole, and ``gate_gemv`` for a gate alone (CATS reads all of it);
+    ``[rows / 8, 8 * row_bytes]``), else 0; ``gate_gemv``, ``up_gemv`` and ``down_gemv`` likewise for each of
+    the FFN's matrices, which is then always computed whole (a dense file's three; a CATS gate, which it reads
+    whole to choose, and the up of a CATS layer that computes most neurons: ``loader.WHOLE_UP_SHARE``);
     ``q_norm, k_norm`` (per head), ``post_attn_norm, post_ffn_norm`` (of each block's output): Gemma 3's
     further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by;
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and the whole groups
@@ -103,7 +104,7 @@ class Scratch(structref.StructRefProxy):
 
 structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_types", "attn_gemv", "bq", "bk", "bv", "rope_halves",
-    "ffn_norm", "gate", "up", "ffn_type", "ffn_gemv", "down", "down_type", "down_transposed",
+    "ffn_norm", "gate", "up", "ffn_type", "up_gemv", "down", "down_type", "down_transposed", "down_gemv",
     "vnni", "fc1", "fc1_type", "fc2", "fc2_type",
     "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
     "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "attn_scale",
@@ -287,6 +288,7 @@ class CompiledDecoder:
     general_layer: Callable  # ``RuntimeModel.general_layer``: how it does
     row_bytes: list[tuple[int, int, int] | None]  # per compiled layer: a neuron's gate, up and down bytes (TokenStats)
     cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
+    whole_up: list[bool]  # per layer: every up row is read, interleaved (``loader.WHOLE_UP_SHARE``)
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
     # Per layer, float64 [head_dim / 2]: angle per position of each rotated pair (one array per (theta, scaling),
@@ -346,7 +348,9 @@ class CompiledDecoder:
                      for p, reason in zip((_units(layer)[0][0] for layer in model.layers), general)]
         cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
                 for layer in model.layers]
-        return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats,
+        whole_up = [reason is None and isinstance(_units(layer)[0][0].up, InterleavedQ4)
+                    for layer, reason in zip(model.layers, general)]
+        return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats, whole_up,
                    scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)],
                    [s.layer_window(i) for i in range(s.n_layers)], max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
@@ -377,8 +381,9 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for i, (w, row_bytes, cats, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
-                self.layers, self.row_bytes, self.cats, caches, self.neuron_caches, self.mixtures, self._at(pos))):
+        for i, (w, row_bytes, cats, whole_up, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
+                self.layers, self.row_bytes, self.cats, self.whole_up, caches, self.neuron_caches, self.mixtures,
+                self._at(pos))):
             if w is None:  # counts into ``step`` itself
                 residual[:] = self.general_layer(i, residual[None], cache, step)[0]
                 continue
@@ -402,7 +407,8 @@ class CompiledDecoder:
                 m = n
             step.neurons_total += s.d_ff * max(s.n_experts_used, 1)
             step.neurons_active += n
-            step.bytes_read += gate_bytes * (s.d_ff if sparse and cats else n) + up_bytes * n + down_bytes * m
+            step.bytes_read += (gate_bytes * (s.d_ff if sparse and cats else n) + up_bytes * (s.d_ff if whole_up else n)
+                                + down_bytes * m)
         return residual[None]
 
     def _at(self, pos: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -535,7 +541,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float, kind: F
         gemv if isinstance(d.wq, InterleavedQ4) else 0, bq, bk, bv, rope_halves,
         d.ffn_norm.weight, weight_bytes(p.gate), weight_bytes(p.up), int(p.gate.qtype),
         gemv if isinstance(p.up, InterleavedQ4) else 0,
-        weight_bytes(down), int(down.qtype), p.down_t is not None, numba_vnni.available(),
+        weight_bytes(down), int(down.qtype), p.down_t is not None, gemv if isinstance(down, InterleavedQ4) else 0,
+        numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
         cats_bounds(cats, kind) if cats >= 0 else np.zeros(4), gemv if isinstance(p.gate, InterleavedQ4) else 0,
@@ -560,13 +567,17 @@ def ffn_kernels(layer) -> tuple[str, str]:
     """How one token's gate/up and down products of ``layer``'s FFN run here (a mixture's experts share their
     gate/up type: ``layer_refusal``)."""
     p = _units(layer)[0][0]
-    if isinstance(p.up, InterleavedQ4):  # ffn_gemv: a dense file's FFN, computed whole
-        return _interleaved_kernel(), _interleaved_kernel()
+    whole = _interleaved_kernel()
     vnni = rows_take_vnni.py_func(numba_vnni.available(), int(p.gate.qtype), p.up.cols)
     rows = f"{_type_name(p.up)} rows, {'AVX-512 VNNI' if vnni else 'ggml vec_dot'}"
-    gate_up = f"gate whole ({_interleaved_kernel()}), up {rows}" if isinstance(p.gate, InterleavedQ4) else rows
-    down = (f"{_DOWN_T} {_type_name(p.down_t)}, axpy of ours" if p.down_t is not None
-            else f"{_DOWN} {_type_name(p.down)} rows, ggml vec_dot")
+    if isinstance(p.up, InterleavedQ4):  # up_gemv (the gate is then interleaved too: loader._partition)
+        gate_up = whole
+    else:
+        gate_up = f"gate whole ({whole}), up {rows}" if isinstance(p.gate, InterleavedQ4) else rows
+    if p.down_t is not None:
+        down = f"{_DOWN_T} {_type_name(p.down_t)}, axpy of ours"
+    else:
+        down = whole if isinstance(p.down, InterleavedQ4) else f"{_DOWN} {_type_name(p.down)} rows, ggml vec_dot"
     return gate_up, down
 
 

@@ -430,7 +430,7 @@ class RuntimeModel(Engine):
             computed = n_rows * n_tokens if mask is None else int(part_mask.sum())
             step.neurons_active += computed
             step.neurons_on_device += computed if p.backend.is_device else 0
-            step.bytes_read += n_rows * p.bytes_per_neuron
+            step.bytes_read += p.bytes_read(n_rows)
             work.append((p, active[mine], part_mask))
 
         def run(p: FFNPartition, ids: np.ndarray, part_mask):

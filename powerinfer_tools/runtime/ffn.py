@@ -17,6 +17,7 @@ import numpy as np
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
+from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
 from powerinfer_tools.runtime.neuron_cache import NeuronCache
@@ -62,10 +63,10 @@ class FFNPartition:
     backend: object
     neurons: np.ndarray  # sorted global neuron ids
     row_of: np.ndarray  # [d_ff] int64
-    up: QuantMatrix
+    up: QuantMatrix | InterleavedQ4  # interleaved where computed whole (a dense file, loader.WHOLE_UP_SHARE)
     down_t: Optional[QuantMatrix]  # [d_ff, d_model], neuron-major: what sparse execution reads
     down: Optional[QuantMatrix] = None  # [d_model, d_ff] of a dense file: all neurons at once only
-    gate: Optional[QuantMatrix] = None
+    gate: Optional[QuantMatrix | InterleavedQ4] = None  # likewise (and a CATS gate)
     gate_bias: Optional[np.ndarray] = None
     up_bias: Optional[np.ndarray] = None
     # Under a RAM budget: the neuron cache whose rows these matrices are; ``row_of`` is its map and
@@ -77,6 +78,12 @@ class FFNPartition:
         gate = self.gate.row_bytes if self.gate is not None else 0
         down = self.down_t.row_bytes if self.down_t is not None else self.down.nbytes // self.down.cols
         return gate + self.up.row_bytes + down
+
+    def bytes_read(self, n_rows: int) -> int:
+        """Bytes one token reads computing ``n_rows`` of these neurons: their rows, except a gate or up kept
+        interleaved, which is computed whole (a CATS gate; ``loader.WHOLE_UP_SHARE``)."""
+        whole = [m for m in (self.gate, self.up) if isinstance(m, InterleavedQ4)]
+        return n_rows * self.bytes_per_neuron + sum(m.nbytes - n_rows * m.row_bytes for m in whole)
 
     def activations(self, kind: FFNKind, x, neurons: np.ndarray):
         """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""

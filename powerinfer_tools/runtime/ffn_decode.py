@@ -1,8 +1,9 @@
 """The compiled decoder's FFN for one token (``runtime/compiled_decode.py`` runs it as part of a layer's call):
 which neurons the predictor chooses (``predict``), their gate and up rows with the activation (``gate_up``), the
-down projection (``down``: an axpy over ``ffn_down_t``'s rows, or a dense file's rows), and the FFN's variants
-built from those three: dense or sparse (``ffn``; CATS and TEAL through ``thresholded_decode``), a dense file's
-interleaved FFN (``_interleaved_ffn``), one routed expert of a mixture (``expert_ffn``, weighted by
+down projection (``down``: an axpy over ``ffn_down_t``'s rows, or a dense file's matrix), and the FFN's variants
+built from those three: dense or sparse (``ffn``; CATS and TEAL through ``thresholded_decode``; gate and up each
+computed whole where the loader interleaved it: a dense file's, a CATS gate, the up of a layer that computes most
+of its neurons), one routed expert of a mixture (``expert_ffn``, weighted by
 ``compiled_decode.Mixture``) and a layer whose rows are a neuron cache's (``cached_ffn``). A change to the
 arithmetic of one of them is made here; the general path's counterparts are ``runtime/ffn.py``,
 ``runtime/thresholded_ffn.py`` and ``runtime/neuron_cache.py``.
@@ -27,8 +28,6 @@ from powerinfer_tools.kernels.numba_cache import drop_stale
 # Added to an FFN kind (``compiled_decode``'s integers): its gate products are already computed for every neuron
 # (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
 GATE_GIVEN = 8
-_NO_GROUPS = np.zeros((0, 1), np.uint8)  # an interleaved matrix of no rows, typed as weight_bytes' views
-_NO_GROUPS.flags.writeable = False
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[nk.Q4_0].block_bytes
 
 
@@ -157,7 +156,10 @@ def down(x, w, s, rows, fns, n_threads):
         nk.axpy_rows_one_token(w.down_type, w.down, rows, act.reshape((1, n)), x.reshape((1, d_model)), n_threads)
     else:  # a dense file's ffn_down [d_model, d_ff] (dense mode only): row dots with the activations
         ggml_from_float(fns[w.down_type, 0], act.ctypes.data, s.x_encoded.ctypes.data, n)
-        nk.matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
+        if w.down_gemv:
+            numba_interleaved.gemv(w.down_gemv, w.down, s.x_encoded, n, s.o, n_threads, w.vnni)
+        else:
+            nk.matvec(fns[w.down_type, 1], w.down, s.x_encoded, n, s.o)
         x += s.o
 
 
@@ -179,36 +181,43 @@ def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
 def ffn(x, w, s, n, kind, sparse, fns, n_threads):
     """Add the FFN's output for the ``n`` neurons ``decode_attention`` chose to ``x``; returns the number of
     neurons computed and of down rows read."""
-    if w.ffn_gemv:  # a dense file's FFN, interleaved
-        _interleaved_ffn(x, w, s, kind, fns, n_threads)
-        return n, n
-    rows = s.active[:n] if sparse else s.all_rows[:n]
-    gate_given = sparse and w.cats >= 0
-    if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's, in dense mode) is computed whole
-        whole_gate(w, s, x.shape[0], fns, n_threads)
-        gate_given = True
-    gate_up(w, s, rows, s.all_rows[:n], kind + GATE_GIVEN if gate_given else kind, fns)
-    if sparse and w.ffn_down >= 0:
-        m = drop_small_down_inputs(s, rows, w.ffn_down)
-        down(x, w, s, s.down_rows[:m], fns, n_threads)
-        return n, m
-    down(x, w, s, rows, fns, n_threads)
-    return n, n
+    rows = activations(w, s, n, kind, sparse, fns, n_threads)
+    return n, down_of_activations(x, w, s, rows, sparse, fns, n_threads)
 
 
 @njit(nogil=True, cache=True)
-def _interleaved_ffn(x, w, s, kind, fns, n_threads):
-    """Add a whole FFN of interleaved q4_0 matrices (``ffn_gemv``; the normed input encoded in
-    ``s.x_encoded``) to the residual ``x``: gate and up in one parallel loop, the activations, the down
-    projection."""
-    d_model, d_ff = x.shape[0], s.act.shape[0]
-    numba_interleaved.gemv_fused(w.ffn_gemv, w.gate, w.up, _NO_GROUPS, s.x_encoded, d_model, s.gate_out, s.up_out,
-                                 s.o[:0], n_threads, w.vnni)
-    for i in range(d_ff):
-        s.act[i] = nk.gated_activation(kind, s.gate_out[i], s.up_out[i])
-    ggml_from_float(fns[w.down_type, 0], s.act.ctypes.data, s.x_encoded.ctypes.data, d_ff)
-    numba_interleaved.gemv(w.ffn_gemv, w.down, s.x_encoded, d_ff, s.o, n_threads, w.vnni)
-    x += s.o
+def activations(w, s, n, kind, sparse, fns, n_threads):
+    """The activated values ``s.act[:n]`` of the ``n`` neurons ``decode_attention`` chose; returns their rows."""
+    rows = s.active[:n] if sparse else s.all_rows[:n]
+    gate_given = sparse and w.cats >= 0  # CATS computed every gate product to choose (``thresholded_input``)
+    if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's in dense mode, a dense file's): whole
+        whole_gate(w, s, s.h.shape[0], fns, n_threads)
+        gate_given = True
+    if w.up_gemv:  # up computed whole beside the gate (``whole_gate``): the chosen neurons' activations from both
+        _given_activations(s, rows, kind)
+    else:
+        gate_up(w, s, rows, s.all_rows[:rows.shape[0]], kind + GATE_GIVEN if gate_given else kind, fns)
+    return rows
+
+
+@njit(nogil=True, cache=True)
+def down_of_activations(x, w, s, rows, sparse, fns, n_threads):
+    """Add the down projection of the activations ``s.act`` of the neurons in ``rows`` to ``x`` (those TEAL keeps,
+    where the file has its rule on the down projection's input); returns the number of down rows read."""
+    if sparse and w.ffn_down >= 0:
+        m = drop_small_down_inputs(s, rows, w.ffn_down)
+        down(x, w, s, s.down_rows[:m], fns, n_threads)
+        return m
+    down(x, w, s, rows, fns, n_threads)
+    return rows.shape[0]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _given_activations(s, rows, kind):
+    """``s.act[i]``: the activated value of the neuron in row ``rows[i]`` from every neuron's gate and up
+    products (``s.predicted``, ``s.up_out``, by row)."""
+    for i in range(rows.shape[0]):
+        s.act[i] = nk.gated_activation(kind, s.predicted[rows[i]], s.up_out[rows[i]])
 
 
 def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:

@@ -44,6 +44,15 @@ from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, NeuronCache, N
 from powerinfer_tools.runtime.ram_budget import DEFAULT_CACHE_SHARE, RamPlan, RamState, plan_from_split, plan_ram
 
 DOWN_T = PowerInferTensor.FFN_DOWN_T
+# A CATS layer that keeps at least this share of its neurons (the file's calibrated mean) reads its up matrix whole,
+# interleaved beside the gate, rather than the chosen rows. One token's scattered q4_0 rows are read at about half
+# the rate of an interleaved matrix where part of a row goes through ggml's vec_dot (SmolLM2's 576 columns: four
+# VNNI groups and two blocks; ~12 against ~25 GB/s, examples/decode_breakdown.py), so past half of the rows the
+# whole matrix takes less time; rows the VNNI row product takes whole (``kernels.vnni_rows``) come near the whole
+# matrix's rate (Gemma 3's 640 columns at 80% kept: as fast either way, examples/prompt_ab.py --decode). The
+# interleaved copy replaces the rows: no memory is added.
+WHOLE_UP_SHARE = 0.5
+WHOLE_UP_SHARE_VNNI_ROWS = 0.85
 
 
 class _Tensors:
@@ -196,10 +205,11 @@ def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons
 
 
 def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, backend,
-               expert: int | None = None, whole_gate: bool = False) -> FFNPartition:
+               expert: int | None = None, whole_gate: bool = False, keeps: float = 0.0) -> FFNPartition:
     """The rows of ``neurons`` of one layer's FFN (or one expert's) on ``backend``: copied to a device, in
     place on the host. ``whole_gate``: the gate is always computed whole (CATS), so when the host has
-    every neuron it gets ``whole_matrix``'s layout."""
+    every neuron it gets ``whole_matrix``'s layout, and so does up where the rule keeps the share ``keeps`` of
+    the neurons that makes it pay (``WHOLE_UP_SHARE``)."""
     sparse_layout = tensors.has_ffn(DOWN_T, layer, expert)
     if not backend.is_device:
         rows = np.arange(d_ff)
@@ -227,6 +237,8 @@ def _partition(tensors: _Tensors, layer: int, neurons: np.ndarray, d_ff: int, ba
         gate, up, down_t, down = pick(T.FFN_GATE) if gated else None, pick(T.FFN_UP), pick(DOWN_T), None
         if gated and whole_gate and not backend.is_device and len(neurons) == d_ff:
             gate = tensors.whole_matrix(tensor_name(T.FFN_GATE, layer, expert=expert), gate)
+            if isinstance(gate, InterleavedQ4) and _reads_up_whole(keeps, up):  # the two computed in one pass
+                up = tensors.whole_matrix(tensor_name(T.FFN_UP, layer, expert=expert), up)
     else:  # a dense file, on the host: its FFN is only ever computed whole
         gate, up, down = _whole_ffn(tensors, [T.FFN_GATE] * gated + [T.FFN_UP, T.FFN_DOWN], layer)
         down_t = None
@@ -408,7 +420,8 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
 
 
 def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray | None, device, host,
-                cache: CacheSetup | None, expert: int | None = None, whole_gate: bool = False) -> list:
+                cache: CacheSetup | None, expert: int | None = None, whole_gate: bool = False,
+                keeps: float = 0.0) -> list:
     """A layer's FFN (or an expert's): the neurons ``gpu_mask`` marks on the device, the rest (all
     without a split) on the host, through a neuron cache under a RAM budget."""
     partitions = []
@@ -419,16 +432,16 @@ def _partitions(tensors: _Tensors, layer: int, d_ff: int, gpu_mask: np.ndarray |
     else:
         cold = all_neurons
     if len(cold):
-        partitions.append(_partition(tensors, layer, cold, d_ff, host, expert, whole_gate) if cache is None
+        partitions.append(_partition(tensors, layer, cold, d_ff, host, expert, whole_gate, keeps) if cache is None
                           else _cached_partition(tensors, layer, cold, cache, host, expert))
     return partitions
 
 
 def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_backend, host,
-           cache: CacheSetup | None, thresholds: LayerThresholds | None) -> RuntimeLayer:
+           cache: CacheSetup | None, thresholds: LayerThresholds | None, keeps: float) -> RuntimeLayer:
     """Layer ``i``: its dense block where the split puts it (the device when it holds the layer's hot
     neurons, unless the split says otherwise), its FFN partitions or its experts; ``thresholds`` choose its
-    neurons in sparse mode, instead of its predictor."""
+    neurons in sparse mode, instead of its predictor, keeping about the share ``keeps`` of them."""
     on_device = gpu_split is not None and (
         gpu_split.dense_on_gpu[i] if gpu_split.dense_on_gpu else gpu_split.masks[i].any()
     )
@@ -440,7 +453,7 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
         return _mixture_layer(tensors, i, dense, spec.d_ff, threshold, gpu_mask, device_backend, host, cache)
     cats = dense.thresholds is not None and dense.thresholds.cats is not None
     return RuntimeLayer(i, dense, _partitions(tensors, i, spec.d_ff, gpu_mask, device_backend, host, cache,
-                                              whole_gate=cats), spec.d_ff)
+                                              whole_gate=cats, keeps=keeps), spec.d_ff)
 
 
 def _check_fingerprint(gpu_split: GpuSplit, model: ModelFile, split_path: Path) -> None:
@@ -504,14 +517,14 @@ def load_runtime_model(
                                    "cuda, or --no-split")
             device_backend = None
     tensors, cache = _Tensors(model), None
-    layer_thresholds = _layer_thresholds(model, spec, ram, neuron_choice)
+    layer_thresholds, keeps = _layer_thresholds(model, spec, ram, neuron_choice)
     if ram is not None:
         file = NeuronFile(path)
         cache = _ram_setup(path, model, spec, file, gpu_split, split_path, ram, cache_policy, cache_share)
         tensors = _Tensors(model, file.reader)
 
     with _within_split_budget(split_path, path):
-        layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, layer_thresholds[i])
+        layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, layer_thresholds[i], keeps)
                   for i in range(spec.n_layers)]
         runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path,
                                  context_size)
@@ -522,15 +535,25 @@ def load_runtime_model(
     return runtime
 
 
-def _layer_thresholds(model: ModelFile, spec, ram: int | None, neuron_choice) -> list[LayerThresholds | None]:
+def _layer_thresholds(model: ModelFile, spec, ram: int | None, neuron_choice) -> tuple[list[LayerThresholds | None],
+                                                                                      float]:
     """Per layer, what chooses its neurons in sparse mode instead of a predictor: a SiLU model's thresholds, or a
-    ReLU family's whole gate (``gate_choice``); None where the predictor does."""
+    ReLU family's whole gate (``gate_choice``); None where the predictor does. Then the share of the neurons
+    the file's thresholds keep (calibrated for), 0 for a gate's choice (which keeps those that fire: a tenth)."""
     thresholds = read_thresholds(model.get, spec.n_layers, str(model.path))
     if ram is not None and thresholds is not None:
         raise PitoolsError(f"{model.path}: a thresholded model ({thresholds.rule.value}) under a RAM budget (--ram) "
                            "is not supported yet: its neuron choice reads every gate row")
     gate_chooses = gate_choices(model, spec, neuron_choice, ram)  # checked even where thresholds choose
-    return list(thresholds.layers) if thresholds else gate_chooses
+    if thresholds is None:
+        return gate_chooses, 0.0
+    return list(thresholds.layers), 1 - thresholds.target
+
+
+def _reads_up_whole(keeps: float, up: QuantMatrix) -> bool:
+    """Whether a CATS layer keeping the share ``keeps`` of its neurons takes less time reading ``up`` whole than
+    reading the rows it keeps (``WHOLE_UP_SHARE``)."""
+    return kernels.interleaves(up) and keeps >= (WHOLE_UP_SHARE_VNNI_ROWS if kernels.vnni_rows(up) else WHOLE_UP_SHARE)
 
 
 @contextlib.contextmanager

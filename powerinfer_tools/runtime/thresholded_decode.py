@@ -33,7 +33,7 @@ def thresholded_input(w, s, kind, fns, n_threads):
     ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
     computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose |gate
     activation| (a ReLU family's relu: those that fire) exceeds the threshold; without CATS every neuron is computed."""
-    d_model, d_ff = s.h.shape[0], w.up.shape[0]
+    d_model, d_ff = s.h.shape[0], s.act.shape[0]  # (up may be interleaved: not its rows)
     if w.ffn_in >= 0:
         for i in range(d_model):
             if abs(s.h[i]) <= w.ffn_in:
@@ -52,8 +52,13 @@ def thresholded_input(w, s, kind, fns, n_threads):
 
 @njit(nogil=True, cache=True)
 def whole_gate(w, s, d_model, fns, n_threads):
-    """Every neuron's gate product into ``s.predicted`` from the encoded input."""
-    if w.gate_gemv:
+    """Every neuron's gate product into ``s.predicted`` from the encoded input; where up is interleaved too
+    (``up_gemv``: a layer that computes most neurons, or a dense file's), every up product into ``s.up_out``
+    in the same parallel loop."""
+    if w.up_gemv:
+        numba_interleaved.gemv_fused(w.up_gemv, w.gate, w.up, numba_interleaved.NO_GROUPS, s.x_encoded, d_model,
+                                     s.predicted, s.up_out, s.o[:0], n_threads, w.vnni)
+    elif w.gate_gemv:
         numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
     else:
         nk.matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
