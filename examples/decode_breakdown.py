@@ -5,10 +5,10 @@
 After a 99-token prompt it times, for every layer in turn, the three calls a layer makes
 (``runtime/compiled_decode.py``, ``ffn_decode.py``): ``decode_attention`` (the attention, then what chooses the
 neurons: the predictor, or CATS's whole gate product and selection), the chosen neurons' activations
-(their gate and up rows, or whole products where the loader interleaved the matrices), and the down projection (with TEAL's selection where the file has it); then the
-output head, and whole steps for comparison. Medians per layer, times the layer count. Layers are
-timed on the model's own weights in memory order, so the weights come from memory as in a real
-step (the KV cache position is held fixed, and the residual is a random vector, which only moves
+(their gate and up rows, or whole products where the loader interleaved the matrices), and the down
+projection (with TEAL's selection where the file has it); then the output head, and whole steps for
+comparison. Medians per layer, times the layer count. Layers are timed on the model's own weights in memory
+order, so the weights come from memory as in a real step (the KV cache position is held fixed, and the residual is a random vector, which only moves
 the number of neurons chosen). For mixtures of experts and ``--ram`` it is not meant.
 """
 
