@@ -8,8 +8,9 @@ neurons: the predictor, or CATS's whole gate product and selection), the chosen 
 (their gate and up rows, or whole products where the loader interleaved the matrices), and the down
 projection (with TEAL's selection where the file has it); then the output head, and whole steps for
 comparison. Medians per layer, times the layer count. Layers are timed on the model's own weights in memory
-order, so the weights come from memory as in a real step (the KV cache position is held fixed, and the residual is a random vector, which only moves
-the number of neurons chosen). For mixtures of experts and ``--ram`` it is not meant.
+order, so the weights come from memory as in a real step, and the residual flows through them from a token's
+embedding, so that each layer chooses the neurons a real token's does (the KV cache position is held fixed).
+For mixtures of experts and ``--ram`` it is not meant.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from numba import njit
 from powerinfer_tools import kernels
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_kernels as nk
+from powerinfer_tools.models.layers import embedding_scale
 from powerinfer_tools.runtime import compiled_decode as cd
 from powerinfer_tools.runtime import ffn_decode as fd
 from powerinfer_tools.runtime.loader import load_runtime_model
+
+
+TOKEN = 5  # the token fed to the layers (and to the whole steps timed for comparison)
 
 
 @njit
@@ -58,7 +63,8 @@ def main():
     decoder, spec = model.compiled_decoder(), model.spec
     if decoder is None or spec.moe or not decoder.usable(model.mode, 1, caches):
         raise SystemExit(f"{args.model}: its steps do not take the compiled one-token path this script times")
-    times = _time_layers(decoder, spec, caches, args)
+    embedded = model.token_embd.dequantize_rows(np.array([TOKEN]))[0]
+    times = _time_layers(decoder, spec, caches, embedded * np.float32(embedding_scale(spec) or 1.0), args)
     for name, values in times.items():
         if name != "neurons":
             print(f"{name:>34}: {np.median(values) * 1e3:6.3f} ms a layer, x{spec.n_layers} = "
@@ -67,22 +73,22 @@ def main():
     x = np.random.default_rng(1).standard_normal((1, spec.d_model)).astype(np.float32)
     head = _median_seconds(lambda: model.head_backend.matmul(model.output, x), args.repeats)
     print(f"{'output head':>34}: {head * 1e3:6.3f} ms ({type(model.output).__name__}, {model.output.qtype.name})")
-    step = _median_seconds(lambda: model.forward(np.array([5]), caches, all_logits=False), args.repeats)
+    step = _median_seconds(lambda: model.forward(np.array([TOKEN]), caches, all_logits=False), args.repeats)
     print(f"{'whole step':>34}: {step * 1e3:6.1f} ms")
 
 
-def _time_layers(decoder, spec, caches, args) -> dict[str, list]:
+def _time_layers(decoder, spec, caches, embedded, args) -> dict[str, list]:
     sparse, threads, kind = args.mode == "sparse", nk.use_threads(args.threads), cd._KINDS[spec.ffn]
-    s, x = decoder.scratch, np.random.default_rng(0).standard_normal(spec.d_model).astype(np.float32)
+    s = decoder.scratch
     pos, half = caches[0].length, spec.head_dim // 2
     cos, sin = np.ones(half, np.float32), np.zeros(half, np.float32)
     empty = np.zeros((1, spec.n_kv_heads, spec.head_dim), np.float32)
     times = {"attention (+ choosing the neurons)": [], "gate/up of the chosen neurons": [], "down projection": [],
              "neurons": []}
     for repeat in range(args.repeats + 3):
+        residual = embedded.copy()  # each layer's output is the next one's input, as in a step
         for w, cache in zip(decoder.layers, caches):
             keys, values = cache.store(0, empty, empty)  # position pos, as a step would fill it
-            residual = x.copy()
             start = time.perf_counter()
             n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, kind, sparse,
                            decoder.fns, threads)
