@@ -286,9 +286,9 @@ class CompiledDecoder:
     layers: list[LayerWeights | None]  # None: a layer left to the general path (``general`` says why)
     general: list[str | None]  # per layer: why the general path computes it (``layer_refusal``), or None
     general_layer: Callable  # ``RuntimeModel.general_layer``: how it does
-    row_bytes: list[tuple[int, int, int] | None]  # per compiled layer: a neuron's gate, up and down bytes (TokenStats)
-    cats: list[bool]  # per layer: sparse mode reads every gate row (CATS chooses the neurons from them)
-    whole_up: list[bool]  # per layer: every up row is read, interleaved (``loader.WHOLE_UP_SHARE``)
+    # Per compiled layer, what a step reads (TokenStats): the bytes read whole (a gate CATS chooses from, an up
+    # interleaved beside it: ``loader.WHOLE_UP_SHARE``), a computed neuron's gate/up rows, a down row.
+    ffn_bytes: list[tuple[int, int, int] | None]
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
     # Per layer, float64 [head_dim / 2]: angle per position of each rotated pair (one array per (theta, scaling),
@@ -343,14 +343,9 @@ class CompiledDecoder:
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
                     if layer.experts and reason is None else None
                     for layer, weights, reason in zip(model.layers, units, general)]
-        row_bytes = [(p.gate.row_bytes, p.up.row_bytes, p.bytes_per_neuron - p.gate.row_bytes - p.up.row_bytes)
-                     if reason is None else None  # the general path counts its own
-                     for p, reason in zip((_units(layer)[0][0] for layer in model.layers), general)]
-        cats = [layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
-                for layer in model.layers]
-        whole_up = [reason is None and isinstance(_units(layer)[0][0].up, InterleavedQ4)
-                    for layer, reason in zip(model.layers, general)]
-        return cls(s, [weights[0] for weights in units], general, model.general_layer, row_bytes, cats, whole_up,
+        ffn_bytes = [_ffn_bytes(layer, s.d_ff) if reason is None else None  # the general path counts its own
+                     for layer, reason in zip(model.layers, general)]
+        return cls(s, [weights[0] for weights in units], general, model.general_layer, ffn_bytes,
                    scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)],
                    [s.layer_window(i) for i in range(s.n_layers)], max_context, model.can_run_sparse,
                    [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
@@ -381,13 +376,12 @@ class CompiledDecoder:
         kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for i, (w, row_bytes, cats, whole_up, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
-                self.layers, self.row_bytes, self.cats, self.whole_up, caches, self.neuron_caches, self.mixtures,
-                self._at(pos))):
+        for i, (w, ffn_bytes, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
+                self.layers, self.ffn_bytes, caches, self.neuron_caches, self.mixtures, self._at(pos))):
             if w is None:  # counts into ``step`` itself
                 residual[:] = self.general_layer(i, residual[None], cache, step)[0]
                 continue
-            gate_bytes, up_bytes, down_bytes = row_bytes
+            whole_bytes, neuron_bytes, down_bytes = ffn_bytes
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
             if mixture is not None:
@@ -407,8 +401,7 @@ class CompiledDecoder:
                 m = n
             step.neurons_total += s.d_ff * max(s.n_experts_used, 1)
             step.neurons_active += n
-            step.bytes_read += (gate_bytes * (s.d_ff if sparse and cats else n) + up_bytes * (s.d_ff if whole_up else n)
-                                + down_bytes * m)
+            step.bytes_read += whole_bytes + neuron_bytes * n + down_bytes * m
         return residual[None]
 
     def _at(self, pos: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -515,6 +508,17 @@ def layer_refusal(layer) -> str | None:
     if len({m.qtype for p in partitions for m in (p.gate, p.up)}) != 1:
         return f"gate/up in different types ({_type_names([m for p in partitions for m in (p.gate, p.up)])})"
     return None
+
+
+def _ffn_bytes(layer, d_ff: int) -> tuple[int, int, int]:
+    """``CompiledDecoder.ffn_bytes`` of ``layer``: a gate that chooses (CATS, in either mode: dense computes every
+    neuron anyway) and an interleaved up are read whole."""
+    p = _units(layer)[0][0]
+    cats = layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
+    whole_up = isinstance(p.up, InterleavedQ4)
+    gate, up = p.gate.row_bytes, p.up.row_bytes
+    return (d_ff * (gate * cats + up * whole_up), gate * (not cats) + up * (not whole_up),
+            p.bytes_per_neuron - gate - up)
 
 
 def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
