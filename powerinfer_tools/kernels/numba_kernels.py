@@ -45,6 +45,8 @@ assert BLOCK == WEIGHT_TYPES[weight_types.Q8_0].block_size
 # q4_0 5632x2048 cycling through 260 MB of copies, median GB/s without -> with: 10% of rows 2.9 -> 8.4
 # (matvec), 2.7 -> 5.9 (axpy); all rows 3.7-7.3 -> 8.7-10 (matvec). 1, 4 or 8 rows ahead, or
 # prefetching to L2 only, did no better.
+# A run of consecutive rows (all of a matrix: the head, a dense step) asks for none: the hardware prefetcher
+# follows it, and the hints only got in its way (``rows_ahead``).
 PREFETCH_ROWS = 2
 # A decoded token's axpy adds this many rows per load and store of its partial sum (``_row_axpy``), where
 # it used to load and store every block of the partial for each row. ``python examples/bench_kernels.py
@@ -181,12 +183,22 @@ def lane_sum(builder, lanes):
     return builder.extract_element(lanes, ir.Constant(_I32, 0))
 
 
+# Where a prefetch hint brings its line: L2 and the levels beyond (llvm.prefetch's locality 2, prefetcht1), not
+# L1 (3). A line asked for a few rows ahead then waits in L2 instead of holding one of L1's few miss buffers
+# until it arrives, so more lines are on their way at once. ``python examples/bench_kernels.py --only-vnni
+# --only-decoder-axpy --shapes tinyllama`` (2-core AVX-512 EPYC, 2 threads, rows from memory), L1 -> L2:
+# scattered q4_0 rows by numba_vnni 13.2 -> 14.9 GB/s at 10%, 14.2 -> 18.6 at 22%; the one-token q4_0 axpy
+# 12.1 -> 15.5 at 10%, 15.3 -> 18.8 at 75%; one thread's interleaved q4_0 gemv 28 -> 34. A plain read of 10%
+# of 1152-byte rows, 1 thread: 9 GB/s with L1 hints at any distance, 12 with L2 hints 4-16 rows ahead.
+PREFETCH_LOCALITY = 2
+
+
 def prefetch(builder, addr):
-    """Emit a hint to bring the cache line at ``addr`` (an integer) into all cache levels for reading."""
+    """Emit a hint to bring the cache line at ``addr`` (an integer) into L2 (``PREFETCH_LOCALITY``) for reading."""
     fnty = ir.FunctionType(ir.VoidType(), [_PTR, _I32, _I32, _I32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    read, keep_in_all_levels, data_cache = (ir.Constant(_I32, v) for v in (0, 3, 1))
-    builder.call(fn, [builder.inttoptr(addr, _PTR), read, keep_in_all_levels, data_cache])
+    read, locality, data_cache = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
+    builder.call(fn, [builder.inttoptr(addr, _PTR), read, locality, data_cache])
 
 
 @intrinsic
@@ -234,6 +246,14 @@ def prefetch_span(addr, nbytes):
         _prefetch(addr + at)
 
 
+@njit(inline="always")
+def rows_ahead(rows):
+    """How many rows ahead a loop over ``rows`` asks for: ``PREFETCH_ROWS``, or 0 (none: the hardware
+    prefetcher follows it) over one run of consecutive rows (sorted, as every list of rows here is)."""
+    n = rows.shape[0]
+    return 0 if n == 0 or rows[n - 1] - rows[0] == n - 1 else PREFETCH_ROWS
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
     """``out[t, i] = weights[rows[i]] · x[t]``; ``x_encoded`` is scratch for x in vec_dot's encoding."""
@@ -243,10 +263,10 @@ def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
     w_addr, row_bytes = weights.ctypes.data, weights.strides[0]
     xe_addr, xe_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     out_addr, out_stride = out.ctypes.data, out.strides[0]
-    n_rows = rows.shape[0]
+    n_rows, ahead = rows.shape[0], rows_ahead(rows)
     for i in prange(n_rows):
-        if i + PREFETCH_ROWS < n_rows:
-            prefetch_span(w_addr + rows[i + PREFETCH_ROWS] * row_bytes, weights.shape[1])
+        if ahead and i + ahead < n_rows:
+            prefetch_span(w_addr + rows[i + ahead] * row_bytes, weights.shape[1])
         row_addr = w_addr + rows[i] * row_bytes
         for t in range(n_tokens):  # tokens innermost: the weight row comes from memory once
             ggml_vec_dot(vec_dot, cols, out_addr + t * out_stride + i * 4, row_addr, xe_addr + t * xe_stride)

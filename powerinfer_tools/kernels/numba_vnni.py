@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, compiles_for, const, ggml_from_float, lane_sum,
-                                                     load, offset, prefetch, splat, store, vec)
+                                                     load, offset, prefetch, rows_ahead, splat, store, vec)
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
@@ -242,9 +242,10 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
     encode(qtype, x_q8_0, x_encoded, cols)
     w, row_bytes = weights.ctypes.data, weights.strides[0]
+    ahead = rows_ahead(rows)
     for i in prange(n):
         out[i] = row_dot(qtype, w + rows[i] * row_bytes, x_encoded.ctypes.data, cols,
-                         w + rows[min(i + 2, n - 1)] * row_bytes)
+                         w + rows[min(i + ahead, n - 1)] * row_bytes)
 
 
 # --- whole matrices interleaved eight rows at a time (kernels.interleaved, ggml's block_q4_0x8) ----------

@@ -20,7 +20,7 @@ from numba import njit, prange
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
 from powerinfer_tools.kernels import numba_kernels as nk
-from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, prefetch_span
+from powerinfer_tools.kernels.numba_kernels import ggml_from_float, ggml_vec_dot, prefetch_span, rows_ahead
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
 from powerinfer_tools.kernels.numba_cache import drop_stale
@@ -43,9 +43,10 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
     given = kind >= GATE_GIVEN
     kind = kind - GATE_GIVEN if given else kind
     vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
+    step = rows_ahead(rows)
     for i in prange(n):
-        row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
-        if i + PREFETCH_ROWS < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
+        row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + step, n - 1)] * row_bytes
+        if step and i + step < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
             if not given:
                 prefetch_span(gate.ctypes.data + ahead, row_bytes)
             prefetch_span(up.ctypes.data + ahead, row_bytes)
