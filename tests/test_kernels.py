@@ -131,6 +131,16 @@ def block_max(a: np.ndarray, block: int) -> np.ndarray:
 
 
 @pytest.mark.usefixtures("compiled")
+def test_prefetch_hints_skip_a_run_of_consecutive_rows():
+    from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, rows_ahead
+
+    assert rows_ahead(np.arange(5, 5 + 300)) == 0  # all of a matrix, or one run of it: the hardware follows
+    assert rows_ahead(np.array([], dtype=np.int64)) == 0
+    assert rows_ahead(np.array([3, 9, 10, 40])) == PREFETCH_ROWS  # scattered: asked for rows ahead
+    assert rows_ahead(np.array([0, 1, 2, 4])) == PREFETCH_ROWS
+
+
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("qtype", GGML_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", [(7, 256), (130, 2048)], ids=str)  # one k-quant super-block; a model row
 @pytest.mark.parametrize("tokens", [1, 3, kernels.MAX_TOKENS + 8])  # decoding; a prompt's block products

@@ -249,7 +249,8 @@ def prefetch_span(addr, nbytes):
 @njit(inline="always")
 def rows_ahead(rows):
     """How many rows ahead a loop over ``rows`` asks for: ``PREFETCH_ROWS``, or 0 (none: the hardware
-    prefetcher follows it) over one run of consecutive rows (sorted, as every list of rows here is)."""
+    prefetcher follows it) over a run of consecutive rows, seen as a first and last row ``n - 1`` apart (rows
+    are listed in order; in any order the products are the same, only the hints differ)."""
     n = rows.shape[0]
     return 0 if n == 0 or rows[n - 1] - rows[0] == n - 1 else PREFETCH_ROWS
 
