@@ -131,13 +131,13 @@ def block_max(a: np.ndarray, block: int) -> np.ndarray:
 
 
 @pytest.mark.usefixtures("compiled")
-def test_prefetch_hints_skip_a_run_of_consecutive_rows():
-    from powerinfer_tools.kernels.numba_kernels import PREFETCH_ROWS, rows_ahead
+def test_rows_in_order_are_told_from_scattered_ones():
+    from powerinfer_tools.kernels.numba_kernels import in_order
 
-    assert rows_ahead(np.arange(5, 5 + 300)) == 0  # all of a matrix, or one run of it: the hardware follows
-    assert rows_ahead(np.array([], dtype=np.int64)) == 0
-    assert rows_ahead(np.array([3, 9, 10, 40])) == PREFETCH_ROWS  # scattered: asked for rows ahead
-    assert rows_ahead(np.array([0, 1, 2, 4])) == PREFETCH_ROWS
+    assert in_order(np.arange(5, 5 + 300))  # all of a matrix, or one run of it: prefetch hints into L1
+    assert in_order(np.array([], dtype=np.int64))
+    assert not in_order(np.array([3, 9, 10, 40]))  # a sparse FFN's chosen rows: into L2
+    assert not in_order(np.array([0, 1, 2, 4]))
 
 
 @pytest.mark.usefixtures("compiled")

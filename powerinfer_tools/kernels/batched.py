@@ -18,12 +18,13 @@ from numba import njit, prange
 from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.kernels.numba_kernels import (
+    PREFETCH_ROWS,
     axpy_selected,
     axpy_takes,
     ggml_from_float,
     ggml_vec_dot,
+    in_order,
     prefetch_span,
-    rows_ahead,
     use_threads,
 )
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -41,13 +42,13 @@ def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_enc
         ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
     row_bytes, xe, xe_stride = up.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
     g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
-    n_rows, step = rows.shape[0], rows_ahead(rows)
+    n_rows, order = rows.shape[0], in_order(rows)
     for i in prange(n_rows):
-        if step and i + step < n_rows:  # the rows are scattered: tell the cache which come next
-            ahead = rows[i + step] * row_bytes
+        if i + PREFETCH_ROWS < n_rows:  # selected rows are scattered: tell the cache which come next
+            ahead = rows[i + PREFETCH_ROWS] * row_bytes
             if not gate_given:
-                prefetch_span(gate.ctypes.data + ahead, row_bytes)
-            prefetch_span(up.ctypes.data + ahead, row_bytes)
+                prefetch_span(gate.ctypes.data + ahead, row_bytes, order)
+            prefetch_span(up.ctypes.data + ahead, row_bytes, order)
         g_row, u_row = gate.ctypes.data + rows[i] * row_bytes, up.ctypes.data + rows[i] * row_bytes
         for k in range(starts[i], starts[i + 1]):  # the row stays in L1 for all of its tokens
             t = tokens[k]

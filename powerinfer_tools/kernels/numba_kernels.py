@@ -44,9 +44,7 @@ assert BLOCK == WEIGHT_TYPES[weight_types.Q8_0].block_size
 # Measured on the busy 2-core machine, 1 thread,
 # q4_0 5632x2048 cycling through 260 MB of copies, median GB/s without -> with: 10% of rows 2.9 -> 8.4
 # (matvec), 2.7 -> 5.9 (axpy); all rows 3.7-7.3 -> 8.7-10 (matvec). 1, 4 or 8 rows ahead, or
-# prefetching to L2 only, did no better.
-# A run of consecutive rows (all of a matrix: the head, a dense step) asks for none: the hardware prefetcher
-# follows it, and the hints only got in its way (``rows_ahead``).
+# prefetching to L2 only, did no better (then; with the kernels of 2026-12-05 L2 pays for scattered rows: ``TO_L2``).
 PREFETCH_ROWS = 2
 # A decoded token's axpy adds this many rows per load and store of its partial sum (``_row_axpy``), where
 # it used to load and store every block of the partial for each row. ``python examples/bench_kernels.py
@@ -183,34 +181,44 @@ def lane_sum(builder, lanes):
     return builder.extract_element(lanes, ir.Constant(_I32, 0))
 
 
-# Where a prefetch hint brings its line: L2 and the levels beyond (llvm.prefetch's locality 2, prefetcht1), not
-# L1 (3). A line asked for a few rows ahead then waits in L2 instead of holding one of L1's few miss buffers
-# until it arrives, so more lines are on their way at once. ``python examples/bench_kernels.py --only-vnni
-# --only-decoder-axpy --shapes tinyllama`` (2-core AVX-512 EPYC, 2 threads, rows from memory), L1 -> L2:
-# scattered q4_0 rows by numba_vnni 13.2 -> 14.9 GB/s at 10%, 14.2 -> 18.6 at 22%; the one-token q4_0 axpy
-# 12.1 -> 15.5 at 10%, 15.3 -> 18.8 at 75%; one thread's interleaved q4_0 gemv 28 -> 34. A plain read of 10%
-# of 1152-byte rows, 1 thread: 9 GB/s with L1 hints at any distance, 12 with L2 hints 4-16 rows ahead.
-PREFETCH_LOCALITY = 2
+# Where a prefetch hint brings its line (llvm.prefetch's locality). Rows read out of order (a sparse FFN's
+# chosen rows) ask for L2 (``prefetcht1``): a line asked for rows ahead then waits in L2 instead of holding one
+# of L1's few miss buffers until it arrives, so more lines are on their way at once. ``python
+# examples/bench_kernels.py --only-vnni --only-decoder-axpy --shapes tinyllama`` (2-core AVX-512 EPYC, 2 threads,
+# rows from memory), L1 -> L2: scattered q4_0 rows by numba_vnni 13.2 -> 13.5-16.1 GB/s at 10%, 14.2 -> 14.6-18.6
+# at 22%; the one-token q4_0 axpy 12.1 -> 15.5 at 10%, 15.3 -> 18.8 at 75%; one thread's interleaved q4_0 gemv 28
+# -> 31-34. A plain read of 10% of 1152-byte rows, 1 thread: 9 GB/s with L1 hints at any distance, 12 with L2
+# hints 4-16 rows ahead. Rows read in order (all of a matrix: an output head, a dense step) keep L1 hints
+# (``in_order``): L2 hints there cost 15-30% (all of TinyLlama's q4_0 rows 31-34 -> 24-29 GB/s) and none at all
+# 4% of Gemma 3's head (680-byte rows).
+TO_L1, TO_L2 = 3, 2
 
 
-def prefetch(builder, addr):
-    """Emit a hint to bring the cache line at ``addr`` (an integer) into L2 (``PREFETCH_LOCALITY``) for reading."""
+def prefetch(builder, addr, locality=TO_L2):
+    """Emit a hint to bring the cache line at ``addr`` (an integer) into the cache for reading: into L2 and
+    beyond (``TO_L2``), or into L1 too (``TO_L1``)."""
     fnty = ir.FunctionType(ir.VoidType(), [_PTR, _I32, _I32, _I32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    read, locality, data_cache = (ir.Constant(_I32, v) for v in (0, PREFETCH_LOCALITY, 1))
-    builder.call(fn, [builder.inttoptr(addr, _PTR), read, locality, data_cache])
+    read, level, data_cache = (ir.Constant(_I32, v) for v in (0, locality, 1))
+    builder.call(fn, [builder.inttoptr(addr, _PTR), read, level, data_cache])
 
 
-@intrinsic
-def _prefetch(typingctx, addr):
-    """``prefetch`` from numba code (``llvm.prefetch``)."""
-    sig = types.void(types.intp)
+def _prefetch_to(locality):
+    @intrinsic
+    def prefetch_line(typingctx, addr):
+        """``prefetch`` from numba code (``llvm.prefetch``)."""
+        sig = types.void(types.intp)
 
-    def codegen(context, builder, signature, args):
-        prefetch(builder, args[0])
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            prefetch(builder, args[0], locality)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return prefetch_line
+
+
+_prefetch_l1, _prefetch_l2 = _prefetch_to(TO_L1), _prefetch_to(TO_L2)
 
 
 F16_CHUNK = 8  # halves f16_row_dot takes at a time
@@ -241,18 +249,22 @@ def f16_row_dot(typingctx, row, x, n):
 
 
 @njit(inline="always")
-def prefetch_span(addr, nbytes):
+def prefetch_span(addr, nbytes, order):
+    """Ask for the ``nbytes`` at ``addr``: into L1 for rows read in order (``order``, from ``in_order``), into
+    L2 for scattered ones."""
     for at in range(0, nbytes, 64):
-        _prefetch(addr + at)
+        if order:
+            _prefetch_l1(addr + at)
+        else:
+            _prefetch_l2(addr + at)
 
 
 @njit(inline="always")
-def rows_ahead(rows):
-    """How many rows ahead a loop over ``rows`` asks for: ``PREFETCH_ROWS``, or 0 (none: the hardware
-    prefetcher follows it) over a run of consecutive rows, seen as a first and last row ``n - 1`` apart (rows
-    are listed in order; in any order the products are the same, only the hints differ)."""
+def in_order(rows):
+    """Whether ``rows`` are one run of consecutive rows (first and last ``n - 1`` apart; rows are listed in
+    order): the prefetch hints then go to L1, as for a whole matrix, else to L2 (see ``TO_L1``)."""
     n = rows.shape[0]
-    return 0 if n == 0 or rows[n - 1] - rows[0] == n - 1 else PREFETCH_ROWS
+    return n == 0 or rows[n - 1] - rows[0] == n - 1
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -264,10 +276,10 @@ def dot_rows(from_float, vec_dot, weights, rows, x, x_encoded, out):
     w_addr, row_bytes = weights.ctypes.data, weights.strides[0]
     xe_addr, xe_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     out_addr, out_stride = out.ctypes.data, out.strides[0]
-    n_rows, ahead = rows.shape[0], rows_ahead(rows)
+    n_rows, order = rows.shape[0], in_order(rows)
     for i in prange(n_rows):
-        if ahead and i + ahead < n_rows:
-            prefetch_span(w_addr + rows[i + ahead] * row_bytes, weights.shape[1])
+        if i + PREFETCH_ROWS < n_rows:
+            prefetch_span(w_addr + rows[i + PREFETCH_ROWS] * row_bytes, weights.shape[1], order)
         row_addr = w_addr + rows[i] * row_bytes
         for t in range(n_tokens):  # tokens innermost: the weight row comes from memory once
             ggml_vec_dot(vec_dot, cols, out_addr + t * out_stride + i * 4, row_addr, xe_addr + t * xe_stride)
@@ -437,13 +449,13 @@ def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_thre
     c_addr, c_stride = coeffs.ctypes.data, coeffs.strides[0]
     out_addr, out_stride = out.ctypes.data, out.strides[0]
     t_addr = tokens.ctypes.data
-    n_rows = rows.shape[0]
+    n_rows, order = rows.shape[0], in_order(rows)
     for chunk in prange(n_chunks):
         first, stop = chunk * n_blocks // n_chunks, (chunk + 1) * n_blocks // n_chunks
         for j in range(n_rows):
             if j + PREFETCH_ROWS < n_rows:  # only this thread's share of that row
                 prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
-                               (stop - first) * block_bytes)
+                               (stop - first) * block_bytes, order)
             listed, count = (0, n_tokens) if every_token else (t_addr + starts[j] * 8, starts[j + 1] - starts[j])
             _axpy_row(qtype, out_addr, out_stride, w_addr + rows[j] * row_stride, first, stop, block_bytes,
                       c_addr + j * 4, c_stride, listed, count)

@@ -33,8 +33,9 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_kernels import (BLOCK, Q4_0, Q8_0, compiles_for, const, ggml_from_float, lane_sum,
-                                                     load, offset, prefetch, rows_ahead, splat, store, vec)
+from powerinfer_tools.kernels.numba_kernels import (BLOCK, PREFETCH_ROWS, Q4_0, Q8_0, TO_L1, TO_L2, compiles_for, const,
+                                                     ggml_from_float, in_order, lane_sum, load, offset, prefetch, splat,
+                                                     store, vec)
 from powerinfer_tools.kernels.numba_cache import drop_stale
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
@@ -143,7 +144,10 @@ def _group_product(builder, fmt: _Rows, row_group, x_group):
     return builder.fmul(builder.sitofp(sums, vec(_F32, _LANES)), scales, flags=("contract",))
 
 
-def _row_dot(fmt: _Rows):
+def _row_dot(fmt: _Rows, locality: int):
+    """``row_dot`` for rows of ``fmt``, its prefetch hints into the level ``locality`` (``numba_kernels.TO_L1``
+    for rows read in order, ``TO_L2`` for scattered ones)."""
+
     @intrinsic
     def row_dot(typingctx, row, x, n_groups, ahead):
         sig = types.float32(types.intp, types.intp, types.intp, types.intp)
@@ -154,7 +158,7 @@ def _row_dot(fmt: _Rows):
             with cgutils.for_range(builder, n_groups_) as loop:
                 at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
                 for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
-                    prefetch(builder, builder.add(ahead_, builder.add(at, ir.Constant(_I64, last_byte))))
+                    prefetch(builder, builder.add(ahead_, builder.add(at, ir.Constant(_I64, last_byte))), locality)
                 x_group = builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
                 product = _group_product(builder, fmt, builder.add(row_, at), x_group)
                 builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
@@ -171,7 +175,8 @@ def _row_dot(fmt: _Rows):
 # requests kept scattered q4_0 rows coming ~20% faster than the whole row's lines asked for up front
 # (``numba_kernels.prefetch_span``; a one-off comparison while writing it: 11.5 against 9.4 GB/s, two
 # threads), whose burst of 18 requests fills the core's line fill buffers and stalls the loads behind.
-row_dot_q4_0, row_dot_q8_0 = _row_dot(_Q4_0_ROWS), _row_dot(_Q8_0_ROWS)
+row_dot_q4_0, row_dot_q8_0 = _row_dot(_Q4_0_ROWS, TO_L2), _row_dot(_Q8_0_ROWS, TO_L2)  # scattered rows
+_in_order_q4_0, _in_order_q8_0 = _row_dot(_Q4_0_ROWS, TO_L1), _row_dot(_Q8_0_ROWS, TO_L1)
 
 
 def _encode_group(fmt: _Rows):
@@ -227,10 +232,21 @@ def encode(qtype, x_q8_0, out, cols):
 
 
 @njit(inline="always")
-def row_dot(qtype, row, x, cols, ahead):
-    """``row_dot_q4_0`` or ``row_dot_q8_0`` for a row of ``cols`` weights of ``qtype``."""
+def row_dot_q4_0_rows(row, x, n_groups, ahead, order):
+    """``row_dot_q4_0`` for a row among rows read in order (``order``: ``numba_kernels.in_order``) or not."""
+    if order:
+        return _in_order_q4_0(row, x, n_groups, ahead)
+    return row_dot_q4_0(row, x, n_groups, ahead)
+
+
+@njit(inline="always")
+def row_dot(qtype, row, x, cols, ahead, order):
+    """``row_dot_q4_0`` or ``row_dot_q8_0`` for a row of ``cols`` weights of ``qtype``, among rows read in
+    order or not (``order``)."""
     if qtype == Q4_0:
-        return row_dot_q4_0(row, x, cols // _Q4_0_GROUP_COLS, ahead)
+        return row_dot_q4_0_rows(row, x, cols // _Q4_0_GROUP_COLS, ahead, order)
+    if order:
+        return _in_order_q8_0(row, x, cols // _Q8_0_GROUP_COLS, ahead)
     return row_dot_q8_0(row, x, cols // _Q8_0_GROUP_COLS, ahead)
 
 
@@ -242,10 +258,10 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
     encode(qtype, x_q8_0, x_encoded, cols)
     w, row_bytes = weights.ctypes.data, weights.strides[0]
-    ahead = rows_ahead(rows)
+    order = in_order(rows)
     for i in prange(n):
         out[i] = row_dot(qtype, w + rows[i] * row_bytes, x_encoded.ctypes.data, cols,
-                         w + rows[min(i + ahead, n - 1)] * row_bytes)
+                         w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes, order)
 
 
 # --- whole matrices interleaved eight rows at a time (kernels.interleaved, ggml's block_q4_0x8) ----------

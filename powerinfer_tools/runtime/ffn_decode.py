@@ -20,7 +20,8 @@ from numba import njit, prange
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
 from powerinfer_tools.kernels import numba_kernels as nk
-from powerinfer_tools.kernels.numba_kernels import ggml_from_float, ggml_vec_dot, prefetch_span, rows_ahead
+from powerinfer_tools.kernels.numba_kernels import (PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, in_order,
+                                                    prefetch_span)
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
 from powerinfer_tools.kernels.numba_cache import drop_stale
@@ -43,29 +44,30 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
     given = kind >= GATE_GIVEN
     kind = kind - GATE_GIVEN if given else kind
     vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
-    step = rows_ahead(rows)
+    order = in_order(rows)
     for i in prange(n):
-        row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + step, n - 1)] * row_bytes
-        if step and i + step < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
+        row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
+        if i + PREFETCH_ROWS < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
             if not given:
-                prefetch_span(gate.ctypes.data + ahead, row_bytes)
-            prefetch_span(up.ctypes.data + ahead, row_bytes)
+                prefetch_span(gate.ctypes.data + ahead, row_bytes, order)
+            prefetch_span(up.ctypes.data + ahead, row_bytes, order)
         if given:
             gate_out[j] = gate_given[rows[i]]
         else:
-            _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
-        _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, xe, x_vnni, vnni_groups)
+            _row_product(vec_dot, cols, gate_out, j, gate.ctypes.data, row, ahead, order, xe, x_vnni, vnni_groups)
+        _row_product(vec_dot, cols, up_out, j, up.ctypes.data, row, ahead, order, xe, x_vnni, vnni_groups)
         act[j] = nk.gated_activation(kind, gate_out[j], up_out[j])
 
 
 @njit(inline="always")
-def _row_product(vec_dot, cols, out, j, matrix, row, ahead, xe, x_vnni, vnni_groups):
+def _row_product(vec_dot, cols, out, j, matrix, row, ahead, order, xe, x_vnni, vnni_groups):
     """``out[j]`` = the row at byte ``row`` of ``matrix`` (an address) times the input (see ``_gate_up``);
-    ``row_dot`` also asks for the row at byte ``ahead``. With ``vnni_groups`` it takes the row's first
-    ``vnni_groups`` groups of ``numba_vnni.GROUP_COLS``, and ggml's ``vec_dot`` the blocks after them (a
-    width not a whole number of groups: SmolLM2's 576 is four groups and two blocks)."""
+    ``row_dot`` also asks for the row at byte ``ahead`` (rows read in order or not: ``order``). With
+    ``vnni_groups`` it takes the row's first ``vnni_groups`` groups of ``numba_vnni.GROUP_COLS``, and ggml's
+    ``vec_dot`` the blocks after them (a width not a whole number of groups: SmolLM2's 576 is four groups and
+    two blocks)."""
     if vnni_groups:
-        total = numba_vnni.row_dot_q4_0(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead)
+        total = numba_vnni.row_dot_q4_0_rows(matrix + row, x_vnni.ctypes.data, vnni_groups, matrix + ahead, order)
         done = vnni_groups * numba_vnni.GROUP_COLS
         if done < cols:
             blocks = done // nk.BLOCK
