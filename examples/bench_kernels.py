@@ -169,7 +169,8 @@ def _read_rows(weights, rows, out):
     n, data = rows.shape[0], weights.view(np.uint64)
     for i in prange(n):
         if i + 2 < n:
-            nk.prefetch_span(weights.ctypes.data + rows[i + 2] * weights.strides[0], weights.shape[1])
+            nk.prefetch_span(weights.ctypes.data + rows[i + 2] * weights.strides[0], weights.shape[1],
+                             nk.in_order(rows))
         acc = np.uint64(0)
         for word in data[rows[i]]:
             acc ^= word
