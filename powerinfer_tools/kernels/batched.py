@@ -44,7 +44,7 @@ def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_enc
     g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
     n_rows, order = rows.shape[0], in_order(rows)
     for i in prange(n_rows):
-        if i + PREFETCH_ROWS < n_rows:  # selected rows are scattered: tell the cache which come next
+        if i + PREFETCH_ROWS < n_rows:  # tell the cache which rows come next (scattered ones: the prefetcher cannot)
             ahead = rows[i + PREFETCH_ROWS] * row_bytes
             if not gate_given:
                 prefetch_span(gate.ctypes.data + ahead, row_bytes, order)

@@ -47,7 +47,7 @@ def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_ou
     order = in_order(rows)
     for i in prange(n):
         row, j, ahead = rows[i] * row_bytes, at[i], rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
-        if i + PREFETCH_ROWS < n and not vnni_groups:  # scattered rows: the hardware prefetcher cannot guess them
+        if i + PREFETCH_ROWS < n and not vnni_groups:  # (row_dot asks for its own) scattered rows: none else can
             if not given:
                 prefetch_span(gate.ctypes.data + ahead, row_bytes, order)
             prefetch_span(up.ctypes.data + ahead, row_bytes, order)
