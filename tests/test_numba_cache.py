@@ -21,9 +21,9 @@ def twice_plus(x):
     return 2 * plus(x)
 """
 GUARD = """
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-drop_stale(globals(), sources={sources!r})
+prepare_cache(globals(), sources={sources!r})
 """
 
 
@@ -41,7 +41,7 @@ def _twice_plus_one(folder: Path) -> int:
     return int(out.split()[-1])
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["drop_stale", "numba alone"])
+@pytest.mark.parametrize("guarded", [True, False], ids=["prepare_cache", "numba alone"])
 def test_a_callee_changed_in_another_file_is_recomputed(tmp_path, guarded):
     sources = (str(tmp_path / "callee.py"), str(tmp_path / "caller.py"))
     (tmp_path / "caller.py").write_text(CALLER + (GUARD.format(sources=sources) if guarded else ""))
@@ -50,7 +50,7 @@ def test_a_callee_changed_in_another_file_is_recomputed(tmp_path, guarded):
     _write_callee(tmp_path, 2, 10**18 + 10**11)
     if guarded:
         assert _twice_plus_one(tmp_path) == 6
-    else:  # what drop_stale is for: numba checks the caller's own file alone, and runs the old callee
+    else:  # what the stamp is for: numba checks the caller's own file alone, and runs the old callee
         assert _twice_plus_one(tmp_path) == 4, "numba now notices a changed callee: numba_cache may go"
 
 
@@ -60,5 +60,35 @@ def test_every_module_that_caches_compiled_code_drops_stale_code():
                if "cache=True)" in p.read_text() and p.name != "numba_cache.py"]
     assert len(modules) >= 10
     last_lines = {p: p.read_text().rstrip().splitlines()[-1] for p in modules}
-    missing = [str(p) for p, line in last_lines.items() if not line.startswith("drop_stale(globals())")]
+    missing = [str(p) for p, line in last_lines.items() if not line.startswith("prepare_cache(globals())")]
     assert not missing, missing
+
+
+LOADED_THEN_COMPILED = """
+import sys
+import numpy as np
+from numba import njit
+import caller
+
+print(caller.twice_plus(1))
+print("registries loaded:", "numba.cpython.printimpl" in sys.modules)  # imported by numba's refresh() alone
+
+@njit
+def product(a, b):
+    return np.dot(a, b)  # compiling, with the registries (and the BLAS check) it loads itself
+
+a = np.arange(9.0).reshape(3, 3)
+print("compiled after:", bool(np.allclose(product(a, a), a @ a)), caller.twice_plus(2.5))
+"""
+
+
+def test_cached_code_loads_without_numbas_registries_and_compiling_still_works(tmp_path):
+    sources = (str(tmp_path / "callee.py"), str(tmp_path / "caller.py"))
+    (tmp_path / "caller.py").write_text(CALLER + GUARD.format(sources=sources))
+    _write_callee(tmp_path, 1, 10**18)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", LOADED_THEN_COMPILED], env=env, cwd=tmp_path, check=True,
+                           capture_output=True, text=True).stdout.splitlines() for _ in range(2)]
+    # the first process compiles twice_plus (registries loaded); the second loads it from the cache (not loaded)
+    assert runs[0] == ["4", "registries loaded: True", "compiled after: True 7.0"], runs[0]
+    assert runs[1] == ["4", "registries loaded: False", "compiled after: True 7.0"], runs[1]

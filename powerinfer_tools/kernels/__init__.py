@@ -294,10 +294,9 @@ def _backend():
     if _reference_reason is not None:
         return _reference_reason
     try:
-        from powerinfer_tools.kernels import numba_blas_check, numba_kernels
+        from powerinfer_tools.kernels import numba_kernels
     except ImportError as exc:
         return f"numba is not installed ({exc})"
-    numba_blas_check.registries_loaded()  # now, without all of scipy.linalg (its module doc)
     try:
         return numba_kernels, ggml_ops.load()
     except ggml_ops.GgmlUnavailable as exc:

@@ -29,7 +29,7 @@ from powerinfer_tools.kernels.numba_kernels import (
 )
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -95,4 +95,4 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     return out
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

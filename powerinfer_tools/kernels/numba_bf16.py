@@ -32,7 +32,7 @@ from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_blocks import dequantize_rows, share
 from powerinfer_tools.kernels.numba_kernels import BLOCK, compiles_for, const, decode_q4_0, load, splat, store, vec
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 TOKENS = 8  # a tile's tokens: 2 x 8 float32 sums in registers, of AVX-512's 32
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q4_0].block_bytes
@@ -249,4 +249,4 @@ def matmul(to_float, weights, rows, x, out, floats, rounded_rows, tiles):
                             out[32 * b + c, g + i] = tile[i, c]
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

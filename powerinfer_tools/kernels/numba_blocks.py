@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 # CBLAS's enums (cblas.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -94,4 +94,4 @@ def products(to_float, sgemm, weights, rows, a, buffers, out, sums):
                             out.ctypes.data + 4 * start, out.strides[0] // 4)
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -1,6 +1,7 @@
-"""Machine code in numba's cache that no longer matches the package's sources, dropped before it runs.
+"""numba's cache of our compiled functions: machine code that no longer matches the package's sources dropped
+before it runs, and what is kept loaded without numba's compiler.
 
-numba checks a cached function against the one source file that defines it (its modification time and size)
+**Stale code.** numba checks a cached function against the one source file that defines it (its modification time and size)
 and nothing else. But a compiled function holds the machine code of what it calls from other files: every
 kernel inlines ``numba_kernels``' decoders and intrinsics, the compiled decoder inlines ``ffn_decode`` and
 ``thresholded_decode``. After a change to a callee's file alone, the caller's cached code keeps computing the
@@ -9,10 +10,17 @@ logits as they were until the cache was cleared by hand (``tests/test_decode_par
 keeping every neuron). This happens to an editable install after an edit, and to a cache kept apart from the
 package (``NUMBA_CACHE_DIR``) after an upgrade.
 
-So each module that caches compiled functions ends with ``drop_stale(globals())``. A stamp beside the module's
-entries in numba's cache names the sources it was filled from (``sources_stamp``: every file of
+So each module that caches compiled functions ends with ``prepare_cache(globals())``. A stamp beside the
+module's entries in numba's cache names the sources it was filled from (``sources_stamp``: every file of
 ``NUMBA_SOURCES``, with its modification time and size, and numba's version); where the stamp is not that of the
 sources now, the module's cached functions are flushed before any of them has run, and the stamp is written.
+
+**Loading without the compiler.** Before it loads a cached function numba installs its typing and lowering
+registries (``target_context.refresh()``: it imports ~60 more of its modules, SciPy's BLAS among them), which
+only compiling uses: 0.19 s of a 0.6 s warm ``pitools run`` here (cProfile), every process. Loading machine code
+needs only numba's runtime (NRT: the functions that compiled code calls to allocate and count references), and
+compiling refreshes the registries itself (``numba.core.compiler.CompilerBase``). So our functions' caches load
+their entries after ``rtsys.initialize`` alone; a function that is not in the cache compiles as before.
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ def sources_stamp(sources=NUMBA_SOURCES) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def drop_stale(namespace: dict, sources=NUMBA_SOURCES) -> None:
-    """Flush the cached functions defined in the module of ``namespace`` (its ``globals()``) if its entries in
-    numba's cache were not made from ``sources`` as they are now; then stamp them as made from these."""
+def prepare_cache(namespace: dict, sources=NUMBA_SOURCES) -> None:
+    """Have the cached functions defined in the module of ``namespace`` (its ``globals()``) load without numba's
+    registries, and flush them if their entries in numba's cache were not made from ``sources`` as they are now;
+    then stamp them as made from these."""
     from numba.core.dispatcher import Dispatcher  # numba is loaded by then; the warm-up's key (no numba) reads the rest
 
     module = namespace["__name__"]
@@ -55,6 +64,8 @@ def drop_stale(namespace: dict, sources=NUMBA_SOURCES) -> None:
               and value.py_func.__module__ == module and value._cache.cache_path is not None]
     if not cached:
         return
+    for dispatcher in cached:
+        dispatcher._cache.load_overload = functools.partial(_load_without_registries, dispatcher._cache)
     folder, stem = Path(cached[0]._cache.cache_path), Path(namespace["__file__"]).stem
     stamp = folder / f"{stem}.pitools-sources-{sources_stamp(tuple(sources))}"
     if stamp.is_file():
@@ -67,3 +78,13 @@ def drop_stale(namespace: dict, sources=NUMBA_SOURCES) -> None:
         stamp.touch()
     except OSError:  # a cache folder this process cannot write: numba cannot save there either
         pass
+
+
+def _load_without_registries(cache, signature, target_context):
+    """numba's ``Cache.load_overload`` (numba/core/caching.py) less its ``target_context.refresh()``: the runtime
+    that loaded code calls into, and the entry for ``signature`` or None."""
+    from numba.core.runtime import rtsys
+
+    rtsys.initialize(target_context)
+    with cache._guard_against_spurious_io_errors():
+        return cache._load_overload(signature, target_context)

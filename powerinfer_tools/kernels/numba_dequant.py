@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from powerinfer_tools.formats.weight_types import Q4_0, Q8_0, WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 _F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # by bit pattern
 _Q4_VALUES = np.arange(-8, 8, dtype=np.float32)  # a q4_0 nibble n stands for n - 8
@@ -60,4 +60,4 @@ def _decoder(loop, values, block_bytes: int):
 DECODERS = {Q4_0: _decoder(_decode_q4_0, _Q4_VALUES, _Q4_0_BYTES), Q8_0: _decoder(_decode_q8_0, _Q8_VALUES, _Q8_0_BYTES)}
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -15,7 +15,7 @@ from powerinfer_tools.formats.weight_types import Q4_0, Q8_0, WEIGHT_TYPES
 from powerinfer_tools.kernels import numba_vnni
 from powerinfer_tools.kernels.interleaved import PIECE, ROWS, SCALE_BYTES
 from powerinfer_tools.kernels.numba_kernels import BLOCK, ggml_from_float, ggml_interleaved_product
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 _Q8_0_BLOCK_BYTES = WEIGHT_TYPES[Q8_0].block_bytes  # x's encoding for the products
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[Q4_0].block_bytes
@@ -113,4 +113,4 @@ def gemm(gemm_fn, gemv_fn, quantize4, from_float, packed, x, x_encoded, out, n_t
                                          (stop - first) * ROWS)
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 # ggml type ids (gguf's GGMLQuantizationType values) as the compiled code compares them; F32 is the
 # axpy's remaining case
@@ -571,4 +571,4 @@ def axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads):
     _axpy(qtype, weights, rows, starts, tokens, False, coeffs, out, n_threads)
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -36,7 +36,7 @@ from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_kernels import (BLOCK, PREFETCH_ROWS, Q4_0, Q8_0, TO_L1, TO_L2, compiles_for, const,
                                                      ggml_from_float, in_order, lane_sum, load, offset, prefetch, splat,
                                                      store, vec)
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
 _FEATURES = ("avx512f", "avx512bw", "avx512vbmi", "avx512vnni")
@@ -365,4 +365,4 @@ def block_sums(x_q8_0, n_blocks):
     return out
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

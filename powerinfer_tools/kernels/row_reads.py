@@ -24,7 +24,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from powerinfer_tools.direct_io import ALIGNMENT
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 PREAD = ctypes.cast(ctypes.CDLL(None).pread, ctypes.c_void_p).value  # ssize_t pread(int, void *, size_t, off_t)
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
@@ -124,4 +124,4 @@ def read_rows(fn, fd, buffer, reads, copies, copy_start, targets, got, first, st
             targets[matrix][row, :nbytes] = buffer[src : src + nbytes]
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

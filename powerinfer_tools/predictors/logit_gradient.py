@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
 def logit_gradient_inplace(logits: np.ndarray, fired: np.ndarray, pos_scale: float, neg_scale: float) -> None:
@@ -35,4 +35,4 @@ def _from_exp(exp_neg, fired, pos_scale, neg_scale):
             row[j] = pos_scale * (p - one) if y[j] else neg_scale * p
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

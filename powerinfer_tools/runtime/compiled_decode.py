@@ -50,7 +50,7 @@ from powerinfer_tools.runtime.ffn_decode import cached_ffn, expert_ffn, ffn, pre
 from powerinfer_tools.runtime.neuron_cache import NeuronCache
 from powerinfer_tools.runtime.thresholded_decode import thresholded_input
 from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 # FFN kinds as integers for the compiled code (``ffn_decode.GATE_GIVEN`` may be added to one)
 _KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2, FFNKind.GEGLU: 3}
@@ -600,4 +600,4 @@ def _type_names(matrices) -> str:
     return "/".join(dict.fromkeys(_type_name(m) for m in matrices))
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

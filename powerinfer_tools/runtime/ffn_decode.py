@@ -24,7 +24,7 @@ from powerinfer_tools.kernels.numba_kernels import (PREFETCH_ROWS, ggml_from_flo
                                                     prefetch_span)
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
 from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 # Added to an FFN kind (``compiled_decode``'s integers): its gate products are already computed for every neuron
 # (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
@@ -258,4 +258,4 @@ def _range_ffn(w, s, rows, first, total, partial, kind, fns):
                                 total)
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

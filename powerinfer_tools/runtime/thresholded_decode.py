@@ -12,7 +12,7 @@ from numba import njit
 from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
-from powerinfer_tools.kernels.numba_cache import drop_stale
+from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
 @njit(inline="always")
@@ -76,4 +76,4 @@ def drop_small_down_inputs(s, rows, threshold):
     return m
 
 
-drop_stale(globals())  # cached machine code from older sources, flushed (kernels.numba_cache)
+prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)
