@@ -15,16 +15,13 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from powerinfer_tools.checkpoints.hub import resolve_checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.interfaces import Tokenizer
-
-if TYPE_CHECKING:  # the reference models load in load_model_and_corpus: `pitools run` reads DEFAULT_SEQ_LEN alone
-    from powerinfer_tools.models import DecoderModel
+from powerinfer_tools.models import DecoderModel, load_model_and_tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # What the bundled model (and any checkpoint folder shipped the same way) keeps aside for evaluation.
@@ -117,8 +114,6 @@ def load_model_and_corpus(model_arg: str, corpus: tuple[Path, ...], dataset: str
                           layers: range | None = None) -> ModelOnCorpus:
     """A checkpoint (folder or hub id) on the reference engine (of ``layers`` only, if given), and the
     corpus tokens it will read."""
-    from powerinfer_tools.models import load_model_and_tokenizer
-
     folder = resolve_checkpoint(model_arg)
     model, tokenizer = load_model_and_tokenizer(folder, layers)
     source = resolve_source(corpus, dataset, folder, split, text_field)
