@@ -65,7 +65,8 @@ def prepare_cache(namespace: dict, sources=NUMBA_SOURCES) -> None:
     if not cached:
         return
     for dispatcher in cached:
-        dispatcher._cache.load_overload = functools.partial(_load_without_registries, dispatcher._cache)
+        if all(hasattr(dispatcher._cache, name) for name in _CACHE_METHODS_USED):  # else numba's own, as it is
+            dispatcher._cache.load_overload = functools.partial(_load_without_registries, dispatcher._cache)
     folder, stem = Path(cached[0]._cache.cache_path), Path(namespace["__file__"]).stem
     stamp = folder / f"{stem}.pitools-sources-{sources_stamp(tuple(sources))}"
     if stamp.is_file():
@@ -78,6 +79,10 @@ def prepare_cache(namespace: dict, sources=NUMBA_SOURCES) -> None:
         stamp.touch()
     except OSError:  # a cache folder this process cannot write: numba cannot save there either
         pass
+
+
+# numba's private methods that _load_without_registries calls (numba 0.68's; a numba without them loads as it does)
+_CACHE_METHODS_USED = ("_load_overload", "_guard_against_spurious_io_errors")
 
 
 def _load_without_registries(cache, signature, target_context):
