@@ -33,12 +33,16 @@ def _write_callee(folder: Path, step: int, mtime_ns: int) -> None:
     os.utime(callee, ns=(mtime_ns, mtime_ns))  # distinct times, however coarse the file system's clock
 
 
-def _twice_plus_one(folder: Path) -> int:
-    """``caller.twice_plus(1)`` in a new process, numba's cache in the folder."""
+def _run_in(folder: Path, code: str) -> list[str]:
+    """The lines ``code`` prints in a new process that imports from the folder, numba's cache in it."""
     env = {**os.environ, "PYTHONPATH": str(folder), "NUMBA_CACHE_DIR": str(folder / "cache")}
-    out = subprocess.run([sys.executable, "-c", "import caller; print(caller.twice_plus(1))"], env=env, cwd=folder,
-                         check=True, capture_output=True, text=True).stdout
-    return int(out.split()[-1])
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=folder, check=True, capture_output=True,
+                          text=True).stdout.splitlines()
+
+
+def _twice_plus_one(folder: Path) -> int:
+    """``caller.twice_plus(1)`` in a new process."""
+    return int(_run_in(folder, "import caller; print(caller.twice_plus(1))")[-1])
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["prepare_cache", "numba alone"])
@@ -86,9 +90,7 @@ def test_cached_code_loads_without_numbas_registries_and_compiling_still_works(t
     sources = (str(tmp_path / "callee.py"), str(tmp_path / "caller.py"))
     (tmp_path / "caller.py").write_text(CALLER + GUARD.format(sources=sources))
     _write_callee(tmp_path, 1, 10**18)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    runs = [subprocess.run([sys.executable, "-c", LOADED_THEN_COMPILED], env=env, cwd=tmp_path, check=True,
-                           capture_output=True, text=True).stdout.splitlines() for _ in range(2)]
+    runs = [_run_in(tmp_path, LOADED_THEN_COMPILED) for _ in range(2)]
     # the first process compiles twice_plus (registries loaded); the second loads it from the cache (not loaded)
     assert runs[0] == ["4", "registries loaded: True", "compiled after: True 7.0"], runs[0]
     assert runs[1] == ["4", "registries loaded: False", "compiled after: True 7.0"], runs[1]

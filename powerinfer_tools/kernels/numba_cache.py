@@ -1,8 +1,8 @@
 """numba's cache of our compiled functions: machine code that no longer matches the package's sources dropped
 before it runs, and what is kept loaded without numba's compiler.
 
-**Stale code.** numba checks a cached function against the one source file that defines it (its modification time and size)
-and nothing else. But a compiled function holds the machine code of what it calls from other files: every
+**Stale code.** numba checks a cached function against the one source file that defines it (its modification
+time and size) and nothing else. But a compiled function holds the machine code of what it calls from other files: every
 kernel inlines ``numba_kernels``' decoders and intrinsics, the compiled decoder inlines ``ffn_decode`` and
 ``thresholded_decode``. After a change to a callee's file alone, the caller's cached code keeps computing the
 callee's old arithmetic, silently: a CATS rule changed in ``thresholded_decode`` left the compiled decoder's
