@@ -220,6 +220,7 @@ class _Runtime:
         from powerinfer_tools.runtime.engine import TokenStats
 
         model = self.model
+        self.caches = None  # the last run's KV cache freed before this one's is made: one at a time, as in a user's run
         self.caches = caches = model.new_cache()
         start = time.perf_counter()
         model.forward(tokens[:n_prompt], caches, all_logits=False).argmax()
