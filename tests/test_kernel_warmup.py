@@ -16,7 +16,7 @@ from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.kernels import numba_cache
 from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.warmup import LoadOptions, Policy
-from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.runtime.llm import LLM, load_options
 
 
 @pytest.fixture(autouse=True)
@@ -161,3 +161,29 @@ def test_the_warm_key_covers_every_source_numba_compiles():
     covered = {Path(path) for path, _, _ in numba_cache.source_files()}
     compiled = {p for p in numba_cache.PACKAGE.rglob("*.py") if "cache=True" in p.read_text()}
     assert compiled and compiled <= covered, sorted(str(p) for p in compiled - covered)
+
+def test_a_build_elsewhere_starts_no_process_for_warm_kernels_and_reports_a_failed_one(bundled_gguf, markers,
+                                                                                      monkeypatch):
+    path, options = bundled_gguf("q8_0"), load_options(use_split=False)
+    key = warmup.warm_key(warmup.model_kind(open_model_file(path)), options)
+    monkeypatch.setattr(warmup, "_build_command", lambda *args: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(warmup.PitoolsError, match=f"{path}: building the compiled kernels failed: no error recorded"):
+        warmup.build_elsewhere_and_wait(path, options)
+    warmup.mark_warm(key)
+    monkeypatch.setattr(warmup, "_build_command", lambda *args: pytest.fail("a process started for warm kernels"))
+    assert warmup.build_elsewhere_and_wait(path, options) is False
+
+
+@pytest.mark.slow
+def test_a_build_elsewhere_leaves_the_kernels_cached_for_the_next_process(bundled_gguf, tmp_path, monkeypatch):
+    """What `pitools bench` does before its rounds, on an empty numba cache: the engines then load, not compile."""
+    cold = tmp_path / "cold"
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cold))
+    monkeypatch.setattr(warmup, "marker_folder", lambda: cold)
+    path = bundled_gguf("q8_0")
+    assert warmup.build_elsewhere_and_wait(path, load_options(use_split=False)) is True
+    code = ("from powerinfer_tools.runtime.llm import LLM; "
+            f"llm = LLM.load({str(path)!r}, kernels='wait', notice=print, cache_policy='lfu'); "
+            "print('compiled' if 'NumPy kernels' not in llm.description else 'reference')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "compiled" and "compiling" not in out, out

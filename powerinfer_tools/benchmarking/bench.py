@@ -516,6 +516,7 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
     prompt_text = _tokenizer(model).decode(tokens[:n_prompt].tolist()) if powerinfer is not None else ""
     specs = engine_specs(model, baseline, settings, modes, powerinfer, progress)
     env = worker_environment(settings.threads)
+    _compile_before_the_rounds([spec for spec, _ in specs if spec.name in (SPARSE, DENSE)], progress)
     results = {spec.name: EngineResult(spec.name, str(spec.path), spec.path.stat().st_size, 0, 0, None, settings,
                                        engine_settings=reported) for spec, reported in specs}
     measure = partial(_measure, env=env, tokens=tokens, prompt_text=prompt_text, settings=settings)
@@ -541,6 +542,20 @@ def run_bench(model: Path, baseline: Path | None, settings: BenchSettings, modes
                 r.baseline_rss = max(r.baseline_rss or 0, libraries)
         progress(f"round {round_ + 1}/{settings.runs}")
     return results
+
+
+def _compile_before_the_rounds(specs: list[EngineSpec], progress) -> None:
+    """Our kernels for each of ``specs``' files compiled now, in a process of their own, where numba's cache
+    lacks them: else the first round's engine would compile them, and its peak RSS (the largest of the rounds)
+    would hold the compiler's memory, which a user's runs pay once per machine."""
+    # (Imported here: the engine processes that import this module must not load more than they use.)
+    from powerinfer_tools.runtime.llm import load_options
+    from powerinfer_tools.runtime.warmup import build_elsewhere_and_wait
+
+    for spec in specs:
+        if build_elsewhere_and_wait(spec.path, load_options(use_split=False, ram=spec.ram,
+                                                            neuron_choice=spec.neuron_choice)):
+            progress(f"{spec.name}: compiled the kernels for {spec.path.name} (once on this machine)")
 
 
 def bench_quality(model: Path, settings: BenchSettings, progress=lambda message: None) -> dict | None:

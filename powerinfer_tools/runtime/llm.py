@@ -127,12 +127,9 @@ class LLM:
         solved = ""
         if vram is not None:
             split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
-        # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
-        use_split = use_split and (device != "cpu" or ram is not None)
-        options = warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy,
-                                     str(NeuronChoice(neuron_choice).value))
+        options = load_options(device, split, use_split, ram, cache_policy, neuron_choice)
         warm_up = warmup.prepare(path, options, kernels, notice)
-        model = load_runtime_model(path, split=split, use_split=use_split,
+        model = load_runtime_model(path, split=split, use_split=options.use_split,
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
                                    cache_policy=cache_policy, cpu_only=device == "cpu", neuron_choice=neuron_choice)
         asked = FFNMode.SPARSE if mode == AUTO else FFNMode(mode)  # sparse: dense where the file has no sparse mode
@@ -194,6 +191,15 @@ class LLM:
         finally:  # also when the caller stops early (a stop string, a client gone)
             stats.generated_tokens = tokens.sampled
             stats.stopped_at_window, stats.stopped_at_eos = tokens.stopped_at_window, tokens.stopped_at_token
+
+
+def load_options(device: str = "cpu", split: str | Path | None = None, use_split: bool = True, ram: int | None = None,
+                 cache_policy: str = DEFAULT_POLICY, neuron_choice: str = "auto") -> warmup.LoadOptions:
+    """What of ``LLM.load``'s arguments decides which compiled paths its runs take (``warmup.LoadOptions``)."""
+    # On the CPU a split file matters only for its RAM tier (`pitools solve --ram`), under a RAM budget.
+    use_split = use_split and (device != "cpu" or ram is not None)
+    return warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy,
+                              str(NeuronChoice(neuron_choice).value))
 
 
 def _auto_mode(model: RuntimeModel, tokenizer, options: warmup.LoadOptions, notice) -> str:

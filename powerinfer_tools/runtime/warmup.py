@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer_tools import kernels  # (numba is not imported by this: only once a compiled kernel is asked for)
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.kernels import numba_cache
 
@@ -162,9 +163,33 @@ def start_background(path: Path, options: LoadOptions, key: str) -> None:
     folder = marker_folder()
     folder.mkdir(parents=True, exist_ok=True)
     with open(_marker(key, ".log"), "wb") as log:
-        subprocess.Popen([sys.executable, "-m", __name__, str(Path(path).resolve()), json.dumps(asdict(options)), key],
-                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                         env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+        subprocess.Popen(_build_command(path, options, key), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                         start_new_session=True, env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+
+
+def build_elsewhere_and_wait(path: Path, options: LoadOptions) -> bool:
+    """Warm up ``path`` loaded with ``options`` in a child process and wait for it, unless its kernels are ready
+    (or there is nothing to compile): so that a process that loads it next (a benchmark's engine) finds the
+    kernels cached and holds none of the compiler's memory. Whether it built them; a build that failed
+    raises ``PitoolsError`` with its error."""
+    if _version("numba") is None or _version("llama-cpp-python") is None:
+        return False
+    key = warm_key(model_kind(open_model_file(path)), options)
+    marker_folder().mkdir(parents=True, exist_ok=True)
+    with open(_marker(key, ".lock"), "a") as lock:  # a build under way (a run's, in the background) ends first
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    if is_warm(key):
+        return False
+    with open(_marker(key, ".log"), "wb") as log:
+        subprocess.run(_build_command(path, options, key), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                       env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+    if not is_warm(key):
+        raise PitoolsError(f"{path}: building the compiled kernels failed: {failure(key) or 'no error recorded'}")
+    return True
+
+
+def _build_command(path: Path, options: LoadOptions, key: str) -> list[str]:
+    return [sys.executable, "-m", __name__, str(Path(path).resolve()), json.dumps(asdict(options)), key]
 
 
 def _background_main(path: str, options_json: str, key: str) -> None:
