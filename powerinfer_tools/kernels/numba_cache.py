@@ -36,6 +36,7 @@ import functools
 import hashlib
 import json
 import mmap
+import re
 from importlib import metadata
 from pathlib import Path
 
@@ -131,15 +132,15 @@ def _compiler_code_spans() -> tuple[tuple[int, int], ...]:
         smaps = Path("/proc/self/smaps").read_text()
     except OSError:
         return ()
-    spans, mapping = [], None
-    for line in smaps.splitlines():
-        fields = line.split()
-        if fields[0].endswith(":"):  # a field of the mapping above
-            if fields[0] == "Anonymous:" and mapping is not None and fields[1] == "0":
-                spans.append(mapping)
-        else:  # a mapping: address range, permissions, offset, device, inode[, path]
-            mapping = None
-            if len(fields) > 5 and fields[5] == library and "w" not in fields[1]:
-                start, end = (int(address, 16) for address in fields[0].split("-"))
-                mapping = (start, end - start)
+    spans = []
+    # One block a mapping: its line (address range, permissions, offset, device, inode, path), then its fields,
+    # the last of which is VmFlags. Only the library's blocks are split into lines: the others are many.
+    for block in smaps.split("\nVmFlags:"):
+        head, _, fields = block.partition(f" {library}\n")
+        if not fields:
+            continue
+        addresses, permissions = head.rsplit("\n", 1)[-1].split()[:2]
+        if "w" not in permissions and re.search(r"^Anonymous:\s+0 kB$", fields, re.MULTILINE):
+            start, end = (int(address, 16) for address in addresses.split("-"))
+            spans.append((start, end - start))
     return tuple(spans)
