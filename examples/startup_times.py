@@ -1,6 +1,6 @@
 """How long a user waits before the first token, and how much memory a run takes.
 
-    python examples/startup_times.py MODEL.gguf [--repeats 3] [--serve] [--json]
+    python examples/startup_times.py MODEL.gguf [--repeats 3] [--serve] [--before CHECKOUT] [--json]
 
 Each figure is a fresh ``pitools`` process, timed from its start:
 
@@ -14,7 +14,9 @@ Each figure is a fresh ``pitools`` process, timed from its start:
 * **serve, first request**: with ``--serve``, ``pitools serve MODEL --port 0`` started, then one
   streamed completion: time from the process's start to the first streamed token, and from the
   request to it;
-* **peak RSS** of a warm run (the child's own ``wait4`` rusage), beside the model file's size.
+* **peak RSS** of a warm run (the child's own ``wait4`` rusage), beside the model file's size;
+* with ``--before CHECKOUT``: the warm start of another checkout of the package, in rounds alternating with
+  this one's (what a change did to it, on a machine whose speed drifts).
 
 The prompt is three words; ``-t`` threads as ``pitools run`` defaults. Run it on a quiet machine.
 """
@@ -41,7 +43,8 @@ TOKENS = 16  # enough that the one-token decode path runs (and, on a cold run, c
 
 def _pitools(*args: str, env: dict | None = None) -> subprocess.Popen:
     code = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # -P: the current folder is not put first on sys.path, where a checkout there would shadow PYTHONPATH's
+    return subprocess.Popen([sys.executable, "-P", "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, **(env or {})})
 
 
@@ -126,15 +129,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--serve", action="store_true", help="also time pitools serve's first request")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--before", type=Path, metavar="CHECKOUT",
+                        help="also time the warm start of another checkout of the package (its root folder, put on "
+                             "PYTHONPATH), in rounds alternating with this one's, its kernels in a cache of its own")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="numba-cold-") as waited:
         cold_wait = timed_run(args.model, {"NUMBA_CACHE_DIR": waited, "PITOOLS_KERNELS": "wait"})
-    with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
+    with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache, \
+            tempfile.TemporaryDirectory(prefix="numba-before-") as before_cache:
         environment = {"NUMBA_CACHE_DIR": cache, "PITOOLS_KERNELS": "background"}
         started = time.perf_counter()
         cold = timed_run(args.model, environment)
         built = background_build_s(cache, started)
-        warm = [timed_run(args.model, environment) for _ in range(args.repeats)]
+        engines = [([], environment)]
+        if args.before:
+            before_environment = {"NUMBA_CACHE_DIR": before_cache, "PITOOLS_KERNELS": "background",
+                                  "PYTHONPATH": str(args.before.resolve())}
+            timed_run(args.model, before_environment)  # its kernels built as this one's were
+            background_build_s(before_cache, time.perf_counter())
+            engines.append(([], before_environment))
+        for round_ in range(args.repeats):  # the engines take turns, the first of a round alternating
+            for runs, env in engines[:: 1 if round_ % 2 == 0 else -1]:
+                runs.append(timed_run(args.model, env))
+        warm = engines[0][0]
         serve = serve_first_request(args.model, cache) if args.serve else None  # (its kernels from the same cache)
     report = {
         "model": str(args.model), "model_mib": args.model.stat().st_size / 2**20,
@@ -145,6 +162,13 @@ def main() -> None:
         "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in warm),
         "serve": serve,
     }
+    if args.before:
+        before = engines[1][0]
+        report["before"] = {"checkout": str(args.before),
+                            "warm_first_token_s": statistics.median(r["first_token_s"] for r in before),
+                            "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in before),
+                            "warm_first_token_ratio": statistics.median(
+                                now["first_token_s"] / then["first_token_s"] for now, then in zip(warm, before))}
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -158,6 +182,11 @@ def main() -> None:
         print(f"  serve, first streamed token:         {serve['first_token_from_start_s']:.2f} s from start, "
               f"{serve['first_token_from_request_s']:.2f} s from the request")
     print(f"  peak RSS:                            {report['peak_rss_mib']:.0f} MiB")
+    if args.before:
+        before = report["before"]
+        print(f"  {args.before}, in alternate rounds: warm start to first token {before['warm_first_token_s']:.3f} s "
+              f"(this one {report['warm_first_token_s']:.3f} s; per-round ratio's median "
+              f"{before['warm_first_token_ratio']:.3f}x), peak RSS {before['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ waiting OpenMP thread spins on the cores the measured engine needs, and every en
 libraries' defaults. The order rotates every round. Figures are medians over the rounds; a ratio
 between two engines is the median of their per-round ratios, which pairs runs made close together
 in time on a machine whose load drifts. Peak RSS is the engine process's own, the largest over the
-rounds.
+rounds; our kernels are compiled before the rounds, in a process of their own, where numba's cache lacks them
+(a user's runs compile them once per machine), so that no engine's peak holds the compiler's memory.
 
 Decoding is teacher-forced: every engine is fed the same text, one token at a time after the
 prompt, and computes the logits of each step (the argmax is taken and discarded). A random model's
