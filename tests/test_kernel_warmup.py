@@ -162,6 +162,7 @@ def test_the_warm_key_covers_every_source_numba_compiles():
     compiled = {p for p in numba_cache.PACKAGE.rglob("*.py") if "cache=True" in p.read_text()}
     assert compiled and compiled <= covered, sorted(str(p) for p in compiled - covered)
 
+
 def test_a_build_elsewhere_starts_no_process_for_warm_kernels_and_reports_a_failed_one(bundled_gguf, markers,
                                                                                       monkeypatch):
     path, options = bundled_gguf("q8_0"), load_options(use_split=False)
