@@ -109,12 +109,16 @@ def _load_without_registries(cache, signature, target_context):
 
 def release_compiler_pages() -> None:
     """Drop LLVM's code from this process's resident memory; it comes back from the page cache where used."""
-    if not _compiler_code_spans():
-        return
+    for start, length in _compiler_code_spans():
+        _madvise()(start, length, mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise``, for address ranges that are no mmap object of Python's (``mmap.madvise`` takes those)."""
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    for start, length in _compiler_code_spans():
-        madvise(start, length, mmap.MADV_DONTNEED)
+    return madvise
 
 
 @functools.cache
@@ -125,9 +129,9 @@ def _compiler_code_spans() -> tuple[tuple[int, int], ...]:
     Linux (no /proc/self/smaps, or no MADV_DONTNEED)."""
     from llvmlite.binding import ffi
 
-    library = str(Path(ffi.__file__).resolve().parent / ffi.get_library_name())
     if not hasattr(mmap, "MADV_DONTNEED"):
         return ()
+    library = str(Path(ffi.__file__).resolve().parent / ffi.get_library_name())
     try:
         smaps = Path("/proc/self/smaps").read_text()
     except OSError:

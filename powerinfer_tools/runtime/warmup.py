@@ -172,7 +172,7 @@ def build_elsewhere_and_wait(path: Path, options: LoadOptions) -> bool:
     (or there is nothing to compile): so that a process that loads it next (a benchmark's engine) finds the
     kernels cached and holds none of the compiler's memory. Whether it built them; a build that failed
     raises ``PitoolsError`` with its error."""
-    if _version("numba") is None or _version("llama-cpp-python") is None:
+    if _nothing_to_compile():
         return False
     key = warm_key(model_kind(open_model_file(path)), options)
     marker_folder().mkdir(parents=True, exist_ok=True)
@@ -230,8 +230,8 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
         kernels.use_reference("the reference kernels were asked for")
         return _nothing
     kernels.use_reference(None)
-    if _version("numba") is None or _version("llama-cpp-python") is None:
-        return _nothing  # nothing to compile: the reference serves (kernels.available says why, once)
+    if _nothing_to_compile():
+        return _nothing  # the reference serves (kernels.available says why, once)
     key = warm_key(model_kind(open_model_file(path)), options)
     if is_warm(key):
         return _nothing
@@ -281,6 +281,11 @@ def _load_arguments(options: LoadOptions) -> dict:
     if options.cache_policy is not None:
         arguments["cache_policy"] = options.cache_policy
     return arguments | {"neuron_choice": options.neuron_choice}
+
+
+def _nothing_to_compile() -> bool:
+    """Without numba or llama-cpp-python (ggml's routines) no compiled kernel runs: the reference serves."""
+    return _version("numba") is None or _version("llama-cpp-python") is None
 
 
 def _version(package: str) -> str | None:
