@@ -151,7 +151,9 @@ class _Tensors:
         if name not in self.model:
             return None
         t = self.model[name]
-        v = np.ascontiguousarray(decode(self.stored(name), t.qtype).reshape(t.shape), dtype=np.float32)
+        # A copy even of a float32 tensor: read in place, a norm's page at each step would map the whole large
+        # folio of the page cache around it (up to 2 MiB of the neighbouring matrices; ``_release_mapped_pages``)
+        v = np.array(decode(self.stored(name), t.qtype).reshape(t.shape), dtype=np.float32)
         return v if backend is None else backend.upload(v)
 
     def norm(self, tensor: TensorKind, layer: int | None, backend) -> Norm:
@@ -177,21 +179,38 @@ class FileRows:
         return QuantMatrix(self.qtype, np.stack(stored).reshape(-1, *self.shape[1:])).dequantize_rows()
 
 
+def _file_mapping(data: np.ndarray) -> mmap.mmap | None:
+    """The memory map ``data`` is a view of, where it is one and pages can be dropped from it."""
+    mapping = data
+    while mapping is not None and not isinstance(mapping, mmap.mmap):
+        mapping = getattr(mapping, "base", None)
+    return mapping if hasattr(mmap, "MADV_DONTNEED") else None
+
+
 def _release_file_pages(data: np.ndarray) -> None:
     """Drop the whole pages of the file mapping under ``data`` from this process's resident memory
     (``madvise(MADV_DONTNEED)`` on the read-only map: they stay in the page cache and come back if
     touched), so that a matrix copied into another layout is not counted twice. Nothing happens to an
     array that is not a view of a memory-mapped file."""
-    mapping = data
-    while mapping is not None and not isinstance(mapping, mmap.mmap):
-        mapping = getattr(mapping, "base", None)
-    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+    if (mapping := _file_mapping(data)) is None:
         return
     offset = data.ctypes.data - np.frombuffer(mapping, np.uint8).ctypes.data
     start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
     stop = (offset + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if stop > start:
         mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
+
+def _release_mapped_pages(model: ModelFile) -> None:
+    """Drop every page of ``model``'s file mapping from this process once the runtime has what it copies.
+    What the runtime still reads in place (the head, embedding rows, a sparse FFN's rows) faults back as it is
+    read; the rest would stay resident beside its copy. A fault maps the whole large folio of the page cache
+    around the page (ext4's folios reach 2 MiB; Linux 6.18 maps them whole), so that reading one tensor brings
+    in parts of its neighbours: loading had left 1 MiB of the TinyLlama shape's dense file resident, but its
+    norms, read in place by each prompt, brought back 64 MiB of copied matrices around them."""
+    any_tensor = next(iter(model.tensors.values()), None)  # one mapping holds them all
+    if any_tensor is not None and (mapping := _file_mapping(any_tensor.data)) is not None:
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _check_split(split: GpuSplit, model: ModelFile, n_layers: int, layer_neurons: int, split_path: Path) -> None:
@@ -528,6 +547,7 @@ def load_runtime_model(
                   for i in range(spec.n_layers)]
         runtime = _runtime_model(tensors, spec, layers, gpu_split, device_backend, host, split_path, path,
                                  context_size)
+    _release_mapped_pages(model)
     if cache is not None:
         caches = [p.cache for layer in layers for ffn in ([e.partitions for e in layer.experts] or [layer.partitions])
                   for p in ffn if p.cache is not None]
