@@ -78,12 +78,17 @@ def _tensor_data_start(data: mmap.mmap) -> int:
     return cursor.position
 
 
+def header_fingerprint(header) -> str:
+    """``blake2b:<32 hex digits>``: the hash of a file's bytes before its tensor data (a buffer)."""
+    return "blake2b:" + hashlib.blake2b(header, digest_size=16).hexdigest()
+
+
 def model_fingerprint(path: str | Path) -> str:
-    """``blake2b:<32 hex digits>``: the hash of ``path``'s header, metadata and tensor table."""
+    """The fingerprint of ``path``'s header, metadata and tensor table, read without the rest of what
+    ``open_model_file`` reads (an open file has it: ``ModelFile.fingerprint``)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            end = _tensor_data_start(data)
-            return "blake2b:" + hashlib.blake2b(data[:end], digest_size=16).hexdigest()
+            return header_fingerprint(data[:_tensor_data_start(data)])
     except OSError as exc:
         raise PitoolsError(f"{path}: cannot read model file: {exc.strerror or exc}") from None
     except ValueError as exc:

@@ -135,6 +135,7 @@ class RuntimeModel(Engine):
         device=None,
         split_path=None,
         metadata: Optional[dict] = None,
+        fingerprint: Optional[str] = None,
         head_backend=None,
         host: Optional[CpuBackend] = None,
         path=None,
@@ -153,6 +154,7 @@ class RuntimeModel(Engine):
         self.device = device  # the GPU backend holding the hot partitions, if a split is in use
         self.split_path = split_path
         self.metadata = metadata or {}  # the model file's GGUF metadata (tokenizer, hyperparameters)
+        self.fingerprint = fingerprint  # the model file's (formats.fingerprint): what a result kept for it is keyed by
         self.host = host or CpuBackend()  # the backend of the CPU layers and partitions (one thread pool)
         self.head_backend = head_backend or self.host  # where the output norm and matrix live
         self.mode = FFNMode.DENSE

@@ -21,6 +21,7 @@ from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime import sparse_verdict, warmup
 from powerinfer_tools.formats.gpu_split import default_split_path
+from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
 from powerinfer_tools.models import load_model_and_tokenizer
 from powerinfer_tools.runtime.backends import require_cupy
@@ -128,8 +129,9 @@ class LLM:
         if vram is not None:
             split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
         options = load_options(device, split, use_split, ram, cache_policy, neuron_choice)
-        warm_up = warmup.prepare(path, options, kernels, notice)
-        model = load_runtime_model(path, split=split, use_split=options.use_split,
+        model_file = open_model_file(path)  # once: its header is read for the warm-up's key and for the model
+        warm_up = warmup.prepare(model_file, options, kernels, notice)
+        model = load_runtime_model(model_file, split=split, use_split=options.use_split,
                                    device="emulated" if device == "cpu" else device, context_size=ctx_size, ram=ram,
                                    cache_policy=cache_policy, cpu_only=device == "cpu", neuron_choice=neuron_choice)
         asked = FFNMode.SPARSE if mode == AUTO else FFNMode(mode)  # sparse: dense where the file has no sparse mode

@@ -26,7 +26,6 @@ from powerinfer_tools.formats.constants import (
     tensor_name,
 )
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
-from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies
@@ -478,7 +477,7 @@ def _layer(tensors: _Tensors, spec, i: int, gpu_split: GpuSplit | None, device_b
 def _check_fingerprint(gpu_split: GpuSplit, model: ModelFile, split_path: Path) -> None:
     """A split named by the caller must have been solved for this model file, when it records which (PowerInfer's
     do not): one of another file of the same shape would load and place neurons by that file's profile."""
-    if gpu_split.model_fingerprint not in (None, model_fingerprint(model.path)):
+    if gpu_split.model_fingerprint not in (None, model.fingerprint()):
         raise PitoolsError(f"{split_path}: solved for another model file than {model.path} ({MODEL_FINGERPRINT_KEY} "
                            f"differs); solve one for it: pitools solve {model.path} --vram SIZE")
 
@@ -496,7 +495,7 @@ def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons
 
 
 def load_runtime_model(
-    path: str | Path,
+    path: str | Path | ModelFile,
     split: str | Path | None = None,
     use_split: bool = True,
     device: str = "emulated",
@@ -507,8 +506,8 @@ def load_runtime_model(
     cpu_only: bool = False,
     neuron_choice: NeuronChoice | str = NeuronChoice.AUTO,
 ) -> RuntimeModel:
-    """Open ``path`` for the runtime, for sequences of up to ``context_size`` positions (default: the
-    model's trained positions).
+    """Open ``path`` (or take it open: ``open_model_file``'s) for the runtime, for sequences of up to
+    ``context_size`` positions (default: the model's trained positions).
 
     With ``use_split``, the split file ``split`` (default: beside the model) places
     each layer's hot neurons, and its dense block where the solver put it, on the
@@ -519,8 +518,8 @@ def load_runtime_model(
     for its RAM tier, and one that places neurons on a GPU is refused. ``neuron_choice``: what chooses a ReLU
     family's neurons in sparse mode, each layer's predictor or its whole gate (``gate_choice``).
     """
-    path = Path(path)
-    model = open_model_file(path)
+    model = path if isinstance(path, ModelFile) else open_model_file(path)
+    path = model.path
     spec = spec_from_model_file(model)
     check_model_tensors(model, spec)
     host = CpuBackend()
@@ -609,6 +608,7 @@ def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | 
         device=device_backend,
         split_path=split_path if gpu_split is not None else None,
         metadata=model.metadata,
+        fingerprint=model.fingerprint(),
         head_backend=head,
         host=host,
         path=path,

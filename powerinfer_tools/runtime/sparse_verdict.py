@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from powerinfer_tools.fileio import write_json
-from powerinfer_tools.formats.fingerprint import model_fingerprint
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.engine import TokenStats
@@ -54,7 +53,7 @@ class Verdict:
 def verdict(model, tokenizer, options: warmup.LoadOptions, threads: int, notice=None) -> Verdict:
     """The verdict for ``model`` (a loaded ``RuntimeModel`` that can run sparse) as loaded with ``options`` on
     ``threads`` threads: kept from an earlier run, or measured now (saying so through ``notice``) and kept."""
-    key = warmup.warm_key({"file": model_fingerprint(model.path), "threads": threads}, options)
+    key = warmup.warm_key({"file": model.fingerprint, "threads": threads}, options)
     kept = warmup.marker_folder() / f"pitools-sparse-{key}.json"
     try:
         return Verdict(**json.loads(kept.read_text()))

@@ -50,7 +50,7 @@ import numpy as np
 
 from powerinfer_tools import kernels  # (numba is not imported by this: only once a compiled kernel is asked for)
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.kernels import numba_cache
 
 PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
@@ -219,8 +219,8 @@ def _background_main(path: str, options_json: str, key: str) -> None:
             raise
 
 
-def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None):
-    """Before ``LLM.load`` loads ``path``: choose this process's kernels by ``policy`` (the layouts a model is
+def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, notice=None):
+    """Before ``LLM.load`` loads ``model_file`` (open: ``open_model_file``): choose this process's kernels by ``policy`` (the layouts a model is
     loaded in depend on it), and return what to call on the loaded engine: it starts the background build
     or warms the engine up, saying so in one line through ``notice`` (a callable, or None). Nothing is said
     or started for a file that then fails to load."""
@@ -232,7 +232,7 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
     kernels.use_reference(None)
     if _nothing_to_compile():
         return _nothing  # the reference serves (kernels.available says why, once)
-    key = warm_key(model_kind(open_model_file(path)), options)
+    key = warm_key(model_kind(model_file), options)
     if is_warm(key):
         return _nothing
     building = _build_under_way(key)
@@ -242,7 +242,7 @@ def prepare(path: Path, options: LoadOptions, policy: Policy | str, notice=None)
 
         def build_elsewhere(engine) -> None:
             if not building:
-                start_background(path, options, key)
+                start_background(model_file.path, options, key)
             say("the compiled kernels for this kind of model are being built in the background (once on this "
                 "machine, about half a minute); until they are ready, runs use the slower NumPy kernels")
 
