@@ -15,9 +15,9 @@ returned without copying.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Sequence

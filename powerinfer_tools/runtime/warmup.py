@@ -220,10 +220,10 @@ def _background_main(path: str, options_json: str, key: str) -> None:
 
 
 def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, notice=None):
-    """Before ``LLM.load`` loads ``model_file`` (open: ``open_model_file``): choose this process's kernels by ``policy`` (the layouts a model is
-    loaded in depend on it), and return what to call on the loaded engine: it starts the background build
-    or warms the engine up, saying so in one line through ``notice`` (a callable, or None). Nothing is said
-    or started for a file that then fails to load."""
+    """Before ``LLM.load`` loads ``model_file`` (``open_model_file``'s): choose this process's kernels by
+    ``policy`` (the layouts a model is loaded in depend on it), and return what to call on the loaded engine:
+    it starts the background build or warms the engine up, saying so in one line through ``notice`` (a
+    callable, or None). Nothing is said or started for a file that then fails to load."""
     policy = Policy(policy)
     say = notice or (lambda line: None)
     if policy is Policy.REFERENCE:
