@@ -133,12 +133,18 @@ def _read_choice(get: Callable[[str], Any], source: str) -> QualityChoice | None
                              get, SPARSITY_CURVE_PERPLEXITY_KEY, source, len(sparsity), required=needed))))
 
 
+def clears(value, threshold):
+    """The one test of every rule (CATS, TEAL): a value is kept where its magnitude is strictly above the
+    threshold. Plain arithmetic, so that NumPy (or CuPy) applies it to arrays and the compiled decoder compiles
+    it for one value (``runtime/thresholded_decode``): a change here changes every path, calibration included."""
+    return abs(value) > threshold
+
+
 def kept(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:
-    """Which entries a threshold keeps: magnitude strictly above it (all, without one)."""
-    xp = array_namespace(values)  # NumPy, or CuPy on a device
+    """Which entries a threshold keeps (``clears`` it; all, without one)."""
     if threshold is None:
-        return xp.ones(values.shape, dtype=bool)
-    return xp.abs(values) > threshold
+        return array_namespace(values).ones(values.shape, dtype=bool)  # NumPy, or CuPy on a device
+    return clears(values, threshold)
 
 
 def thresholded(values: np.ndarray, threshold: Optional[float]) -> np.ndarray:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import json
 import mmap
 import re
@@ -41,11 +42,14 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # powerinfer_tools/
+# powerinfer_tools.formats: the repository's formats/ (pyproject's package-dir), wherever an install put it
+FORMATS = Path(importlib.util.find_spec("powerinfer_tools.formats").submodule_search_locations[0]).resolve()
 # The sources of compiled code: a change to any of them makes every cached function stale (and the warm-up
 # markers, runtime.warmup).
 NUMBA_SOURCES = (PACKAGE / "kernels", PACKAGE / "predictors" / "logit_gradient.py",
                  *(PACKAGE / "runtime" / name
-                   for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")))
+                   for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")),
+                 FORMATS / "activation_thresholds.py")  # the thresholds' test (``clears``), which the decoder inlines
 
 
 def source_files(sources=NUMBA_SOURCES) -> list[tuple[str, int, int]]:

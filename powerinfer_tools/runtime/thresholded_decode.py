@@ -9,21 +9,28 @@ from __future__ import annotations
 
 from numba import njit
 
+from powerinfer_tools.formats.activation_thresholds import clears
 from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
+_clears = njit(inline="always")(clears)  # the rules' test, as the general path applies it to arrays
+
+
 @njit(inline="always")
 def _cats_keeps(g, t, bounds, kind):
-    """|act(g)| > t, by comparing g with ``bounds`` (``thresholded_ffn.cats_bounds``): no exp or tanh, except
-    within the margin of a SiLU or GELU bound, where the comparison gives way to the definition itself (relu's
-    bound is exact). The comparisons are combined without branches (``&``, ``|``): which neurons a token keeps
-    is close to a coin toss, which a branch would mispredict; the margin's branch is almost never taken."""
+    """Whether act(g) clears t (``clears``): a ReLU family's relu(g) itself; SiLU's and GELU's by comparing g with
+    ``bounds`` (``thresholded_ffn.cats_bounds``), without exp or tanh, except within the margin of a bound, where
+    the comparison gives way to the rule itself. The comparisons are combined without branches (``&``, ``|``):
+    which neurons a token keeps is close to a coin toss, which a branch would mispredict; the margin's branch is
+    almost never taken, and the kind's is the same for every neuron."""
+    if kind <= 1:  # ReGLU, dReLU (``compiled_decode._KINDS``)
+        return _clears(max(g, 0.0), t)
     above, band_lo, band_hi, margin = bounds[0], bounds[1], bounds[2], bounds[3]
     if (abs(g - above) < margin) | (abs(g - band_lo) < margin) | (abs(g - band_hi) < margin):
-        return abs(nk.gated_activation(kind, g, 1.0)) > t
+        return _clears(nk.gated_activation(kind, g, 1.0), t)
     return (g > above) | ((band_lo < g) & (g < band_hi))
 
 
@@ -36,7 +43,7 @@ def thresholded_input(w, s, kind, fns, n_threads):
     d_model, d_ff = s.h.shape[0], s.act.shape[0]  # (up may be interleaved: not its rows)
     if w.ffn_in >= 0:
         for i in range(d_model):
-            if abs(s.h[i]) <= w.ffn_in:
+            if not _clears(s.h[i], w.ffn_in):
                 s.h[i] = 0.0
     ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
     if w.cats < 0:
@@ -72,7 +79,7 @@ def drop_small_down_inputs(s, rows, threshold):
     for i in range(rows.shape[0]):  # without a branch on the choice, as in ``thresholded_input``
         s.down_rows[m] = rows[i]
         s.act[m] = s.act[i]  # position m's own value was read at i = m <= this i
-        m += abs(s.act[m]) > threshold
+        m += _clears(s.act[m], threshold)
     return m
 
 

@@ -4,8 +4,10 @@ calibrated thresholds of a SiLU or GeGLU model: ``formats/activation_thresholds.
 ``profiling/calibration.py``. A ReLU-family layer whose neurons the whole gate chooses (``gate_choice``) runs
 as CATS at threshold 0 on relu(gate x): exactly the neurons that fire.
 
-Every place the runtime computes these rules is here or, for the compiled decoder, in ``thresholded_decode``
-(whose numba loops a model on the NumPy reference kernels must not import):
+The rules' one test, what a value must clear to be kept, is ``formats.activation_thresholds.clears``: NumPy applies
+it here (through ``kept``), the compiled decoder compiles it. Every place the runtime applies it is here or, for
+the compiled decoder, in ``thresholded_decode`` (whose numba loops a model on the NumPy reference kernels must not
+import):
 
 * a block of tokens (a prompt), general path: ``block``;
 * one token, general path: ``teal_input``, ``cats_choice`` (which neurons), ``teal_down`` (the down
@@ -108,10 +110,8 @@ def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
     """float64 ``[above, band_lo, band_hi, margin]``: |act(g)| > t exactly where g > above or band_lo < g <
     band_hi, up to ``margin`` (``thresholded_decode``). SiLU and GELU fall from 0 to one minimum (SiLU's -0.2785
     at g = -1.2785, GELU's -0.170 at g = -0.752) and rise after it: the first bound is where the activation climbs
-    past t, and the band, where it dips below -t, is empty (0, 0) for larger t. For a ReLU family's relu
-    (t >= 0): g > t, exactly."""
-    if kind.relu_gated:
-        return np.array([float(t), 0.0, 0.0, 0.0])
+    past t, and the band, where it dips below -t, is empty (0, 0) for larger t. (A ReLU family's relu needs
+    none: the decoder computes it.)"""
     act, bottom = _scalar_activation(kind), _minimum(kind)
 
     def bisect(lo, hi, inside):  # the boundary on [lo, hi] of where ``inside`` holds, holding at lo or at hi
