@@ -549,7 +549,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float, kind: F
         numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
         np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
-        cats_bounds(cats, kind) if cats >= 0 and not kind.relu_gated else np.zeros(4), gemv if isinstance(p.gate, InterleavedQ4) else 0,
+        cats_bounds(cats, kind) if cats >= 0 and not kind.relu_gated else np.zeros(4),  # (relu's needs none)
+        gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
         *(_ABSENT if norm is None else norm.weight for norm in (d.q_norm, d.k_norm, d.post_attn_norm, d.post_ffn_norm)),
         np.float32(attn_scale),
