@@ -15,7 +15,7 @@ from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import (RULE_KEY, TARGET_KEY, SparsityRule, kept, read_thresholds,
                                                             threshold_key)
-from powerinfer_tools.models.layers import gate_activation, silu
+from powerinfer_tools.models.layers import gate_activation
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import FFNKind, load_model
@@ -46,7 +46,7 @@ def _kept_shares(model, tokens, thresholds) -> dict[str, list[float]]:
 
     def hook(trace):
         t = thresholds.layers[trace.layer]
-        cats = kept(silu(trace.gate_pre), t.cats)
+        cats = kept(gate_activation(FFNKind.SWIGLU)(trace.gate_pre), t.cats)
         if t.cats is not None:
             shares.setdefault("cats", []).append(cats.mean())
         if t.ffn_in is not None:

@@ -96,7 +96,7 @@ from powerinfer_tools.fileio import check_writable_output
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.constants import neuron_frequency_key
 from powerinfer_tools.formats.model_file import open_model_file
-from powerinfer_tools.formats.model_spec import FFNUnit, ffn_units
+from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ffn_units
 from powerinfer_tools.formats.profile_folder import FiringStats, pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
 from powerinfer_tools.formats.quantization import OUTTYPES
@@ -110,7 +110,7 @@ from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNTracer, Tokenizer, tracing
 from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.models.base import CheckpointWeights, load_block
-from powerinfer_tools.models.layers import FFNHook, FFNTrace, KVCache, activate, rms_norm, route, silu
+from powerinfer_tools.models.layers import FFNHook, FFNTrace, KVCache, activate, gate_activation, rms_norm, route
 from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, held_out_pairs, train_predictors
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
@@ -925,7 +925,7 @@ def activation_statistics(model, tokens: np.ndarray, progress: bool = False) -> 
     with progress_bar(total=model.spec.n_layers, desc="activation statistics", unit="layer",
                       enabled=progress) as bar:
         def record(trace: FFNTrace) -> None:
-            values = (trace.ffn_input, np.abs(silu(trace.gate_pre)), trace.activated)
+            values = (trace.ffn_input, np.abs(gate_activation(FFNKind.SWIGLU)(trace.gate_pre)), trace.activated)
             layers[trace.layer] = {name: moments(v) for name, v in zip(STATISTICS, values)}
             layers[trace.layer]["residual_rms"] = float(np.sqrt(np.mean(np.square(trace.residual, dtype=np.float64))))
             bar.update(1)

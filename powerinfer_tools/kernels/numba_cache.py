@@ -49,7 +49,8 @@ FORMATS = Path(importlib.util.find_spec("powerinfer_tools.formats").submodule_se
 NUMBA_SOURCES = (PACKAGE / "kernels", PACKAGE / "predictors" / "logit_gradient.py",
                  *(PACKAGE / "runtime" / name
                    for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")),
-                 FORMATS / "activation_thresholds.py")  # the thresholds' test (``clears``), which the decoder inlines
+                 # what the decoder inlines: the thresholds' test (``clears``), a neuron's activation
+                 FORMATS / "activation_thresholds.py", FORMATS / "activations.py")
 
 
 def source_files(sources=NUMBA_SOURCES) -> list[tuple[str, int, int]]:

@@ -19,8 +19,6 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 
 from __future__ import annotations
 
-import math
-
 import llvmlite.binding
 import numpy as np
 import numba
@@ -30,7 +28,7 @@ from numba.core import cgutils
 from gguf import GGMLQuantizationType
 from numba.extending import intrinsic
 
-from powerinfer_tools.formats import weight_types
+from powerinfer_tools.formats import activations, weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
@@ -292,28 +290,16 @@ def matvec(vec_dot, w, x_encoded, cols, out):
         ggml_vec_dot(vec_dot, cols, out.ctypes.data + 4 * i, w.ctypes.data + i * w.strides[0], x_encoded.ctypes.data)
 
 
-@njit(inline="always")
-def silu(g):
-    return g / (1.0 + math.exp(-g))
-
-
-@njit(inline="always")
-def gelu_tanh(g):
-    """GELU's tanh approximation, as ``models.layers.gelu_tanh`` computes it."""
-    return 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+# A neuron's arithmetic as NumPy computes it (``formats/activations.py``), compiled for one value.
+activation = njit(inline="always")(activations.activation)
+_gated = njit(inline="always")(activations.gated)
 
 
 @njit(inline="always")
 def gated_activation(kind, g, u):
-    """One neuron's activation from its gate and up products, for the FFN kinds as ``compiled_decode._KINDS``
-    numbers them (what ``models.layers.activate`` computes); with u = 1, the gate's activation alone."""
-    if kind == 0:  # ReGLU
-        return max(g, 0.0) * u
-    if kind == 1:  # dReLU
-        return max(g, 0.0) * max(u, 0.0)
-    if kind == 3:  # GeGLU
-        return gelu_tanh(g) * u
-    return silu(g) * u  # SwiGLU
+    """One neuron's activated value from its gate and up products, ``kind`` numbered as
+    ``formats.activations.NUMBERS`` (what ``models.layers.activate`` computes on arrays)."""
+    return _gated(kind, activation(kind, g), u)
 
 
 # --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------

@@ -20,7 +20,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from powerinfer_tools.formats import activations
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
+from powerinfer_tools.formats.activations import NUMBERS, RELU, activation
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.xp import array_namespace
@@ -54,19 +56,6 @@ def normalize(kind: NormKind, norm: Norm, x: np.ndarray, eps: float) -> np.ndarr
 def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None) -> np.ndarray:
     y = x @ weight.T
     return y if bias is None else y + bias
-
-
-def relu(x: np.ndarray) -> np.ndarray:
-    return array_namespace(x).maximum(x, 0)
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1 + array_namespace(x).exp(-x))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``, ggml's ``gelu``)."""
-    return 0.5 * x * (1 + array_namespace(x).tanh(x.dtype.type(np.sqrt(2 / np.pi)) * (x + 0.044715 * x * x * x)))
 
 
 def embedding_scale(spec: ModelSpec) -> float | None:
@@ -269,26 +258,23 @@ FFNHook = Callable[[FFNTrace], None]
 NeuronSelector = Callable[[int, np.ndarray, np.ndarray], Optional[np.ndarray]]
 
 
-_GATE_ACTIVATIONS = {FFNKind.REGLU: relu, FFNKind.DRELU: relu, FFNKind.SWIGLU: silu, FFNKind.GEGLU: gelu_tanh}
-
-
 def gate_activation(kind: FFNKind) -> Callable[[np.ndarray], np.ndarray]:
-    """A gated FFN's activation of its gate product; also what CATS thresholds the magnitude of (a ReLU
-    family's relu: at threshold 0, exactly the neurons that fire)."""
-    if kind not in _GATE_ACTIVATIONS:
+    """A gated FFN's activation of its gate product (``formats/activations.py``); also what CATS thresholds the
+    magnitude of (a ReLU family's relu: at threshold 0, exactly the neurons that fire)."""
+    if not kind.gated:
         raise ValueError(f"{kind.value} has no gate")
-    return _GATE_ACTIVATIONS[kind]
+    return partial(activation, NUMBERS[kind])
 
 
 def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
     if kind is FFNKind.RELU:
-        return relu(up_pre)
+        return activation(RELU, up_pre)
     return gated(kind, gate_activation(kind)(gate_pre), up_pre)
 
 
 def gated(kind: FFNKind, gate: np.ndarray, up_pre: np.ndarray) -> np.ndarray:
     """A gated FFN's activations from its gate's activated values and its up products (dReLU: up's relu'd)."""
-    return gate * (relu(up_pre) if kind is FFNKind.DRELU else up_pre)
+    return activations.gated(NUMBERS[kind], gate, up_pre)
 
 
 def route(router_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

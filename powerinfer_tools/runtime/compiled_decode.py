@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.experimental import structref
 
 from powerinfer_tools import kernels
+from powerinfer_tools.formats.activations import NUMBERS
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
@@ -52,8 +53,8 @@ from powerinfer_tools.runtime.thresholded_decode import thresholded_input
 from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-# FFN kinds as integers for the compiled code (``ffn_decode.GATE_GIVEN`` may be added to one)
-_KINDS = {FFNKind.REGLU: 0, FFNKind.DRELU: 1, FFNKind.SWIGLU: 2, FFNKind.GEGLU: 3}
+# The gated FFN kinds it computes, numbered as ``formats/activations.py`` (``ffn_decode.GATE_GIVEN`` may be added)
+_KINDS = {kind: number for kind, number in NUMBERS.items() if kind.gated}
 NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not use
 # The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
 _BIASES = ("q", "k", "v")

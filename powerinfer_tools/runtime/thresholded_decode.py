@@ -10,6 +10,7 @@ from __future__ import annotations
 from numba import njit
 
 from powerinfer_tools.formats.activation_thresholds import clears
+from powerinfer_tools.formats.activations import DRELU, REGLU
 from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float
@@ -26,11 +27,11 @@ def _cats_keeps(g, t, bounds, kind):
     the comparison gives way to the rule itself. The comparisons are combined without branches (``&``, ``|``):
     which neurons a token keeps is close to a coin toss, which a branch would mispredict; the margin's branch is
     almost never taken, and the kind's is the same for every neuron."""
-    if kind <= 1:  # ReGLU, dReLU (``compiled_decode._KINDS``)
-        return _clears(max(g, 0.0), t)
+    if kind == REGLU or kind == DRELU:
+        return _clears(nk.activation(kind, g), t)
     above, band_lo, band_hi, margin = bounds[0], bounds[1], bounds[2], bounds[3]
     if (abs(g - above) < margin) | (abs(g - band_lo) < margin) | (abs(g - band_hi) < margin):
-        return _clears(nk.gated_activation(kind, g, 1.0), t)
+        return _clears(nk.activation(kind, g), t)
     return (g > above) | ((band_lo < g) & (g < band_hi))
 
 
