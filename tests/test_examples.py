@@ -23,3 +23,14 @@ def test_the_kernel_benchmark_runs_its_tables(tables):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(done.stdout.splitlines()) > 2, done.stdout  # the kernels' description, then a table's lines
+
+
+@pytest.mark.slow
+def test_the_decode_paths_example_decodes_alike_on_both_paths(bundled_gguf):
+    done = subprocess.run([sys.executable, str(EXAMPLES / "decode_paths.py"), str(bundled_gguf("f32")), "--steps", "4"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, general, gap = done.stdout.splitlines()[-3:]
+    assert compiled.startswith("compiled decoder: argmax") and general.startswith("general path (compiled decoding")
+    assert compiled.split("steps")[1] == general.split("steps")[1], done.stdout  # float32 weights: the same tokens
+    assert float(gap.split()[-1]) < 1e-3, gap
