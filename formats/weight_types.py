@@ -25,16 +25,21 @@ from gguf.quants import dequantize
 
 F32 = GGMLQuantizationType.F32
 F16 = GGMLQuantizationType.F16
+BF16 = GGMLQuantizationType.BF16
 Q4_0 = GGMLQuantizationType.Q4_0
 Q4_1 = GGMLQuantizationType.Q4_1
 Q5_0 = GGMLQuantizationType.Q5_0
 Q5_1 = GGMLQuantizationType.Q5_1
 Q8_0 = GGMLQuantizationType.Q8_0
 Q8_1 = GGMLQuantizationType.Q8_1
+Q2_K = GGMLQuantizationType.Q2_K
+Q3_K = GGMLQuantizationType.Q3_K
 Q4_K = GGMLQuantizationType.Q4_K
 Q5_K = GGMLQuantizationType.Q5_K
 Q6_K = GGMLQuantizationType.Q6_K
 Q8_K = GGMLQuantizationType.Q8_K
+IQ4_NL = GGMLQuantizationType.IQ4_NL
+IQ4_XS = GGMLQuantizationType.IQ4_XS
 
 
 @dataclass(frozen=True)
@@ -93,5 +98,11 @@ WEIGHT_TYPES = {
         WeightType(Q4_K, Q8_K, False),
         WeightType(Q5_K, Q8_K, False),
         WeightType(Q6_K, Q8_K, False),
+        # Q3_K_M's and Q2_K's k-quants; IQ4_XS, and IQ4_NL (where an IQ4_XS file's rows are not whole 256-value blocks)
+        WeightType(Q2_K, Q8_K, False),
+        WeightType(Q3_K, Q8_K, False),
+        WeightType(IQ4_NL, Q8_0, False),
+        WeightType(IQ4_XS, Q8_K, False),
+        WeightType(BF16, BF16, False),  # a full-precision download's; vec_dot takes x rounded to bfloat16
     )
 }

@@ -173,6 +173,25 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 # --- comparing logits ----------------------------------------------------------------------------
 
+# llama.cpp's file types whose weights the runtime computes (formats/weight_types.py), as its quantizer names them
+# (llama_cpp.LLAMA_FTYPE_MOSTLY_*); the k-quant mixes and IQ4_XS need rows of whole 256-value super-blocks.
+LLAMA_FILE_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "BF16")
+
+
+def llama_quantize(source: Path, out: Path, file_type: str, requantize: bool = False) -> Path:
+    """``source`` (a GGUF file) written to ``out`` by llama.cpp's own quantizer as ``file_type`` (its name after
+    ``LLAMA_FTYPE_MOSTLY_``: ``Q4_K_M``, ``Q8_0``); ``requantize``: from a quantized ``source``."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.allow_requantize = requantize
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
+
+
 TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
 
 

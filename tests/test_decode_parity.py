@@ -12,10 +12,10 @@ made from the model's own gate rows (``_exact_predictor``), so that a choice fli
 neuron whose activation is ~0. Each test id ends with the path its one-token steps take (a spy on
 ``CompiledDecoder.forward`` and ``RuntimeModel._layer`` counts them), a fact asserted, not derived:
 
-    compiled  dense and dense-powerinfer (every type: f32 f16 q8_0 q4_0, and llama.cpp's Q4_1, Q4_K_M, Q6_K
-              for the dense file, Q4_K_M's q6_K attn_v beside q4_K q/k included), predicted, gate-chosen (the
-              whole gate chooses: ``runtime.gate_choice``), cats, teal, cats+teal, moe-dense, moe-sparse,
-              cache-sparse
+    compiled  dense and dense-powerinfer (every type: f32 f16 q8_0 q4_0, and llama.cpp's file types for the
+              dense file, ``gguf_fixtures.LLAMA_FILE_TYPES``: Q4_1 to BF16, Q4_K_M's q6_K attn_v beside q4_K
+              q/k included), predicted, gate-chosen (the whole gate chooses: ``runtime.gate_choice``), cats,
+              teal, cats+teal, moe-dense, moe-sparse, cache-sparse
     general   cache-dense (the decoder is built, but a dense step under a neuron cache streams every neuron
               through it in chunks: ``CompiledDecoder.usable``), moe-cache (no decoder: an expert's FFN
               behind a neuron cache), split-sparse, split-gate and split-dense (no decoder: layers on the device)
@@ -30,16 +30,14 @@ dense files (its k-quants also need rows of whole 256-value super-blocks: a mode
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 from dataclasses import dataclass
 
-import llama_cpp
 import numpy as np
 import pytest
 from gguf import MODEL_TENSOR
-from gguf_fixtures import TOKENS, relative_error, save_predictors, stepwise_logits
+from gguf_fixtures import LLAMA_FILE_TYPES, TOKENS, llama_quantize, relative_error, save_predictors, stepwise_logits
 from hf_models import build
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.constants import tensor_name
@@ -66,8 +64,6 @@ PROMPT = 4  # stepwise_logits: TOKENS[:PROMPT] as one block, then each further t
 ONE_TOKEN_STEPS = len(TOKENS) - PROMPT
 
 CONVERT_TYPES = ("f32", "f16", "q8_0", "q4_0")
-LLAMA_QUANTIZE = {"Q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
-                  "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K}
 
 
 @dataclass(frozen=True)
@@ -88,7 +84,8 @@ class Tolerance:
 # layer by layer, and which values cross a threshold depends on the CPU's kernels (VNNI encodes x its own way), so
 # the thresholded bounds were measured over five seeds of the SiLU model (3-7). Measured (logits / thresholded):
 # f32 1.1e-6 / 8.9e-7; f16 1.1e-3 / 8.2e-2; q8_0 3.0e-2 / 0.24; q4_0 5.2e-2 / 0.29; Q4_1 6.1e-2; Q4_K_M 8.7e-2;
-# Q6_K 4.9e-2. Logits computed wrongly differ by ~1 (CATS choosing from a q4_0 gate of mixed-up rows: 0.94).
+# Q6_K 4.9e-2; on the AVX-512 VNNI EPYC, 2026-12-05: Q5_0 3.7e-2, Q5_1 5.9e-2, Q5_K_M 8.3e-2, Q3_K_M 0.10,
+# Q2_K 7.5e-2, IQ4_NL 6.1e-2, IQ4_XS 9.5e-2, BF16 1.4e-2. Logits computed wrongly differ by ~1 (CATS choosing from a q4_0 gate of mixed-up rows: 0.94).
 TOLERANCES = {
     "f32": Tolerance(1e-5, 1e-5, "x stays float32 in every product: only the order of float32 sums differs"),
     "f16": Tolerance(5e-3, 0.25, "x encoded as f16 for f16 weights (~5e-4 relative each); q8_0 predictors"),
@@ -97,6 +94,14 @@ TOLERANCES = {
     "Q4_1": Tolerance(0.2, None, "x encoded as q8_1, the vec_dot_type (~5e-3 relative each), amplified"),
     "Q4_K_M": Tolerance(0.25, None, "x encoded as q8_K, the vec_dot_type of q4_K and q6_K, amplified"),
     "Q6_K": Tolerance(0.15, None, "x encoded as q8_K, the vec_dot_type, amplified"),
+    "Q5_0": Tolerance(0.1, None, "x encoded as q8_0, the vec_dot_type, amplified"),
+    "Q5_1": Tolerance(0.15, None, "x encoded as q8_1, the vec_dot_type, amplified"),
+    "Q5_K_M": Tolerance(0.2, None, "x encoded as q8_K, the vec_dot_type of q5_K and q6_K, amplified"),
+    "Q3_K_M": Tolerance(0.25, None, "x encoded as q8_K, the vec_dot_type of q3_K, q4_K and q5_K, amplified"),
+    "Q2_K": Tolerance(0.2, None, "x encoded as q8_K, the vec_dot_type of q2_K and q3_K, amplified"),
+    "IQ4_NL": Tolerance(0.15, None, "x encoded as q8_0, the vec_dot_type, amplified"),
+    "IQ4_XS": Tolerance(0.25, None, "x encoded as q8_K, the vec_dot_type, amplified"),
+    "BF16": Tolerance(0.04, None, "x rounded to bfloat16, the vec_dot_type (~4e-3 relative each), amplified"),
 }
 # Where x is encoded, a choice (predictor, CATS) flips when its score lies within the encoding's error of the
 # threshold: the two may differ by this share of the choices made (neurons_total; measured: at most 0.5%).
@@ -141,7 +146,7 @@ def _combinations():
     """Every variant in every type its files can be stored in: convert writes f32, f16, q8_0 and q4_0; llama.cpp's
     quantizer, the other types, only dense (GGUF) files."""
     for name, variant in VARIANTS.items():
-        types = CONVERT_TYPES + (tuple(LLAMA_QUANTIZE) if variant.kind == "dense" else ())
+        types = CONVERT_TYPES + (LLAMA_FILE_TYPES if variant.kind == "dense" else ())
         for weight_type in types:
             path = "general" if not variant.compiled else "mixed" if variant.general_layers else "compiled"
             yield pytest.param(name, weight_type, id=f"{name}-{weight_type}-{path}")
@@ -230,12 +235,8 @@ def model_files(sparse_tiny, tmp_path_factory):
     @functools.cache
     def path(kind: str, weight_type: str):
         out = root / f"{kind}.{weight_type}.gguf"
-        if weight_type in LLAMA_QUANTIZE:
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = LLAMA_QUANTIZE[weight_type]
-            assert llama_cpp.llama_model_quantize(str(k_quant_f32()).encode(), str(out).encode(),
-                                                  ctypes.byref(params)) == 0
-            return out
+        if weight_type in LLAMA_FILE_TYPES:
+            return llama_quantize(k_quant_f32(), out, weight_type)
         if kind.startswith("silu-"):
             folder, calibration = silu_calibration(SparsityRule(kind.removeprefix("silu-")))
             return convert(str(folder), out, weight_type, calibration=calibration, progress=False)[0]

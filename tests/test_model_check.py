@@ -40,10 +40,10 @@ def test_a_width_that_disagrees_with_the_tensors_names_the_tensor(small_powerinf
 
 
 def test_a_tensor_type_the_runtime_cannot_compute_with_is_named(small_powerinfer_file, tmp_path):
-    # The F32 matrix relabelled IQ4_NL (one 32-element block per row) still lies within the file: only its type is
-    # wrong (one outside formats/weight_types.py).
-    iq4_nl = struct.pack("<I", GGMLQuantizationType.IQ4_NL)
-    bad = patched(small_powerinfer_file, tmp_path, "blk.0.attn_q.weight", iq4_nl)
+    # The F32 matrix relabelled Q8_1 (one 32-element block per row) still lies within the file: only its type is
+    # wrong (one outside formats/weight_types.py: ggml encodes inputs so, not weights).
+    q8_1 = struct.pack("<I", GGMLQuantizationType.Q8_1)
+    bad = patched(small_powerinfer_file, tmp_path, "blk.0.attn_q.weight", q8_1)
     result = invoke("run", bad, "-n", "1")
     assert result.exit_code == 1 and result.stderr.startswith("pitools: error: "), (result.stderr, result.exception)
     assert "blk.0.attn_q.weight" in result.stderr, result.stderr

@@ -74,30 +74,32 @@ def test_empty_row_selection_gives_empty_or_zero_results():
 
 
 def test_unsupported_type_is_refused():
-    with pytest.raises(ValueError, match="IQ4_NL"):
-        QuantMatrix(T.IQ4_NL, np.zeros((2, 18), np.uint8))
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        QuantMatrix(T.IQ2_XXS, np.zeros((2, 66), np.uint8))
 
 
 @pytest.mark.parametrize("bundled", [False, True], ids=["powerinfer-layout", "bundled-layout"])
 def test_an_ffn_matrix_of_a_type_the_kernels_lack_is_one_clear_error(small_powerinfer_file, tmp_path, bundled):
-    """A file whose ffn_up matrices are bf16 (llama.cpp's converter writes it; outside the runtime's table)."""
+    """A file whose ffn_up matrices are q8_1 (a ggml type outside the runtime's table: ggml encodes x so, never
+    weights)."""
     from powerinfer_tools.conversion.bundle import bundle_model
     from powerinfer_tools.formats.model_file import CopiedTensor, ModelFileWriter, copy_metadata, open_model_file
-    from powerinfer_tools.formats.quantization import encode
+    from powerinfer_tools.formats.quantization import storage_shape
     from powerinfer_tools.runtime.loader import load_runtime_model
 
     source = open_model_file(small_powerinfer_file)
-    path = tmp_path / "bf16.powerinfer.gguf"
+    path = tmp_path / "q8_1.powerinfer.gguf"
     writer = ModelFileWriter(path, source.architecture, source.powerinfer)
     copy_metadata(source, writer.gguf)
-    writer.write([CopiedTensor(t.name, t.shape, T.BF16, lambda t=t: encode(t.dequantize(), T.BF16))
+    q8_1_bytes = lambda t: np.zeros(storage_shape(t.shape, T.Q8_1)[0], np.uint8)  # noqa: E731
+    writer.write([CopiedTensor(t.name, t.shape, T.Q8_1, lambda t=t: q8_1_bytes(t))
                   if t.name.endswith("ffn_up.weight") else CopiedTensor(t.name, t.shape, t.qtype, lambda t=t: t.data)
                   for t in source.tensors.values()], progress=False)
     if bundled:
-        bundle_model(path, tmp_path / "bf16.bundled.powerinfer.gguf", progress=False)
-        path = tmp_path / "bf16.bundled.powerinfer.gguf"
+        bundle_model(path, tmp_path / "q8_1.bundled.powerinfer.gguf", progress=False)
+        path = tmp_path / "q8_1.bundled.powerinfer.gguf"
     for ram in (None, 10**9):
-        with pytest.raises(PitoolsError, match=r"stored as BF16, which the runtime cannot compute with"):
+        with pytest.raises(PitoolsError, match=r"stored as Q8_1, which the runtime cannot compute with"):
             load_runtime_model(path, ram=ram)
 
 
