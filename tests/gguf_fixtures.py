@@ -171,7 +171,7 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.array(order)
 
 
-# --- comparing logits ----------------------------------------------------------------------------
+# --- llama.cpp's quantizer -------------------------------------------------------------------------
 
 # llama.cpp's file types whose weights the runtime computes (formats/weight_types.py), as its quantizer names them
 # (llama_cpp.LLAMA_FTYPE_MOSTLY_*); the k-quant mixes and IQ4_XS need rows of whole 256-value super-blocks.
@@ -191,6 +191,8 @@ def llama_quantize(source: Path, out: Path, file_type: str, requantize: bool = F
     assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) == 0
     return out
 
+
+# --- comparing logits ----------------------------------------------------------------------------
 
 TOKENS = np.array([5, 17, 3, 99, 42, 7, 7, 1, 60, 23, 11])
 
