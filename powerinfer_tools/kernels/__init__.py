@@ -216,9 +216,11 @@ def bf16_row_sums(m: QuantMatrix) -> bool:
 
 def bf16_matmuls(m: QuantMatrix) -> bool:
     """Whether ``bf16_matmul`` takes ``m`` here: a quantized type (whose own rounding is far coarser than
-    bfloat16's; f32 and f16 matrices, kept in floats for their precision, stay with BLAS), rows of a multiple
-    of 32 weights, the compiled kernels in use, a CPU with AVX-512 BF16."""
-    return WEIGHT_TYPES[m.qtype].block_size > 1 and m.cols % 32 == 0 and _bf16_products()
+    bfloat16's) or bf16 itself (which the products keep exactly; f32 and f16 matrices, kept in floats for their
+    precision, stay with BLAS), rows of a multiple of 32 weights, the compiled kernels in use, a CPU with
+    AVX-512 BF16."""
+    coarse = WEIGHT_TYPES[m.qtype].block_size > 1 or m.qtype == weight_types.BF16
+    return coarse and m.cols % 32 == 0 and _bf16_products()
 
 
 def _bf16_products() -> bool:
