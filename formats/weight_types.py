@@ -40,6 +40,9 @@ Q6_K = GGMLQuantizationType.Q6_K
 Q8_K = GGMLQuantizationType.Q8_K
 IQ4_NL = GGMLQuantizationType.IQ4_NL
 IQ4_XS = GGMLQuantizationType.IQ4_XS
+IQ3_S = GGMLQuantizationType.IQ3_S
+TQ1_0 = GGMLQuantizationType.TQ1_0
+TQ2_0 = GGMLQuantizationType.TQ2_0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ WEIGHT_TYPES = {
         WeightType(Q3_K, Q8_K, False),
         WeightType(IQ4_NL, Q8_0, False),
         WeightType(IQ4_XS, Q8_K, False),
+        WeightType(IQ3_S, Q8_K, False),  # IQ3_S and IQ3_M files
+        WeightType(TQ1_0, Q8_K, False),  # ternary weights (BitNet b1.58, TriLM)
+        WeightType(TQ2_0, Q8_K, False),
         WeightType(BF16, BF16, False),  # a full-precision download's; vec_dot takes x rounded to bfloat16
     )
 }

@@ -175,7 +175,8 @@ def rope_rows(n_rows: int, n_heads: int) -> np.ndarray:
 
 # llama.cpp's file types whose weights the runtime computes (formats/weight_types.py), as its quantizer names them
 # (llama_cpp.LLAMA_FTYPE_MOSTLY_*); the k-quant mixes and IQ4_XS need rows of whole 256-value super-blocks.
-LLAMA_FILE_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "BF16")
+LLAMA_FILE_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_M",
+                    "TQ1_0", "TQ2_0", "BF16")
 
 
 def llama_quantize(source: Path, out: Path, file_type: str, requantize: bool = False) -> Path:

@@ -85,7 +85,8 @@ class Tolerance:
 # the thresholded bounds were measured over five seeds of the SiLU model (3-7). Measured (logits / thresholded):
 # f32 1.1e-6 / 8.9e-7; f16 1.1e-3 / 8.2e-2; q8_0 3.0e-2 / 0.24; q4_0 5.2e-2 / 0.29; Q4_1 6.1e-2; Q4_K_M 8.7e-2;
 # Q6_K 4.9e-2; on the AVX-512 VNNI EPYC, 2026-12-05: Q5_0 3.7e-2, Q5_1 5.9e-2, Q5_K_M 8.3e-2, Q3_K_M 0.10,
-# Q2_K 7.5e-2, IQ4_NL 6.1e-2, IQ4_XS 9.5e-2, BF16 1.4e-2. Logits computed wrongly differ by ~1 (CATS choosing from a q4_0 gate of mixed-up rows: 0.94).
+# Q2_K 7.5e-2, IQ4_NL 6.1e-2, IQ4_XS 9.5e-2, IQ3_M 9.2e-2, TQ1_0 and TQ2_0 7.6e-2, BF16 1.4e-2. Logits computed
+# wrongly differ by ~1 (CATS choosing from a q4_0 gate of mixed-up rows: 0.94).
 TOLERANCES = {
     "f32": Tolerance(1e-5, 1e-5, "x stays float32 in every product: only the order of float32 sums differs"),
     "f16": Tolerance(5e-3, 0.25, "x encoded as f16 for f16 weights (~5e-4 relative each); q8_0 predictors"),
@@ -101,6 +102,9 @@ TOLERANCES = {
     "Q2_K": Tolerance(0.2, None, "x encoded as q8_K, the vec_dot_type of q2_K and q3_K, amplified"),
     "IQ4_NL": Tolerance(0.15, None, "x encoded as q8_0, the vec_dot_type, amplified"),
     "IQ4_XS": Tolerance(0.25, None, "x encoded as q8_K, the vec_dot_type, amplified"),
+    "IQ3_M": Tolerance(0.25, None, "x encoded as q8_K, the vec_dot_type of iq3_s and q4_K, amplified"),
+    "TQ1_0": Tolerance(0.2, None, "x encoded as q8_K, the vec_dot_type, amplified"),
+    "TQ2_0": Tolerance(0.2, None, "x encoded as q8_K, the vec_dot_type, amplified"),
     "BF16": Tolerance(0.04, None, "x rounded to bfloat16, the vec_dot_type (~4e-3 relative each), amplified"),
 }
 # Where x is encoded, a choice (predictor, CATS) flips when its score lies within the encoding's error of the

@@ -370,12 +370,12 @@ def test_smollm2_converted_from_its_gguf_has_llamacpps_perplexity(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("file_type", ["Q2_K", "IQ4_XS", "BF16"])
+@pytest.mark.parametrize("file_type", ["Q2_K", "IQ4_XS", "IQ3_M", "BF16"])
 def test_smollm2_requantized_by_llamacpp_has_its_perplexity(tmp_path, file_type):
-    """The types added to the runtime's table last (q3_K, iq4_nl, iq4_xs, bf16) on a real model: SmolLM2's Q4_1 file
-    requantized by llama.cpp, run by us and by llama.cpp, the same tokens and windows. Its 576-wide rows are not
-    whole 256-value super-blocks, so the quantizer falls back there (Q2_K to q4_0, IQ4_XS to iq4_nl); ffn_down,
-    1536 wide, holds q3_K (Q2_K), iq4_xs and q5_K (IQ4_XS)."""
+    """The types added to the runtime's table last (q3_K, iq4_nl, iq4_xs, iq3_s, bf16) on a real model: SmolLM2's
+    Q4_1 file requantized by llama.cpp, run by us and by llama.cpp, the same tokens and windows. Its 576-wide rows
+    are not whole 256-value super-blocks, so the quantizer falls back there (Q2_K to q4_0, IQ4_XS and IQ3_M to
+    iq4_nl); ffn_down, 1536 wide, holds q3_K (Q2_K), iq4_xs and q5_K (IQ4_XS), iq3_s (IQ3_M)."""
     from powerinfer_tools.benchmarking.real_models import english_texts, fetch
 
     try:
