@@ -219,8 +219,8 @@ def bf16_matmuls(m: QuantMatrix) -> bool:
     bfloat16's) or bf16 itself (which the products keep exactly; f32 and f16 matrices, kept in floats for their
     precision, stay with BLAS), rows of a multiple of 32 weights, the compiled kernels in use, a CPU with
     AVX-512 BF16."""
-    coarse = WEIGHT_TYPES[m.qtype].block_size > 1 or m.qtype == weight_types.BF16
-    return coarse and m.cols % 32 == 0 and _bf16_products()
+    no_finer_than_bf16 = WEIGHT_TYPES[m.qtype].block_size > 1 or m.qtype == weight_types.BF16
+    return no_finer_than_bf16 and m.cols % 32 == 0 and _bf16_products()
 
 
 def _bf16_products() -> bool:

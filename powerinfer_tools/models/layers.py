@@ -22,7 +22,6 @@ import numpy as np
 
 from powerinfer_tools.formats import activations
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
-from powerinfer_tools.formats.activations import NUMBERS, RELU, activation
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
 from powerinfer_tools.xp import array_namespace
@@ -263,18 +262,18 @@ def gate_activation(kind: FFNKind) -> Callable[[np.ndarray], np.ndarray]:
     magnitude of (a ReLU family's relu: at threshold 0, exactly the neurons that fire)."""
     if not kind.gated:
         raise ValueError(f"{kind.value} has no gate")
-    return partial(activation, NUMBERS[kind])
+    return partial(activations.activation, activations.NUMBERS[kind])
 
 
 def activate(kind: FFNKind, gate_pre: Optional[np.ndarray], up_pre: np.ndarray) -> np.ndarray:
     if kind is FFNKind.RELU:
-        return activation(RELU, up_pre)
+        return activations.activation(activations.RELU, up_pre)
     return gated(kind, gate_activation(kind)(gate_pre), up_pre)
 
 
 def gated(kind: FFNKind, gate: np.ndarray, up_pre: np.ndarray) -> np.ndarray:
     """A gated FFN's activations from its gate's activated values and its up products (dReLU: up's relu'd)."""
-    return activations.gated(NUMBERS[kind], gate, up_pre)
+    return activations.gated(activations.NUMBERS[kind], gate, up_pre)
 
 
 def route(router_logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
