@@ -31,6 +31,7 @@ import numpy as np
 
 from powerinfer_tools.benchmarking.real_models import fetch
 from powerinfer_tools.conversion.gguf_source import GGUFSource
+from powerinfer_tools.formats.predictor_rule import SPARSE_THRESHOLD, chooses, scores
 from powerinfer_tools.formats.profile_folder import predictor_input
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors.fit import fit_predictor
@@ -86,9 +87,9 @@ def curve_of_layer(train, test, density: float, widths: list[int], n_train: int,
     for hidden in widths:
         start = time.perf_counter()
         fit = fit_predictor(pairs, hidden, settings, np, (settings.seed, hidden))
-        scores = np.maximum(test_x.astype(np.float32) @ fit.fc1.T, 0) @ fit.fc2.T
-        predicted = scores >= 0
-        rows.append({"hidden": hidden, "computed_at_95_recall": computed_at_recall(scores, test_fired, 0.95),
+        outputs = scores(fit.fc1, fit.fc2, test_x.astype(np.float32))
+        predicted = chooses(outputs, SPARSE_THRESHOLD)
+        rows.append({"hidden": hidden, "computed_at_95_recall": computed_at_recall(outputs, test_fired, 0.95),
                      "test_recall": float((predicted & test_fired).sum() / test_fired.sum()),
                      "test_computed": float(predicted.mean()), "validation_recall": fit.quality.recall,
                      "epochs": fit.epochs, "seconds": time.perf_counter() - start})

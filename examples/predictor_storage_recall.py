@@ -33,7 +33,8 @@ from gguf import GGML_QUANT_SIZES
 
 from powerinfer_tools import kernels
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.formats.predictor_folder import predict, read_predictors
+from powerinfer_tools.formats.predictor_folder import read_predictors
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.formats.profile_folder import load_profile
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models.layers import normalize
@@ -134,7 +135,7 @@ def measure(layers, types: list[str]) -> dict[tuple[str, str], dict]:
     counts = {(t1, t2): Counts() for t1 in types for t2 in types}
     backend = CpuBackend()
     for layer, (fc1, fc2, x, fired) in enumerate(layers):
-        float32_chosen = predict(np, fc1, fc2, x)
+        float32_chosen = predict(fc1, fc2, x)
         reference.add(float32_chosen, fired, float32_chosen)
         reference.bytes += fc1.nbytes + fc2.nbytes
         reference.types.add("float32 rule")

@@ -1,5 +1,5 @@
 """The predictor folder (written by ``pitools train-predictors``): its files, its one class, its
-readers and writer, its report, and the rule its predictors are applied with.
+readers and writer and its report (the rule its predictors are applied with: ``predictor_rule.py``).
 
 Layout (ours: PowerInfer's own converter reads one ``model_N.pt`` torch pickle
 per layer instead)::
@@ -41,15 +41,6 @@ FORMAT = "pitools-predictors"
 VERSION = 1
 WEIGHTS_FILE = "predictors.safetensors"
 META_FILE = "predictors.json"
-SPARSE_THRESHOLD = 0.0  # GGUF key powerinfer.sparse_threshold; PowerInfer's default
-
-
-def predict(xp, fc1, fc2, x, threshold: float = SPARSE_THRESHOLD):
-    """Which neurons the runtime computes: ``fc2 · relu(fc1 · x) >= threshold``, with array module ``xp``.
-
-    PowerInfer's sparse kernels skip rows with ``out < threshold``; the runtime's compiled decoder
-    (``runtime.compiled_decode``) has its own loop of this rule."""
-    return (xp.maximum(x @ fc1.T, 0) @ fc2.T) >= threshold
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Predictors computed from their stored type (f32, f16, q8_0, q4_0) against PowerInfer's rule in float32.
 
-The reference is ``formats.predictor_folder.predict`` on the dequantized weights. On the CPU the kernels
+The reference is ``formats.predictor_rule.predict`` on the dequantized weights. On the CPU the kernels
 encode the input as ggml's ``vec_dot`` wants it (q8_0 for quantized rows, f16 for f16 rows), as
 llama.cpp and PowerInfer do, so scores move by that rounding and a neuron whose score is that close to
 the threshold may flip: the tests bound every score's error by the rounding and count the flips.
@@ -18,7 +18,7 @@ from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.formats.constants import predictor_names, tensor_name
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
-from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.formats.quantization import decode, encode, tensor_type
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -102,7 +102,7 @@ def test_cpu_predictor_from_stored_type_agrees_with_float32_rule(fc1_type, fc2_t
     p = random_predictor(fc1_type, fc2_type, CpuBackend())
     x = residuals(n_tokens)
     fc1, fc2 = p.fc1.dequantize_rows(), p.fc2.dequantize_rows()
-    reference = predict(np, fc1, fc2, x)
+    reference = predict(fc1, fc2, x)
     assert 0.1 < reference.mean() < 0.6  # neither side of the threshold is empty
     scores = p.scores(x)
     emulated, magnitude = rule_on_encoded_inputs(p, x)
@@ -129,7 +129,7 @@ def test_device_predictor_computes_the_float32_rule_on_its_stored_rows(qtype):
     x = residuals(5)
     fc1, fc2 = p.fc1.dequantize_rows(), p.fc2.dequantize_rows()
     np.testing.assert_allclose(p.scores(x), np.maximum(x @ fc1.T, 0) @ fc2.T, rtol=1e-5, atol=1e-5)
-    assert np.array_equal(p(x), predict(np, fc1, fc2, x))
+    assert np.array_equal(p(x), predict(fc1, fc2, x))
 
 
 LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,

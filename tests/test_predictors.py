@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from cli_checks import invoke
-from powerinfer_tools.formats.predictor_folder import predict, predictor_report
+from powerinfer_tools.formats.predictor_folder import predictor_report
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.formats.profile_folder import FORMAT as PROFILE_FORMAT
 from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PROFILE_JSON, STATS_FILE, FiringStats, PairStore
 from safetensors.numpy import load_file
@@ -74,8 +75,8 @@ def test_prediction_follows_powerinfers_rule():
     fc1 = np.array([[1.0, 0.0]])
     fc2 = np.array([[1.0], [-1.0], [0.0]])
     x = np.array([[2.0, 5.0], [-2.0, 5.0]])  # hidden 2, then hidden 0 (relu)
-    np.testing.assert_array_equal(predict(np, fc1, fc2, x), [[True, False, True], [True, True, True]])
-    np.testing.assert_array_equal(predict(np, fc1, fc2, x, threshold=0.5), [[True, False, False], [False] * 3])
+    np.testing.assert_array_equal(predict(fc1, fc2, x), [[True, False, True], [True, True, True]])
+    np.testing.assert_array_equal(predict(fc1, fc2, x, threshold=0.5), [[True, False, False], [False] * 3])
 
 
 def test_every_layer_reaches_recall_within_budget(trained, profile_dir):
@@ -97,7 +98,7 @@ def test_every_layer_reaches_recall_within_budget(trained, profile_dir):
         for recorded, rows in ((entry["tuning"], slice(-n_val, -(n_val // 2))), (entry, slice(-(n_val // 2), None))):
             x = store.x[entry["layer"]][rows].astype(np.float32)
             fired = np.unpackbits(store.fired[entry["layer"]][rows], axis=1, count=160).astype(bool)
-            pred = predict(np, fc1, fc2, x)
+            pred = predict(fc1, fc2, x)
             assert recorded["recall"] == pytest.approx((pred & fired).sum() / fired.sum(), abs=1e-6)
             assert recorded["precision"] == pytest.approx((pred & fired).sum() / pred.sum(), abs=1e-6)
         assert entry["tuning"]["recall"] >= FAST.recall

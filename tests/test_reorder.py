@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_models import build
-from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
 from tiny_models import OPT, TINY_RELU_LLAMA, run_profiler
 
@@ -67,7 +67,7 @@ def test_permuted_predictor_selects_the_permuted_neurons():
     fc1, fc2, x = rng.standard_normal((8, 16)), rng.standard_normal((40, 8)), rng.standard_normal((5, 16))
     perm = rng.permutation(40)
     new_fc1, new_fc2 = permute_predictor(fc1, fc2, perm)
-    np.testing.assert_array_equal(predict(np, new_fc1, new_fc2, x), predict(np, fc1, fc2, x)[:, perm])
+    np.testing.assert_array_equal(predict(new_fc1, new_fc2, x), predict(fc1, fc2, x)[:, perm])
 
 
 def test_permuting_gguf_tensors_along_their_neuron_axes_keeps_the_ffn_output():

@@ -14,7 +14,7 @@ from gguf_fixtures import (
 )
 from hf_models import reference_logits
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
-from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.predictor_rule import predict
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
@@ -59,7 +59,7 @@ def reference(folder, predictors=None):
     """
     model = load_model(Checkpoint(folder), np.float64)
     if predictors is not None:
-        model.neuron_selector = lambda layer, residual, fired: predict(np, *predictors[layer], residual)
+        model.neuron_selector = lambda layer, residual, fired: predict(*predictors[layer], residual)
     return model.forward(TOKENS, model.new_cache())
 
 

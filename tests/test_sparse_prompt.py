@@ -10,7 +10,7 @@ from gguf_fixtures import make_model, random_predictors, relative_error, save_pr
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
-from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import batched
 from powerinfer_tools.kernels.batched import selected_ffn
@@ -50,7 +50,7 @@ def test_prompt_equals_the_reference_engines_predicted_path(converted, monkeypat
     monkeypatch.setattr(batched, "selected_ffn", lambda *args: calls.append(1) or selected_ffn(*args))
     folder, predictors, files = converted
     reference = load_model(Checkpoint(folder), np.float64)
-    reference.neuron_selector = lambda layer, residual, fired: predict(np, *predictors[layer], residual)
+    reference.neuron_selector = lambda layer, residual, fired: predict(*predictors[layer], residual)
     model = sparse_model(files["f32"])
     logits = model.forward(PROMPT, model.new_cache())
     assert relative_error(logits, reference.forward(PROMPT, reference.new_cache())) < 1e-4

@@ -49,8 +49,9 @@ FORMATS = Path(importlib.util.find_spec("powerinfer_tools.formats").submodule_se
 NUMBA_SOURCES = (PACKAGE / "kernels", PACKAGE / "predictors" / "logit_gradient.py",
                  *(PACKAGE / "runtime" / name
                    for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")),
-                 # what the decoder inlines: the thresholds' test (``clears``), a neuron's activation
-                 FORMATS / "activation_thresholds.py", FORMATS / "activations.py")
+                 # what the decoder inlines: the thresholds' test (``clears``), a neuron's activation, the
+                 # predictor's rule
+                 FORMATS / "activation_thresholds.py", FORMATS / "activations.py", FORMATS / "predictor_rule.py")
 
 
 def source_files(sources=NUMBA_SOURCES) -> list[tuple[str, int, int]]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from powerinfer_tools.formats.predictor_folder import SPARSE_THRESHOLD
+from powerinfer_tools.formats.predictor_rule import SPARSE_THRESHOLD, chooses, hidden_layer, scores
 
 if TYPE_CHECKING:
     from powerinfer_tools.predictors.trainer import LayerPairs, TrainSettings
@@ -45,18 +45,18 @@ class Quality:
     precision_at_target: float  # precision with the cutoff moved to give exactly the target recall
 
 
-def _logits(xp, w1, w2, val_x):
+def _logits(w1, w2, val_x):
     for i in range(0, len(val_x), EVAL_BATCH):
-        yield i, xp.maximum(val_x[i : i + EVAL_BATCH] @ w1.T, 0) @ w2.T
+        yield i, scores(w1, w2, val_x[i : i + EVAL_BATCH])
 
 
 def evaluate(xp, w1, w2, val_x, val_y, recall_target: float) -> Quality:
     """Quality at the runtime's threshold, and the precision at ``recall_target`` (two passes)."""
     tp = predicted = 0
     fired_logits = []
-    for i, logits in _logits(xp, w1, w2, val_x):
+    for i, logits in _logits(w1, w2, val_x):
         y = val_y[i : i + EVAL_BATCH]
-        pred = logits >= SPARSE_THRESHOLD
+        pred = chooses(logits, SPARSE_THRESHOLD)
         tp += int((pred & y).sum())
         predicted += int(pred.sum())
         fired_logits.append(logits[y])
@@ -66,7 +66,7 @@ def evaluate(xp, w1, w2, val_x, val_y, recall_target: float) -> Quality:
         # The cutoff that keeps ceil(target * positives) of the firing neurons' outputs.
         fired = xp.sort(xp.concatenate(fired_logits))
         cutoff = fired[positives - max(1, math.ceil(recall_target * positives))]
-        above = sum(int((logits >= cutoff).sum()) for _, logits in _logits(xp, w1, w2, val_x))
+        above = sum(int((logits >= cutoff).sum()) for _, logits in _logits(w1, w2, val_x))
         precision_at_target = int((fired >= cutoff).sum()) / above
     return Quality(
         recall=tp / positives if positives else 1.0,
@@ -111,7 +111,7 @@ def gradients(xp, w1, w2, x, y, pos_weight: float) -> list:
     The loss is ``-w·y·log p - (1-y)·log(1-p)`` with ``p = sigmoid(logits)``,
     summed over neurons and averaged over the batch; ``y`` is the bool fired mask.
     """
-    hidden = xp.maximum(x @ w1.T, 0)
+    hidden = hidden_layer(x @ w1.T)
     g = hidden @ w2.T  # the logits, overwritten with d(loss)/d(logits)
     if xp is np:
         from powerinfer_tools.predictors.logit_gradient import logit_gradient_inplace  # numba: loaded on use

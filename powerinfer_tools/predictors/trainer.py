@@ -48,14 +48,8 @@ import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNUnit
-from powerinfer_tools.formats.predictor_folder import (
-    FORMAT,
-    META_FILE,
-    SPARSE_THRESHOLD,
-    VERSION,
-    PredictorFolder,
-    read_predictors,
-)
+from powerinfer_tools.formats.predictor_folder import FORMAT, META_FILE, VERSION, PredictorFolder, read_predictors
+from powerinfer_tools.formats.predictor_rule import SPARSE_THRESHOLD
 from powerinfer_tools.formats.profile_folder import (
     PAIRS_DIR,
     PairStore,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
-from powerinfer_tools.formats.predictor_folder import predict
+from powerinfer_tools.formats.predictor_rule import predict
 from powerinfer_tools.formats.profile_folder import predictor_input
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools.models import DecoderModel
@@ -37,7 +37,7 @@ def oracle_chooser() -> Chooser:
 def predictor_chooser(threshold: float, predictors: list[tuple[np.ndarray, np.ndarray]]) -> Chooser:
     def choose(layer: int, residual: np.ndarray, fired: np.ndarray) -> np.ndarray:
         fc1, fc2 = predictors[layer]
-        return predict(np, fc1, fc2, predictor_input(residual), threshold)
+        return predict(fc1, fc2, predictor_input(residual), threshold)
 
     return choose
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind
+from powerinfer_tools.formats.predictor_rule import chooses, hidden_layer
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
@@ -30,7 +31,8 @@ class Predictor:
     ``fc1`` and ``fc2`` stay in their stored type (q4_0, q8_0, f16 or f32) and are multiplied like the
     weights, through ``backend.matmul``: on the CPU ggml's ``vec_dot`` with x (then the hidden vector)
     encoded as llama.cpp encodes it, q8_0 for quantized rows; on a device a chunk of rows dequantized at
-    a time. ``formats.predictor_folder.predict`` on the dequantized weights is the float32 reference."""
+    a time. The rule (relu, the threshold) is ``formats.predictor_rule``'s; its ``predict`` on the dequantized
+    weights is the float32 reference."""
 
     backend: object
     fc1: QuantMatrix  # [hidden, d_model]
@@ -39,11 +41,10 @@ class Predictor:
 
     def scores(self, x):
         """``fc2 · relu(fc1 · x)``, float32 ``[T, d_ff]``, on the predictor's backend."""
-        hidden = self.backend.xp.maximum(self.backend.matmul(self.fc1, x), 0)
-        return self.backend.matmul(self.fc2, hidden)
+        return self.backend.matmul(self.fc2, hidden_layer(self.backend.matmul(self.fc1, x)))
 
     def __call__(self, x):
-        return self.scores(x) >= self.threshold
+        return chooses(self.scores(x), self.threshold)
 
     @property
     def nbytes(self) -> int:

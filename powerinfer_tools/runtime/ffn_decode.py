@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from powerinfer_tools.formats.predictor_rule import chooses, hidden_layer
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
 from powerinfer_tools.kernels import numba_kernels as nk
@@ -30,6 +31,9 @@ from powerinfer_tools.kernels.numba_cache import prepare_cache
 # (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
 GATE_GIVEN = 8
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[nk.Q4_0].block_bytes
+# The predictor's rule as NumPy applies it to arrays (``formats.predictor_rule``), compiled for one value.
+_hidden_layer = njit(inline="always")(hidden_layer)
+_chooses = njit(inline="always")(chooses)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=True)
@@ -113,18 +117,19 @@ def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
 
 @njit(nogil=True, cache=True)
 def predict(x, w, s, fns):
-    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches the threshold, into ``s.active``;
-    returns their count. Both products read the predictor in its stored type."""
+    """Neurons whose predictor output ``fc2 · relu(fc1 · x)`` reaches the threshold (the rule:
+    ``formats.predictor_rule``), into ``s.active``; returns their count. Both products read the predictor in
+    its stored type."""
     hidden = s.hidden[: w.fc1.shape[0]]
     _predictor_product(fns[w.fc1_type, 0], fns[w.fc1_type, 1], w.fc1, w.fc1_type, x, s.x_encoded, hidden)
     for i in range(hidden.shape[0]):
-        hidden[i] = max(hidden[i], 0.0)
+        hidden[i] = _hidden_layer(hidden[i])
     _predictor_product(fns[w.fc2_type, 0], fns[w.fc2_type, 1], w.fc2, w.fc2_type, hidden, s.x_encoded,
                        s.predicted)
     n = 0
     for neuron in range(w.fc2.shape[0]):  # without a branch on the choice (``thresholded_decode.thresholded_input``)
         s.active[n] = neuron
-        n += s.predicted[neuron] >= w.threshold
+        n += _chooses(s.predicted[neuron], w.threshold)
     return n
 
 
