@@ -136,7 +136,8 @@ def _read_choice(get: Callable[[str], Any], source: str) -> QualityChoice | None
 def clears(value, threshold):
     """The one test of every rule (CATS, TEAL): a value is kept where its magnitude is strictly above the
     threshold. Plain arithmetic, so that NumPy (or CuPy) applies it to arrays and the compiled decoder compiles
-    it for one value (``runtime/thresholded_decode``): a change here changes every path, calibration included."""
+    it for one value (``runtime/thresholded_decode``), whose bounds on a CATS gate's products are bisected on it
+    (``runtime/thresholded_ffn.cats_bounds``): a change here changes every path, calibration included."""
     return abs(value) > threshold
 
 

@@ -22,6 +22,7 @@ from powerinfer_tools.models import FFNKind, load_model
 from powerinfer_tools.profiling import calibration as calibration_module
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
 from powerinfer_tools.runtime.loader import load_runtime_model
+from powerinfer_tools.runtime import thresholded_ffn
 from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
 from powerinfer_tools.solver.model_stats import read_model_stats
 
@@ -203,3 +204,12 @@ def test_cats_bounds_keep_exactly_where_the_activation_clears_the_threshold(kind
     near = np.abs(g[:, None] - np.array([above, band_lo, band_hi])).min(axis=1) < margin
     assert not (wrong & ~near).any(), g[wrong & ~near][:5]
     assert (band_lo < band_hi) == (t < -gate_activation(kind)(np.linspace(-3, 0, 30001)).min())
+
+
+def test_cats_bounds_follow_the_rules_one_test(monkeypatch):
+    """The bounds are bisected on ``clears`` itself: a one-sided test (act(g) > t, no band below zero) moves them
+    without an edit to ``cats_bounds``."""
+    monkeypatch.setattr(thresholded_ffn, "clears", lambda value, threshold: value > threshold)
+    above, band_lo, band_hi, _ = cats_bounds(0.1, FFNKind.SWIGLU)
+    assert (band_lo, band_hi) == (0.0, 0.0)  # the two-sided test has a band at t = 0.1 (SiLU's minimum: -0.28)
+    assert gate_activation(FFNKind.SWIGLU)(np.float64(above)) == pytest.approx(0.1, abs=1e-9)

@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
+from powerinfer_tools.formats.activation_thresholds import LayerThresholds, clears, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.models.layers import gate_activation, gated
 from powerinfer_tools.runtime.backends import move
@@ -107,27 +107,32 @@ def _own_neurons(kind: FFNKind, p, x, gate_pre, chosen, t: LayerThresholds, own_
 
 
 def cats_bounds(t: float, kind: FFNKind = FFNKind.SWIGLU) -> np.ndarray:
-    """float64 ``[above, band_lo, band_hi, margin]``: |act(g)| > t exactly where g > above or band_lo < g <
-    band_hi, up to ``margin`` (``thresholded_decode``). SiLU and GELU fall from 0 to one minimum (SiLU's -0.2785
-    at g = -1.2785, GELU's -0.170 at g = -0.752) and rise after it: the first bound is where the activation climbs
-    past t, and the band, where it dips below -t, is empty (0, 0) for larger t. (A ReLU family's relu needs
-    none: the decoder computes it.)"""
+    """float64 ``[above, band_lo, band_hi, margin]``: act(g) clears t (``clears``) exactly where g > above or
+    band_lo < g < band_hi, up to ``margin`` (``thresholded_decode``). SiLU and GELU fall from 0 to one minimum
+    (SiLU's -0.2785 at g = -1.2785, GELU's -0.170 at g = -0.752) and rise after it: the first bound is where the
+    activation climbs past t, and the band, where it dips past -t, is empty (0, 0) where the minimum does not
+    clear t. Each bound is bisected on ``clears`` itself, so a change to the rules' test moves them too (a test
+    keeping one interval of each side of the minimum). (A ReLU family's relu needs none: the decoder computes
+    it.)"""
     act, bottom = _scalar_activation(kind), _minimum(kind)
+    t = float(t)
 
-    def bisect(lo, hi, inside):  # the boundary on [lo, hi] of where ``inside`` holds, holding at lo or at hi
-        first = inside(lo)
+    def keeps(g):
+        return bool(clears(act(g), t))
+
+    def bisect(lo, hi):  # the boundary on [lo, hi] of where ``keeps`` holds, holding at lo or at hi
+        first = keeps(lo)
         for _ in range(200):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if inside(mid) == first else (lo, mid)
+            lo, hi = (mid, hi) if keeps(mid) == first else (lo, mid)
         return (lo + hi) / 2
 
-    t = float(t)
-    above = bisect(bottom, t + 20.0, lambda g: act(g) <= t)
-    if t >= -act(bottom):
+    above = bisect(0.0, t + 20.0)  # act(0) = 0, which no threshold of 0 or more keeps
+    if not keeps(bottom):
         return np.array([above, 0.0, 0.0, THRESHOLD_MARGIN])
-    # the band's far end: where |act| is back within t (GELU reaches 0 exactly in float64, SiLU never does)
-    band_lo = bisect(-100.0, bottom, lambda g: abs(act(g)) <= t) if abs(act(-100.0)) <= t else -np.inf
-    return np.array([above, band_lo, bisect(bottom, 0.0, lambda g: act(g) < -t), THRESHOLD_MARGIN])
+    # the band's far end: where act is back within t (GELU reaches 0 exactly in float64, SiLU never does)
+    band_lo = bisect(-100.0, bottom) if not keeps(-100.0) else -np.inf
+    return np.array([above, band_lo, bisect(bottom, 0.0), THRESHOLD_MARGIN])
 
 
 def _scalar_activation(kind: FFNKind):
