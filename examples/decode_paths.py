@@ -1,7 +1,8 @@
 """A model's decoded tokens on the compiled decoder, the general path and the NumPy reference kernels (and, with
 ``--llama-cpp``, llama.cpp on the same file), side by side: what each decodes, and how far apart their logits
-are. Run it before and after a change to the arithmetic the paths share (such as ``formats/activations.py``),
-each checkout in its own process, to see that the change moved them all.
+are, and the share of FFN neurons each computed. Run it before and after a change to the arithmetic the paths
+share (such as ``formats/activations.py``), each checkout in its own process, to see that the change moved them
+all.
 
     python examples/decode_paths.py MODEL.gguf [--mode dense|sparse] [--prompt TEXT] [--steps 8] [--llama-cpp]
 
@@ -31,8 +32,10 @@ def decoded_logits(model: str, mode: str, kernels: str, compiled: bool, text: st
     caches = engine.new_cache()
     block = len(tokens) - steps
     engine.forward(tokens[:block], caches)
+    active, total = engine.stats.neurons_active, engine.stats.neurons_total
     logits = np.concatenate([engine.forward(tokens[i:i + 1], caches) for i in range(block, len(tokens))])
-    return tokens, logits, engine.decode_path()
+    computed = (engine.stats.neurons_active - active) / (engine.stats.neurons_total - total)
+    return tokens, logits, engine.decode_path(), computed
 
 
 def llama_cpp_logits(model: str, tokens: np.ndarray, steps: int) -> np.ndarray:
@@ -53,9 +56,11 @@ def main() -> None:
     args = parser.parse_args()
     logits = {}
     for name, (kernels, compiled) in PATHS.items():
-        tokens, logits[name], path = decoded_logits(args.model, args.mode, kernels, compiled, args.prompt, args.steps)
+        tokens, logits[name], path, computed = decoded_logits(args.model, args.mode, kernels, compiled, args.prompt,
+                                                              args.steps)
         ran = f" (ran: {path})" if compiled else ""  # where the decoder refuses the model, it says why
-        print(f"{name}{ran}: argmax of the decoded steps {logits[name].argmax(axis=1).tolist()}")
+        print(f"{name}{ran}: argmax of the decoded steps {logits[name].argmax(axis=1).tolist()}, "
+              f"{computed:.1%} of the FFN neurons computed")
     if args.llama_cpp:
         logits["llama.cpp"] = llama_cpp_logits(args.model, tokens, args.steps)
         print(f"llama.cpp: argmax of the same positions {logits['llama.cpp'].argmax(axis=1).tolist()}")
