@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from powerinfer_tools import kernels
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, WeightType
 from powerinfer_tools.kernels import ggml_base, ggml_ops
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime import backends
@@ -374,6 +374,30 @@ def test_abi_check_refuses_a_mismatched_routine():
     wrong = dataclasses.replace(routines[Q.Q4_0], vec_dot=routines[Q.Q8_0].vec_dot)
     with pytest.raises(ggml_ops.GgmlUnavailable, match="Q4_0 vec_dot gave"):
         ggml_ops._check_numerics(Q.Q4_0, wrong, "test")
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("qtype", list(ggml_base.load().to_float), ids=lambda q: q.name)
+def test_the_to_float_check_compares_finite_values_and_refuses_a_wrong_one(qtype, monkeypatch):
+    """``to_float`` is checked on random bytes: most of what they decode to must be finite numbers (a check of
+    NaNs alone would pass anything, and vec_dot's check takes a finite row), and a dequantizer that differs in
+    one value makes the library unavailable."""
+    with np.errstate(all="ignore"):
+        reference = WEIGHT_TYPES[qtype].dequantize(ggml_base.check_rows(qtype))
+    assert np.isfinite(reference).mean() > 0.9 and np.abs(reference).max(where=np.isfinite(reference), initial=0) > 0
+    assert np.isfinite(reference).all(axis=1).any()  # the row ggml_ops checks vec_dot on
+    library, lib_dir, version = ggml_base._open()
+    right = WeightType.dequantize
+
+    def wrong(self, stored):
+        values = right(self, stored)
+        if self.qtype == qtype:
+            values.flat[np.flatnonzero(np.isfinite(values))[0]] += 1
+        return values
+
+    monkeypatch.setattr(WeightType, "dequantize", wrong)
+    with pytest.raises(ggml_base.GgmlUnavailable, match=f"{qtype.name} to_float differs"):
+        ggml_base._checked(library, lib_dir, version)
 
 
 def test_unavailable_kernels_fall_back_to_numpy_with_a_warning(monkeypatch):
