@@ -19,7 +19,8 @@ ggml's C loop, one call for a whole run of rows, instead of gguf's NumPy one (te
 
 Pinned like ``ggml_ops`` (ggml 0.25.3, llama-cpp-python 0.3.36), and checked before use: each type's
 block size and bytes against gguf's ``GGML_QUANT_SIZES``, and ``to_float`` bit for bit against gguf's
-reference dequantizer on rows of random bytes (``check_rows``). Nothing here is used from a library that fails a check.
+reference dequantizer on rows of random bytes (``check_rows``). Nothing here is used from a library that fails
+a check.
 """
 
 from __future__ import annotations
