@@ -11,10 +11,11 @@ and the sparse layout. ``formats/README.md`` is the written specification.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 from gguf import MODEL_TENSOR, GGUFWriter, RopeScalingType
-from powerinfer_tools.formats import tensor_table
+from powerinfer_tools.formats.architecture import RopePairs, TensorRow, fused_rows
 from powerinfer_tools.formats.constants import (
     FFN_ACTIVATION_KEY,
     PowerInferTensor,
@@ -22,26 +23,11 @@ from powerinfer_tools.formats.constants import (
     tensor_base_name,
     tensor_name,
 )
+from powerinfer_tools.formats.model_file import StoredTensor
 from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import TABLES, RopePairs, TensorRow
-
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.rope import RopeKind, RopeScaling
 
 T = MODEL_TENSOR
-LLAMA, OPT = tensor_table.LLAMA.gguf_architecture, tensor_table.OPT.gguf_architecture
-QWEN2, GEMMA3 = tensor_table.QWEN2.gguf_architecture, tensor_table.GEMMA3.gguf_architecture
-# What llama.cpp's gemma3 assumes rather than reads (src/llama-model.cpp, LLM_ARCH_GEMMA3): every 6th
-# layer global, the sliding ones rotating with base 10000, queries scaled by 1/sqrt(head_dim) except in
-# the 27B model (62 layers), whose scale is 1/sqrt(d_model / n_heads). A spec that differs has no GGUF layout.
-GEMMA3_SLIDING_WINDOW_PATTERN = 6
-GEMMA3_ROPE_LOCAL_THETA = 10000.0
-GEMMA3_27B_LAYERS = 62
-
-
-def gemma3_query_pre_attn_scalar(n_layers: int, d_model: int, n_heads: int, head_dim: int) -> float:
-    """The query scaling llama.cpp's gemma3 computes with (see above)."""
-    return d_model / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
-BAMBOO = "bamboo"  # PowerInfer's name for a dReLU LLaMA in its sparse layout (same tensors)
 _NORMS = (T.ATTN_NORM, T.FFN_NORM, T.OUTPUT_NORM, T.ATTN_Q_NORM, T.ATTN_K_NORM, T.ATTN_POST_NORM, T.FFN_POST_NORM)
 _ATTENTION = (T.ATTN_Q, T.ATTN_K, T.ATTN_V, T.ATTN_OUT)
 _FFN = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
@@ -50,16 +36,15 @@ _PREDICTOR_PARTS = (block_part(PowerInferTensor.PREDICTOR_FC1), block_part(Power
 
 
 def gguf_architecture(spec: ModelSpec, powerinfer: bool) -> str:
-    """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout: its table's.
+    """llama.cpp's architecture name for ``spec`` in the dense or the PowerInfer layout: its family's.
 
-    dReLU (symmetric-gate) LLaMA-family models are PowerInfer's "bamboo", which only its fork knows:
-    in dense mode they are written as their table says ("llama"). Other architectures keep their name
-    (a "bamboo" file is read back as LLaMA's table, whose rope order Qwen2's is not).
+    dReLU (symmetric-gate) models of a family PowerInfer names otherwise then (its "bamboo", a dReLU LLaMA) are
+    written so in its sparse layout, which only PowerInfer's fork knows; in dense mode as their family's name.
     """
-    architecture = TABLES[spec.architecture].gguf_architecture
-    if powerinfer and spec.ffn is FFNKind.DRELU and architecture == LLAMA:
-        return BAMBOO
-    return architecture
+    drelu_name = spec.architecture.powerinfer_drelu_name
+    if powerinfer and spec.ffn is FFNKind.DRELU and drelu_name is not None:
+        return drelu_name
+    return spec.architecture.gguf_name
 
 
 @dataclass(frozen=True)
@@ -74,7 +59,12 @@ class TensorName:
     layer: int | None = None  # the block it belongs to; None: a global tensor
     stacked: bool = False  # a mixture's experts, stacked along a new first axis (ffn_up_exps ...)
     expert: int | None = None  # one expert's own tensor (a mixture's sparse layout: blk.N.ffn_up.X)
-    offset: float = 0.0  # added to the values as stored (the table's norm_offset, on norm weights)
+    offset: float = 0.0  # added to the values as stored (the family's norm_offset, on norm weights)
+    # A part of a fused checkpoint tensor (Phi-3's qkv_proj), written as a tensor of its own: its rows there,
+    # and the fused tensor's shape.
+    source_rows: slice | None = None
+    source_shape: tuple[int, ...] | None = None
+    values: tuple[float, ...] | None = None  # a tensor the checkpoint does not hold: made from config.json
 
     @property
     def unit(self) -> FFNUnit:
@@ -85,33 +75,10 @@ class TensorName:
         shape = self.shape[::-1] if self.transpose else self.shape
         return (len(self.sources),) + shape if self.stacked else shape
 
-
-def check_supported(spec: ModelSpec) -> None:
-    """Refuse model variants that have no GGUF layout in llama.cpp or PowerInfer."""
-    if spec.architecture == "gemma3":
-        _check_gemma3(spec)
-    if spec.architecture != "opt":
-        return
-    if spec.embed_dim is not None or not spec.pre_norm or not spec.final_norm:
-        raise PitoolsError(
-            "OPT variants with post-LayerNorm blocks or projected embeddings (OPT-350m) have no GGUF layout "
-            "in llama.cpp or PowerInfer; they cannot be converted"
-        )
-    if not spec.tied_embeddings:
-        raise PitoolsError("OPT with an untied lm_head has no GGUF layout (PowerInfer's OPT reuses token_embd)")
-
-
-def _check_gemma3(spec: ModelSpec) -> None:
-    """llama.cpp's gemma3 reads the window but assumes the rest (GEMMA3_* above): a model that differs is refused."""
-    expected = {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, "rope_local_theta": GEMMA3_ROPE_LOCAL_THETA,
-                "query_pre_attn_scalar": gemma3_query_pre_attn_scalar(spec.n_layers, spec.d_model, spec.n_heads,
-                                                                      spec.head_dim)}
-    for field, value in expected.items():
-        if getattr(spec, field) != value:
-            raise PitoolsError(f"a gemma3 model with {field} {getattr(spec, field)} has no GGUF layout: llama.cpp's "
-                               f"gemma3 assumes {value}")
-    if spec.sliding_window is None:
-        raise PitoolsError("a gemma3 model without a sliding window has no GGUF layout (llama.cpp's gemma3 needs one)")
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape of each source tensor in the checkpoint."""
+        return self.source_shape or self.shape
 
 
 def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
@@ -123,7 +90,7 @@ def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
         T.ATTN_NORM: (d,), T.ATTN_Q: (q_rows, d), T.ATTN_K: (kv_rows, d), T.ATTN_V: (kv_rows, d),
         T.ATTN_OUT: (d, q_rows), T.FFN_NORM: (d,), T.FFN_GATE: (d_ff, d), T.FFN_UP: (d_ff, d),
         T.FFN_DOWN: (d, d_ff), T.OUTPUT_NORM: (d,), T.OUTPUT: (vocab, d),
-        # Gemma 3: q and k normed per head, norms after attention and the FFN
+        # q and k normed per head (Qwen3, Gemma 3), norms after attention and the FFN (Gemma 3)
         T.ATTN_Q_NORM: (spec.head_dim,), T.ATTN_K_NORM: (spec.head_dim,), T.ATTN_POST_NORM: (d,),
         T.FFN_POST_NORM: (d,),
         # a mixture of experts: the router, and each expert's matrices (stacked in the file)
@@ -132,17 +99,32 @@ def _shapes(spec: ModelSpec) -> dict[MODEL_TENSOR, tuple[int, ...]]:
     }
 
 
+def part_rows(spec: ModelSpec, row: TensorRow, tensor: MODEL_TENSOR) -> slice:
+    """Where ``tensor``'s rows lie in ``row``'s tensor: all of it, or its part of a fused tensor."""
+    shapes = _shapes(spec)
+    return fused_rows(row, tensor, lambda part: shapes[part][0])
+
+
+def checkpoint_shape(spec: ModelSpec, row: TensorRow) -> tuple[int, ...]:
+    """The shape of ``row``'s tensor in the checkpoint (and a dense GGUF file): its own, or a fused tensor's, its
+    parts' rows one after the other."""
+    if not row.parts:
+        return _shapes(spec)[row.tensor]
+    shapes = [_shapes(spec)[part] for part in row.parts]
+    return (sum(shape[0] for shape in shapes),) + shapes[0][1:]
+
+
 def _has_bias(spec: ModelSpec, tensor: MODEL_TENSOR) -> bool:
     if tensor in _NORMS:
         return spec.norm is NormKind.LAYER  # LayerNorm has a bias, RMSNorm none
     if tensor in _ATTENTION:
-        return spec.attention_bias and tensor in TABLES[spec.architecture].attention_biases
+        return spec.attention_bias and tensor in spec.architecture.attention_biases
     return tensor in _FFN and spec.ffn_bias
 
 
 def _rope_heads(spec: ModelSpec, tensor: MODEL_TENSOR) -> int:
     """Heads to regroup q/k rows by for llama.cpp's adjacent-pair rope; 0: stored as in the checkpoint."""
-    if spec.rope_theta is None or TABLES[spec.architecture].rope_pairs is not RopePairs.ADJACENT:
+    if spec.rope_theta is None or spec.architecture.rope_pairs is not RopePairs.ADJACENT:
         return 0
     return {T.ATTN_Q: spec.n_heads, T.ATTN_K: spec.n_kv_heads}.get(tensor, 0)
 
@@ -160,11 +142,26 @@ def _expert_names(row: TensorRow, layer: int, spec: ModelSpec) -> list[TensorNam
             for e in range(spec.n_experts)]
 
 
+def _part_names(row: TensorRow, layer: int, spec: ModelSpec) -> list[TensorName]:
+    """A fused row in the sparse layout: each part a tensor of its own (a neuron's gate and up rows are
+    reordered, chosen and read apart; llama.cpp reads no sparse file). Fused rows carry no biases."""
+    return [TensorName((row.hf_name(layer),), tensor_name(part, layer), _shapes(spec)[part],
+                       rope_heads=_rope_heads(spec, part), layer=layer, source_rows=part_rows(spec, row, part),
+                       source_shape=checkpoint_shape(spec, row))
+            for part in row.parts]
+
+
 def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
-    """The weight (and bias) of one table row. PowerInfer's sparse axpy wants the down projection
-    transposed, as ffn_down_t; a bias follows its weight's output rows (regrouped, never transposed)."""
+    """The weight (and bias) of one row. PowerInfer's sparse axpy wants the down projection transposed, as
+    ffn_down_t; a bias follows its weight's output rows (regrouped, never transposed). A fused row is one tensor
+    in the dense layout, as llama.cpp's converter writes it (its parts rotate halves: no rows regrouped)."""
     if powerinfer and row.per_expert:
         return _expert_names(row, layer, spec)
+    if row.parts:
+        if powerinfer:
+            return _part_names(row, layer, spec)
+        return [TensorName((row.hf_name(layer),), tensor_name(row.tensor, layer), checkpoint_shape(spec, row),
+                           layer=layer)]
     shape, rope_heads = _shapes(spec)[row.tensor], _rope_heads(spec, row.tensor)
     transpose = powerinfer and row.tensor is T.FFN_DOWN
     target = PowerInferTensor.FFN_DOWN_T if transpose else row.tensor
@@ -174,7 +171,7 @@ def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: b
     if row.tensor is T.OUTPUT and spec.tied_embeddings:
         # PowerInfer's loader requires output.weight, so tied models get a copy of the embedding.
         sources = (row_of(spec, T.TOKEN_EMBD).hf_name(),)
-    offset = TABLES[spec.architecture].norm_offset if row.tensor in _NORMS else 0.0
+    offset = spec.architecture.norm_offset if row.tensor in _NORMS else 0.0
     names = [TensorName(sources, tensor_name(target, layer), shape, transpose, rope_heads, layer, row.per_expert,
                         offset=offset)]
     if _has_bias(spec, row.tensor):
@@ -183,9 +180,36 @@ def _row_names(row: TensorRow, layer: int | None, spec: ModelSpec, powerinfer: b
     return names
 
 
+def fused_parts(spec: ModelSpec, stored: Mapping[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """The parts of a dense file's fused tensors (Phi-3's attn_qkv; its gate and up in one ffn_up) as tensors of
+    their own, each a view of its rows of the fused one: what the runtime computes with. (A sparse file stores
+    them apart already: ``_part_names``.)"""
+    parts = {}
+    for layer in range(spec.n_layers):
+        for row in spec.architecture.block:
+            fused = tensor_name(row.tensor, layer) if row.parts else None
+            if fused not in stored or any(tensor_name(p, layer) in stored for p in row.parts if p is not row.tensor):
+                continue
+            t = stored[fused]
+            for part in row.parts:
+                rows = part_rows(spec, row, part)
+                parts[tensor_name(part, layer)] = StoredTensor(
+                    tensor_name(part, layer), t.qtype, (rows.stop - rows.start,) + t.shape[1:], t.data[rows],
+                    t.offset + rows.start * (t.nbytes // t.shape[0]))
+    return parts
+
+
+def _rope_frequency_factors(spec: ModelSpec) -> list[TensorName]:
+    """Llama 3.1's rotary scaling, as llama.cpp's converter stores it: one divisor per rotation pair in a tensor."""
+    factors = spec.rope_scaling.frequency_factors
+    if spec.rope_scaling.kind is not RopeKind.LLAMA3:
+        return []
+    return [TensorName((), tensor_name(T.ROPE_FREQS), (len(factors),), values=factors)]
+
+
 def row_of(spec: ModelSpec, tensor: MODEL_TENSOR) -> TensorRow:
-    """The table row of ``tensor`` in ``spec``'s architecture."""
-    return TABLES[spec.architecture].row(tensor)
+    """The row of ``tensor`` in ``spec``'s architecture."""
+    return spec.architecture.row(tensor)
 
 
 def logits_tensor(targets) -> str:
@@ -196,13 +220,14 @@ def logits_tensor(targets) -> str:
 
 
 def tensor_names(spec: ModelSpec, powerinfer: bool) -> list[TensorName]:
-    """Every model tensor of ``spec`` in file order (predictors come from elsewhere)."""
-    check_supported(spec)
-    table = TABLES[spec.architecture]
-    names = []
-    for layer, rows in [(None, table.before)] + [(i, table.block) for i in range(spec.n_layers)] + [(None, table.after)]:
+    """Every model tensor of ``spec`` in file order (predictors come from elsewhere); a spec that llama.cpp's
+    architecture cannot hold is refused (``Architecture.check_layout``)."""
+    arch = spec.architecture
+    arch.check_layout(spec)
+    names = _rope_frequency_factors(spec)
+    for layer, rows in [(None, arch.before)] + [(i, arch.block) for i in range(spec.n_layers)] + [(None, arch.after)]:
         for row in rows:
-            if row.tensor is not None:  # a Hugging Face tensor without GGUF layout (refused above)
+            if row.tensor is not None:  # a Hugging Face tensor without GGUF layout (refused by check_layout)
                 names += _row_names(row, layer, spec, powerinfer)
     return names
 
@@ -238,15 +263,24 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
         if spec.head_dim != spec.d_model // spec.n_heads:
             writer.add_key_length(spec.head_dim)
             writer.add_value_length(spec.head_dim)
-        if spec.rope_scaling_factor != 1.0:
-            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(spec.rope_scaling_factor)
+        _add_rope_scaling(writer, spec.rope_scaling)
     if spec.sliding_window is not None:
-        writer.add_sliding_window(spec.sliding_window)  # gemma3: its sliding layers' (check_supported)
+        writer.add_sliding_window(spec.sliding_window)  # gemma3: its sliding layers' (its check_layout)
     if spec.moe:
         writer.add_expert_count(spec.n_experts)
         writer.add_expert_used_count(spec.n_experts_used)
     writer.add_string(FFN_ACTIVATION_KEY, spec.ffn.value)
+
+
+def _add_rope_scaling(writer: GGUFWriter, scaling: RopeScaling) -> None:
+    """The rope.scaling.* keys as llama.cpp's converter writes them (llama3's are a tensor: ``tensor_names``)."""
+    if scaling.kind is RopeKind.LINEAR:
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling.kind is RopeKind.YARN:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
 
 
 def tensor_kind(name: str) -> str:

@@ -1,13 +1,15 @@
-"""The ``ModelSpec`` of a model file, read back from its GGUF metadata.
+"""The ``ModelSpec`` of a model file, read back from its GGUF metadata given its family.
 
 This is the inverse of ``gguf_names.add_hyperparameters``. Files written by other
 tools lack our ``pitools.ffn_activation`` key; their activation then follows
-from the architecture the way PowerInfer's runtime decides it: ``bamboo`` is
-dReLU, ``opt`` ReLU, a sparse (PowerInfer) ``llama`` file ReGLU and a dense
-``llama`` file SwiGLU.
+from the family the way llama.cpp and PowerInfer decide it (``Architecture.dense_ffn``,
+``sparse_ffn``; a file named as PowerInfer's dReLU model, ``bamboo``, is dReLU).
 
-Values are passed on as the file holds them: ``ModelSpec`` checks their types and
-ranges, and its errors name the file and the metadata key.
+Every ``{arch}.*`` key of the file must be one this reading applies (or checks to hold its neutral
+value): a key that would change what llama.cpp computes and that we do not apply is refused, naming
+it, never ignored (``models.spec_from_model_file`` finds the family; ``formats/model_check.py`` does
+the same for tensors). Values are passed on as the file holds them: ``ModelSpec`` checks their types
+and ranges, and its errors name the file and the metadata key.
 """
 
 from __future__ import annotations
@@ -15,16 +17,15 @@ from __future__ import annotations
 from typing import Any
 
 from gguf import MODEL_TENSOR, Keys
+from powerinfer_tools.formats.architecture import Architecture
 from powerinfer_tools.formats.constants import (FFN_ACTIVATION_KEY, PREDICTOR_COMPUTED_KEY, PREDICTOR_PRECISION_KEY,
                                                 PREDICTOR_RECALL_KEY, tensor_name)
-from powerinfer_tools.formats.gguf_names import (BAMBOO, GEMMA3, GEMMA3_ROPE_LOCAL_THETA, GEMMA3_SLIDING_WINDOW_PATTERN,
-                                                 LLAMA, OPT, QWEN2, gemma3_query_pre_attn_scalar)
 from powerinfer_tools.formats.model_file import ModelFile
+from powerinfer_tools.formats.quantization import decode
 from powerinfer_tools.formats.model_spec import OPT_POSITION_OFFSET, FFNKind, ModelSpec, NormKind, spec_errors_named
+from powerinfer_tools.formats.rope import YARN_BETA_FAST, YARN_BETA_SLOW, RopeKind, RopeScaling
 
 from powerinfer_tools.errors import PitoolsError
-
-SUPPORTED_ARCHITECTURES = (LLAMA, BAMBOO, QWEN2, GEMMA3, OPT)
 
 # ModelSpec fields -> the metadata keys they are read from ({arch}: the architecture).
 METADATA_KEYS = {
@@ -37,6 +38,7 @@ METADATA_KEYS = {
     "vocab_size": Keys.LLM.VOCAB_SIZE,
     "max_positions": Keys.LLM.CONTEXT_LENGTH,
     "rope_theta": Keys.Rope.FREQ_BASE,
+    "rope_scaling": Keys.Rope.SCALING_TYPE,
     "rope_scaling_factor": Keys.Rope.SCALING_FACTOR,
     "sliding_window": Keys.Attention.SLIDING_WINDOW,
     "bos_token_id": Keys.Tokenizer.BOS_ID,
@@ -46,16 +48,21 @@ METADATA_KEYS = {
     "n_experts_used": Keys.LLM.EXPERT_USED_COUNT,
 }
 TOKENS_KEY = Keys.Tokenizer.LIST
+# {arch}.* keys read besides METADATA_KEYS's: checked against the spec (``_check_derived``), or the scaling's.
+_CHECKED_KEYS = (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT, Keys.Rope.SCALING_ORIG_CTX_LEN, Keys.Attention.LAYERNORM_EPS, Keys.Attention.LAYERNORM_RMS_EPS)
+# {arch}.* keys that change nothing llama.cpp computes, or only at the value given (what it assumes without them).
+_NEUTRAL_KEYS = {Keys.Rope.SCALING_FINETUNED: None, Keys.Rope.SCALING_YARN_BETA_FAST: YARN_BETA_FAST,
+                 Keys.Rope.SCALING_YARN_BETA_SLOW: YARN_BETA_SLOW, Keys.Rope.SCALING_ATTN_FACTOR: 1.0}
 
 
-def _metadata_keys(arch: str) -> dict[str, str]:
+def _metadata_keys(arch: str, family: Architecture) -> dict[str, str]:
     keys = {field: key.format(arch=arch) for field, key in METADATA_KEYS.items()}
-    norm_eps = Keys.Attention.LAYERNORM_EPS if arch == OPT else Keys.Attention.LAYERNORM_RMS_EPS
+    norm_eps = Keys.Attention.LAYERNORM_EPS if family.norm is NormKind.LAYER else Keys.Attention.LAYERNORM_RMS_EPS
     keys["norm_eps"] = norm_eps.format(arch=arch)
     return keys
 
 
-def _ffn_kind(model: ModelFile) -> FFNKind:
+def _ffn_kind(model: ModelFile, family: Architecture) -> FFNKind:
     stored = model.get(FFN_ACTIVATION_KEY)
     if stored is not None:
         try:
@@ -63,27 +70,38 @@ def _ffn_kind(model: ModelFile) -> FFNKind:
         except ValueError:
             kinds = ", ".join(kind.value for kind in FFNKind)
             raise PitoolsError(f"{FFN_ACTIVATION_KEY} is {stored!r:.60}; expected one of {kinds}") from None
-    if model.architecture == BAMBOO:
+    if model.architecture == family.powerinfer_drelu_name:
         return FFNKind.DRELU
-    if model.architecture == OPT:
-        return FFNKind.RELU
-    if model.architecture == GEMMA3:
-        return FFNKind.GEGLU
-    return FFNKind.REGLU if model.powerinfer else FFNKind.SWIGLU
+    return family.sparse_ffn if model.powerinfer else family.dense_ffn
 
 
-def spec_from_model_file(model: ModelFile) -> ModelSpec:
-    """The spec of ``model``; a missing, mistyped or out-of-range value is an error naming the file and key."""
-    arch = model.architecture
-    keys = _metadata_keys(arch)
+def spec_from_model_file(model: ModelFile, family: Architecture) -> ModelSpec:
+    """The spec of ``model``, a file of ``family``; a missing, mistyped or out-of-range value, or a key the family
+    does not apply, is an error naming the file and key."""
+    keys = _metadata_keys(model.architecture, family)
     with spec_errors_named(model.path, keys):
-        if arch not in SUPPORTED_ARCHITECTURES:
-            supported = ", ".join(SUPPORTED_ARCHITECTURES)
-            raise PitoolsError(f"architecture {arch!r} is not supported (supported: {supported})")
-        return _spec(model, arch, keys)
+        _refuse_unknown_keys(model, family, keys)
+        spec = _spec(model, family, keys)
+        _check_derived(model, spec)
+        return spec
 
 
-def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
+def _refuse_unknown_keys(model: ModelFile, family: Architecture, keys: dict[str, str]) -> None:
+    """A key of the architecture's own (``{arch}.*``) that this reading neither applies nor checks would change
+    what llama.cpp computes without us knowing: the file is refused, naming it."""
+    arch = model.architecture
+    understood = set(keys.values()) | {key.format(arch=arch) for key in _CHECKED_KEYS + family.gguf_keys}
+    for key in model.metadata:
+        if not key.startswith(f"{arch}.") or key in understood:
+            continue
+        neutral = {k.format(arch=arch): v for k, v in _NEUTRAL_KEYS.items()}
+        if key in neutral and neutral[key] in (None, model.metadata[key]):
+            continue
+        raise PitoolsError(f"metadata key {key} ({model.metadata[key]!r:.40}) changes what a {family} model "
+                           "computes, and the runtime does not apply it; the file cannot be run")
+
+
+def _spec(model: ModelFile, family: Architecture, keys: dict[str, str]) -> ModelSpec:
     def value(field: str, default: Any = None) -> Any:
         return model.metadata.get(keys[field], default)
 
@@ -93,13 +111,10 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
             raise PitoolsError(f"metadata lacks {keys[field]}")
         return found
 
-    is_opt = arch == OPT
-    n_heads = need("n_heads")
-    vocab_size = value("vocab_size")
-    linear_rope = model.get(Keys.Rope.SCALING_TYPE, "none") == "linear"
-    gemma3 = _gemma3_fields(need("n_layers"), need("d_model"), n_heads, value("head_dim")) if arch == GEMMA3 else {}
-    return ModelSpec(
-        architecture=_architecture(arch, value("n_experts", 0) != 0),
+    n_heads, vocab_size = need("n_heads"), value("vocab_size")
+    rotary = family.rotary
+    fields = dict(
+        architecture=family,
         n_layers=need("n_layers"),
         d_model=need("d_model"),
         n_heads=n_heads,
@@ -108,41 +123,58 @@ def _spec(model: ModelFile, arch: str, keys: dict[str, str]) -> ModelSpec:
         d_ff=need("d_ff"),
         vocab_size=vocab_size if vocab_size is not None else _token_count(model, keys["vocab_size"]),
         max_positions=need("max_positions"),
-        norm=NormKind.LAYER if is_opt else NormKind.RMS,
+        norm=family.norm,
         norm_eps=need("norm_eps"),
-        ffn=_ffn_kind(model),
+        ffn=_ffn_kind(model, family),
         tied_embeddings=tensor_name(MODEL_TENSOR.OUTPUT) not in model,
-        rope_theta=None if is_opt else value("rope_theta", 10000.0),
-        rope_scaling_factor=value("rope_scaling_factor", 1.0) if linear_rope else 1.0,
+        rope_theta=value("rope_theta", 10000.0) if rotary else None,
+        rope_scaling=_rope_scaling(model, value("head_dim")) if rotary else RopeScaling(),
         sliding_window=value("sliding_window"),
         attention_bias=tensor_name(MODEL_TENSOR.ATTN_Q, 0, "bias") in model,
         ffn_bias=tensor_name(MODEL_TENSOR.FFN_UP, 0, "bias") in model,
-        position_offset=OPT_POSITION_OFFSET if is_opt else 0,
+        position_offset=0 if rotary else OPT_POSITION_OFFSET,
         bos_token_id=value("bos_token_id"),
         eos_token_id=value("eos_token_id"),
         n_experts=value("n_experts", 0),
         n_experts_used=value("n_experts_used", 0),
-        **gemma3,
     )
+    return ModelSpec(**(fields | family.gguf_fields(model.get)))
 
 
-def _gemma3_fields(n_layers: Any, d_model: Any, n_heads: Any, head_dim: Any) -> dict:
-    """What llama.cpp's gemma3 assumes instead of reading keys (``gguf_names.GEMMA3_*``)."""
-    if head_dim is None and isinstance(d_model, int) and isinstance(n_heads, int) and n_heads:
-        head_dim = d_model // n_heads
-    scalar = None
-    if all(isinstance(v, int) and v > 0 for v in (n_layers, d_model, n_heads, head_dim)):  # else ModelSpec says why
-        scalar = gemma3_query_pre_attn_scalar(n_layers, d_model, n_heads, head_dim)
-    return {"sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN, "rope_local_theta": GEMMA3_ROPE_LOCAL_THETA,
-            "query_pre_attn_scalar": scalar}
+def _rope_scaling(model: ModelFile, head_dim: Any) -> RopeScaling:
+    """The scaling a file's keys (and llama.cpp's ``rope_freqs`` tensor of Llama 3.1's factors) describe."""
+    kind = model.get(Keys.Rope.SCALING_TYPE, RopeKind.NONE.value)
+    factors = tensor_name(MODEL_TENSOR.ROPE_FREQS)
+    if factors in model:
+        if kind != RopeKind.NONE.value:
+            raise PitoolsError(f"tensor {factors} and {Keys.Rope.SCALING_TYPE} {kind!r} both scale the rotary "
+                               "frequencies; only one may")
+        stored = model[factors]
+        values = decode(stored.data, stored.qtype).reshape(-1)
+        return RopeScaling(RopeKind.LLAMA3, frequency_factors=tuple(float(v) for v in values))
+    try:
+        kind = RopeKind(kind)
+    except ValueError:
+        raise PitoolsError(f"rope scaling type {kind!r:.40} is not supported (supported: "
+                           f"{', '.join(k.value for k in (RopeKind.NONE, RopeKind.LINEAR, RopeKind.YARN))})") from None
+    if kind is RopeKind.NONE:
+        return RopeScaling()
+    factor = model.get(Keys.Rope.SCALING_FACTOR)
+    if factor is None:
+        raise PitoolsError(f"metadata lacks {Keys.Rope.SCALING_FACTOR.format(arch=model.architecture)} for its "
+                           f"{kind.value} rope scaling")
+    return RopeScaling(kind, factor, original_context=model.get(Keys.Rope.SCALING_ORIG_CTX_LEN)
+                       if kind is RopeKind.YARN else None)
 
 
-def _architecture(arch: str, moe: bool) -> str:
-    """Our architecture (``ModelSpec.architecture``) of a file's: a "llama" (or, sparse dReLU, PowerInfer's
-    "bamboo") with experts is Mixtral."""
-    if arch in (LLAMA, BAMBOO) and moe:
-        return "mixtral"
-    return {BAMBOO: "mistral", QWEN2: "qwen2", GEMMA3: "gemma3", OPT: "opt"}.get(arch, "llama")
+def _check_derived(model: ModelFile, spec: ModelSpec) -> None:
+    """Keys llama.cpp reads that the spec derives: they must say the same (a head rotated in part, or values of
+    another width than keys, are not computed)."""
+    for key, expected in ((Keys.Attention.VALUE_LENGTH, spec.head_dim), (Keys.Rope.DIMENSION_COUNT, spec.head_dim)):
+        found = model.get(key, expected)
+        if found != expected:
+            raise PitoolsError(f"{key.format(arch=model.architecture)} is {found!r:.40}; only {expected} (the head "
+                               "size) is supported")
 
 
 def _token_count(model: ModelFile, vocab_key: str) -> int:

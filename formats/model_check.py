@@ -35,20 +35,33 @@ def sparse_layout(model: ModelFile) -> bool:
 
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
-    """Every tensor ``spec`` implies is present with its shape, the predictors fit (``check_predictors``), and
-    the vocabulary, when the file has one, has a token per embedding row."""
+    """Every tensor ``spec`` implies is present with its shape, and no other (``_refuse_unknown_tensors``); the
+    predictors fit (``check_predictors``), and the vocabulary, when the file has one, has a token per embedding row."""
     bundle = BundleLayout.of_file(model)
     bundled = set() if bundle is None else {tensor_name(p.tensor, i) for p in bundle.parts for i in range(spec.n_layers)}
-    for expected in tensor_names(spec, sparse_layout(model)):
+    expected_names = tensor_names(spec, sparse_layout(model))
+    for expected in expected_names:
         if expected.target == tensor_name(MODEL_TENSOR.OUTPUT) and spec.tied_embeddings:
             continue  # a tied model's head is its token embedding
         if expected.target not in bundled:
             _check_shape(model, expected.target, expected.stored_shape)
-    if bundle is not None:
-        for layer in range(spec.n_layers):
-            _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
+    bundles = [] if bundle is None else [tensor_name(PowerInferTensor.FFN_BUNDLE, i) for i in range(spec.n_layers)]
+    for name in bundles:
+        _check_shape(model, name, (spec.d_ff, bundle.stride))
     check_predictors(model, spec)
+    predictors = [name for unit in spec.ffn_units for name in predictor_names(unit.layer, unit.expert)]
+    _refuse_unknown_tensors(model, spec, {t.target for t in expected_names} | set(bundles) | set(predictors))
     read_key(model.get, Keys.Tokenizer.LIST, model.path, spec.vocab_size)  # a token per row of the embedding
+
+
+def _refuse_unknown_tensors(model: ModelFile, spec: ModelSpec, known: set[str]) -> None:
+    """A tensor that is not part of the model as the runtime computes it (llama.cpp's rope_factors_long of a
+    longrope Phi-3, say) would be ignored, and another model computed: the file is refused, naming it."""
+    unknown = sorted(set(model.tensors) - known)
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if unknown[1:] else ""
+        raise PitoolsError(f"{model.path}: tensor {unknown[0]}{more} is not part of a {spec.architecture} model as "
+                           "the runtime computes it; the file cannot be run")
 
 
 def check_predictors(model: ModelFile, spec: ModelSpec) -> None:

@@ -8,9 +8,13 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.rope import RopeKind, RopeScaling
+
+if TYPE_CHECKING:
+    from powerinfer_tools.formats.architecture import Architecture
 
 # Upper bounds on a model's dimensions. Released models stay far below them (LLaMA-3.1-405B:
 # width 16384, FFN 53248, 126 layers, 128256 tokens, 131072 positions); a larger value is a
@@ -22,7 +26,7 @@ MAX_VOCAB = 2**24
 MAX_POSITIONS = 2**24
 MAX_EXPERTS = 1024  # DeepSeek-V3 routes among 256 experts per layer, Mixtral among 8
 
-# The positive values float32 holds: the real fields (norm_eps, rope_theta, rope_scaling_factor) are written
+# The positive values float32 holds: the real fields (norm_eps, rope_theta, the rope scaling's) are written
 # to a model file as float32, where a larger one would not fit and a smaller one would become 0.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINIEST = 2.0**-149  # the smallest subnormal
@@ -87,7 +91,7 @@ class NormKind(str, enum.Enum):
 class ModelSpec:
     """Everything the engine, the converter and the solver need to know about a model's shape."""
 
-    architecture: str  # our module name: "llama", "mistral", "opt"
+    architecture: Architecture  # its family's row (formats/architecture.py): models/<family>.py's ARCHITECTURE
     n_layers: int
     d_model: int
     n_heads: int
@@ -102,7 +106,7 @@ class ModelSpec:
     tied_embeddings: bool
     # Rotary position embeddings (LLaMA, Mistral); None for learned positions (OPT).
     rope_theta: float | None = None
-    rope_scaling_factor: float = 1.0  # "linear" scaling: positions are divided by it
+    rope_scaling: RopeScaling = RopeScaling()  # formats/rope.py
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys
     # Gemma 3: only some layers slide. With a pattern N > 0, every Nth layer (the last of each N) attends
     # to the whole context with rope_theta, the others within sliding_window with rope_local_theta.
@@ -153,12 +157,12 @@ class ModelSpec:
         """How many keys a query of ``layer`` sees at most; None: all before it."""
         return self.sliding_window if self.slides(layer) else None
 
-    def layer_rope(self, layer: int) -> tuple[float | None, float]:
-        """(rope theta, linear scaling factor) of ``layer``: a sliding layer of a model with a local theta
-        (Gemma 3) rotates with that, unscaled, as transformers' and llama.cpp's Gemma 3 do."""
+    def layer_rope(self, layer: int) -> tuple[float | None, RopeScaling]:
+        """(rope theta, scaling) of ``layer``: a sliding layer of a model with a local theta (Gemma 3) rotates
+        with that, unscaled, as transformers' and llama.cpp's Gemma 3 do."""
         if self.rope_local_theta is not None and self.slides(layer):
-            return self.rope_local_theta, 1.0
-        return self.rope_theta, self.rope_scaling_factor
+            return self.rope_local_theta, RopeScaling()
+        return self.rope_theta, self.rope_scaling
 
     @property
     def attention_scale(self) -> float:
@@ -225,13 +229,18 @@ def _positive_real(spec: ModelSpec, field: str, optional: bool = False) -> None:
     value = getattr(spec, field)
     if value is None and optional:
         return
+    object.__setattr__(spec, field, _float32(value, field))
+
+
+def _float32(value, field: str) -> float:
+    """``value``, of the field ``field``, as a float above 0 that float32 holds."""
     number = _as_float(value)
     if not math.isfinite(number) or number <= 0:
         raise InvalidSpec(lambda name: f"{name(field)} must be a finite number above 0, not {_shown(value)}")
     if not FLOAT32_TINIEST <= number <= FLOAT32_MAX:
         raise InvalidSpec(lambda name: f"{name(field)} is {number:g}; it must fit float32 (from {FLOAT32_TINIEST:.4g} "
                                        f"to {FLOAT32_MAX:.4g}), as a model file stores it")
-    object.__setattr__(spec, field, number)
+    return number
 
 
 def _flag(spec: ModelSpec, field: str) -> None:
@@ -251,6 +260,34 @@ def _divides(spec: ModelSpec, whole: str, part: str) -> None:
     w, p = getattr(spec, whole), getattr(spec, part)
     if w % p:
         raise InvalidSpec(lambda name: f"{name(whole)} ({w}) is not a multiple of {name(part)} ({p})")
+
+
+def _check_ffn(spec: ModelSpec) -> None:
+    if spec.ffn not in spec.architecture.ffn_kinds:
+        kinds = ", ".join(kind.value for kind in spec.architecture.ffn_kinds)
+        raise InvalidSpec(lambda name: f"{name('ffn')} is {spec.ffn.value}, which {spec.architecture} models do not have "
+                                       f"(they have: {kinds})")
+
+
+def _check_rope_scaling(spec: ModelSpec) -> None:
+    """The scaling's numbers, of the kinds the family has (config.json's rope_type, GGUF's rope.scaling.type)."""
+    scaling = spec.rope_scaling
+    if scaling.kind not in spec.architecture.rope_kinds:
+        kinds = ", ".join(kind.value for kind in spec.architecture.rope_kinds)
+        raise InvalidSpec(lambda name: f"{name('rope_scaling')} type {scaling.kind.value!r} is not supported for "
+                                       f"{spec.architecture} models (supported: {kinds})")
+    _float32(scaling.factor, "rope_scaling_factor")
+    if scaling.kind is RopeKind.LLAMA3:
+        factors = scaling.frequency_factors
+        if factors is None or len(factors) != spec.head_dim // 2 or not all(
+                math.isfinite(_as_float(f)) and _as_float(f) > 0 for f in factors):
+            raise InvalidSpec(lambda name: f"{name('rope_scaling')} needs {spec.head_dim // 2} positive frequency "
+                                           f"factors (one per rotation pair), not {_shown(factors)}")
+    if scaling.kind is RopeKind.YARN:
+        context = scaling.original_context
+        if isinstance(context, bool) or not isinstance(context, numbers.Integral) or not 1 <= context <= MAX_POSITIONS:
+            raise InvalidSpec(lambda name: f"{name('rope_scaling')} original context must be an integer from 1 to "
+                                           f"{MAX_POSITIONS}, not {_shown(context)}")
 
 
 def _validate(spec: ModelSpec) -> None:
@@ -273,7 +310,8 @@ def _validate(spec: ModelSpec) -> None:
     _positive_real(spec, "rope_local_theta", optional=True)
     _positive_real(spec, "query_pre_attn_scalar", optional=True)
     _integer(spec, "sliding_window_pattern", 0, MAX_LAYERS)
-    _positive_real(spec, "rope_scaling_factor")
+    _check_rope_scaling(spec)
+    _check_ffn(spec)
     for field in ("tied_embeddings", "attention_bias", "ffn_bias", "pre_norm", "final_norm"):
         _flag(spec, field)
     _integer(spec, "n_experts", 0, MAX_EXPERTS)

@@ -18,9 +18,9 @@ from gguf import MODEL_TENSOR as T
 from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.constants import (PowerInferTensor, TensorKind, expert_frequency_key,
                                                 neuron_frequency_key, tensor_name)
-from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.models import spec_from_model_file
 from powerinfer_tools.solver.problem import kv_cache_bytes_per_token
 
 from powerinfer_tools.errors import PitoolsError

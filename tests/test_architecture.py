@@ -139,3 +139,55 @@ def test_no_function_is_longer_than_60_lines():
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, long
+
+
+FAMILY_MODULES = {"powerinfer_tools.models"} | {
+    f"powerinfer_tools.models.{path.stem}" for path in (REPO / "powerinfer_tools" / "models").glob("*.py")
+    if "ARCHITECTURE =" in path.read_text(encoding="utf-8")}
+# What names a family: its row (``spec.architecture``) and the fields of a file or config that say which it is.
+FAMILY_FIELDS = {"architecture", "gguf_name", "gguf_names", "name", "model_type", "model_types"}
+
+
+def _names_a_family(node: ast.AST) -> bool:
+    """``x.architecture``, ``spec.architecture.name``, ``config["model_type"]``, ``config.get("model_type")``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in FAMILY_FIELDS and (node.attr != "name" or _names_a_family(node.value))
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value in FAMILY_FIELDS
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+        return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value in FAMILY_FIELDS
+    return False
+
+
+def _is_text(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_text(item) for item in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def family_tests(tree: ast.AST) -> list[int]:
+    """Lines that compare a family's name with text, or look something up by it (``TABLES[spec.architecture]``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(map(_names_a_family, operands)) and any(map(_is_text, operands)):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and _names_a_family(node.slice):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_finder_of_family_tests_finds_them():
+    found = family_tests(ast.parse('spec.architecture == "gemma3"\nif config.get("model_type") in ("llama", "x"): pass\n'
+                                   'TABLES[spec.architecture]\nspec.architecture.name != "opt"\n'
+                                   'model.architecture == BAMBOO\nkind == "llama"\n'))
+    assert found == [1, 2, 3, 4]
+
+
+def test_only_a_familys_module_tests_an_architecture_name():
+    """Everything the code asks about a family is in its row (formats/architecture.py): code elsewhere asks the row,
+    never which family it is."""
+    tested = [f"{path.relative_to(REPO)}:{line}" for module, (path, tree) in sources().items()
+              if module not in FAMILY_MODULES for line in family_tests(tree)]
+    assert not tested, tested

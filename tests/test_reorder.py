@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hf_models import build
 from powerinfer_tools.formats.predictor_rule import predict
-from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
+from powerinfer_tools.formats.architecture import gguf_neuron_axis
 from tiny_models import OPT, TINY_RELU_LLAMA, run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint

@@ -147,7 +147,7 @@ def test_qwen2_dense_file_gives_transformers_logits(tmp_path, tied):
     path, _ = convert(str(folder), tmp_path / "m.gguf", outtype="f32", dense=True, progress=False)
     want = reference_logits(torch_model, TOKENS)
     model = load_runtime_model(path)
-    assert model.spec.architecture == "qwen2" and model.spec.attention_bias
+    assert model.spec.architecture.name == "qwen2" and model.spec.attention_bias
     assert set(model.layers[0].dense.biases) == {"q", "k", "v"}
     assert model.compiled_decoder() is not None
     assert relative_error(stepwise_logits(model), want) < 1e-4

@@ -62,9 +62,10 @@ from powerinfer_tools.direct_io import forget_cached_pages
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.constants import neuron_frequency_key, predictor_names, tensor_name
-from powerinfer_tools.formats.gguf_spec import predictor_quality, spec_from_model_file
+from powerinfer_tools.formats.gguf_spec import predictor_quality
 from powerinfer_tools.formats.model_check import routing_frequencies
 from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.models import spec_from_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.units import format_size
 

@@ -100,16 +100,11 @@ from powerinfer_tools.formats.model_spec import FFNKind, FFNUnit, ffn_units
 from powerinfer_tools.formats.profile_folder import FiringStats, pair_bytes
 from powerinfer_tools.formats.profile_report import hot_fraction, write_report
 from powerinfer_tools.formats.quantization import OUTTYPES
-from powerinfer_tools.formats.tensor_table import (
-    LLAMA,
-    MIXTRAL,
-    TABLES,
-    ArchitectureTable,
-)
+from powerinfer_tools.formats.architecture import Architecture
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNTracer, Tokenizer, tracing
-from powerinfer_tools.models import load_model, spec_from_config
-from powerinfer_tools.models.base import CheckpointWeights, load_block
+from powerinfer_tools.models import checkpoint_spec, llama, load_model, mixtral
+from powerinfer_tools.models.base import CheckpointWeights, load_block, read_weight
 from powerinfer_tools.models.layers import FFNHook, FFNTrace, KVCache, activate, gate_activation, rms_norm, route
 from powerinfer_tools.predictors.trainer import Candidates, TrainSettings, held_out_pairs, train_predictors
 from powerinfer_tools.profiling.calibration import CalibrationSettings, calibrate
@@ -197,8 +192,8 @@ class Shape:
     n_experts_used: int = 0
 
     @property
-    def table(self) -> ArchitectureTable:
-        return MIXTRAL if self.n_experts else LLAMA
+    def table(self) -> Architecture:
+        return mixtral.ARCHITECTURE if self.n_experts else llama.ARCHITECTURE
 
     @property
     def n_params(self) -> int:
@@ -592,8 +587,8 @@ def _config(shape: Shape, activation: str = "relu") -> dict:
     mixture = {"num_local_experts": shape.n_experts, "num_experts_per_tok": shape.n_experts_used,
                "sliding_window": None}  # Mixtral's own config has none either
     return {
-        "architectures": ["MixtralForCausalLM" if shape.n_experts else "LlamaForCausalLM"],
-        "model_type": "mixtral" if shape.n_experts else "llama",
+        "architectures": [shape.table.hf_classes[0]],
+        "model_type": shape.table.model_types[0],
         **(mixture if shape.n_experts else {}),
         "hidden_act": activation,
         "hidden_size": shape.d_model,
@@ -737,8 +732,8 @@ def _attention_tensors(shape: Shape, layer: int, rng: np.random.Generator, scale
 def _ffn_names(unit: FFNUnit) -> tuple[str, str, str]:
     """The checkpoint names of an FFN's gate, up and down weights: a layer's (LLaMA) or an expert's (Mixtral)."""
     if unit.expert is None:
-        return tuple(LLAMA.hf_name(t, unit.layer) for t in (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN))
-    return tuple(MIXTRAL.hf_name(t, unit.layer, expert=unit.expert)
+        return tuple(llama.ARCHITECTURE.hf_name(t, unit.layer) for t in (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN))
+    return tuple(mixtral.ARCHITECTURE.hf_name(t, unit.layer, expert=unit.expert)
                  for t in (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP))
 
 
@@ -765,8 +760,8 @@ class PlantedActivations(FFNTracer):
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
-        self.spec = spec_from_config(checkpoint.config, checkpoint.config_path)
-        self.table = TABLES[self.spec.architecture]
+        self.spec = checkpoint_spec(checkpoint)
+        self.table = self.spec.architecture
         self.ffn_norms = [checkpoint.tensor(self.table.hf_name(T.FFN_NORM, i)) for i in range(self.spec.n_layers)]
         self.ffn_hook: FFNHook | None = None
 
@@ -807,7 +802,6 @@ class LayerByLayer(FFNTracer):
         self.model = load_model(checkpoint, layers=range(0))  # the embeddings; no layer
         self.model.compute_logits = False
         self.spec = self.model.spec
-        self.table = TABLES[self.spec.architecture]
 
     @property
     def ffn_hook(self) -> FFNHook | None:
@@ -821,11 +815,11 @@ class LayerByLayer(FFNTracer):
         return self.model.new_cache()
 
     def forward(self, tokens: np.ndarray, cache: KVCache) -> None:
-        weights, hf, d = CheckpointWeights(self.checkpoint, np.float32), self.table.hf_name, self.spec.d_model
+        weights = CheckpointWeights(self.checkpoint, np.float32)
         x = self.model.embed[np.asarray(tokens)]
         for layer in range(self.spec.n_layers):
-            self.model.blocks[layer] = load_block(weights, self.table, self.spec, layer,
-                                                  lambda tensor, i: weights.get(hf(tensor, i), d))
+            self.model.blocks[layer] = load_block(weights, self.spec, layer,
+                                                  lambda tensor, i: read_weight(weights, self.spec, tensor, i))
             try:
                 x = self.model.stages(tokens, cache).layers[layer](x)
             finally:

@@ -16,6 +16,10 @@ from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab, read_vocab
 class Checkpoint(SafetensorsTensors):
     """A checkpoint folder: ``config.json`` and one or more ``*.safetensors`` files."""
 
+    # Its spec is config.json's (``models.checkpoint_spec``); a source without one (a GGUF file read as a
+    # checkpoint, ``conversion/gguf_source.py``) has its own here.
+    spec: ModelSpec | None = None
+
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         if not self.folder.is_dir():

@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType, Keys
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_kind
-from powerinfer_tools.formats.gguf_spec import SUPPORTED_ARCHITECTURES, predictor_quality, spec_from_model_file
+from powerinfer_tools.formats.gguf_spec import predictor_quality
 from powerinfer_tools.formats.model_check import check_predictors, sparse_layout
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.models import gguf_family, spec_from_model_file
 from powerinfer_tools.units import format_size
 
 KINDS = ("embedding", "attention", "ffn", "predictor", "output", "other")
@@ -151,7 +152,7 @@ def inspect(file: Path, as_json: bool) -> None:
     one error, not shown: `pitools run` would refuse it.
     """
     model = open_model_file(file)
-    if model.architecture in SUPPORTED_ARCHITECTURES:
+    if gguf_family(model) is not None:
         # run's checks of the hyperparameters and predictors; a file missing other tensors is still shown
         check_predictors(model, spec_from_model_file(model))
     report = describe(model)

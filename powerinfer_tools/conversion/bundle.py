@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType
 from powerinfer_tools.conversion.convert import POWERINFER_SUFFIX
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part, tensor_name
 from powerinfer_tools.formats.ffn_bundle import BUNDLED_TENSORS, BundleLayout
-from powerinfer_tools.formats.gguf_spec import spec_from_model_file
 from powerinfer_tools.formats.model_check import check_model_tensors
 from powerinfer_tools.formats.model_file import CopiedTensor, ModelFile, ModelFileWriter, copy_metadata, open_model_file
+from powerinfer_tools.models import spec_from_model_file
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import atomic_output, check_writable_output

@@ -54,11 +54,11 @@ from powerinfer_tools.formats.model_file import ModelFileWriter, OutputTensor
 from powerinfer_tools.formats.predictor_folder import PredictorFolder, read_predictors
 from powerinfer_tools.formats.quantization import OUTTYPES, OutType, tensor_type
 from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, bf16_to_float32
-from powerinfer_tools.formats.tensor_table import gguf_neuron_axis
+from powerinfer_tools.formats.architecture import gguf_neuron_axis
 from powerinfer_tools.formats.tokenizer_gguf import GGUFVocab
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.interfaces import Workers
-from powerinfer_tools.models import ModelSpec, spec_from_config
+from powerinfer_tools.models import ModelSpec, checkpoint_spec
 from powerinfer_tools.profiling.calibration import Calibration
 
 POWERINFER_SUFFIX, DENSE_SUFFIX = ".powerinfer.gguf", ".gguf"
@@ -79,9 +79,12 @@ class CheckpointRows:
     row_order: np.ndarray | None = None
     allow_nonfinite: bool = False
     offset: float = 0.0  # added to every value as stored (gguf_names.TensorName.offset)
+    source_rows: slice | None = None  # a part of a fused tensor: its rows there (gguf_names.TensorName.source_rows)
 
     def __call__(self, start: int, stop: int) -> np.ndarray:
         raw = self.checkpoint.raw(self.name)
+        if self.source_rows is not None:
+            raw = raw[self.source_rows]
         if self.transpose:
             raw = raw.T
         rows = raw[start:stop] if self.row_order is None else raw[self.row_order[start:stop]]
@@ -137,22 +140,35 @@ def _choose_layout(spec: ModelSpec, dense: bool, predictors: PredictorFolder | N
     return (spec.ffn.sparse or thresholded) and not dense
 
 
+@dataclass(frozen=True)
+class MadeRows:
+    """A tensor the checkpoint does not hold, made from its config.json (Llama 3.1's rope_freqs)."""
+
+    values: tuple[float, ...]
+
+    def __call__(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.values[start:stop], dtype=np.float32)
+
+
 class _Source(NamedTuple):
     target: str  # GGUF name
     shape: tuple[int, ...]  # as stored
-    rows: CheckpointRows | StackedRows
+    rows: CheckpointRows | StackedRows | MadeRows
 
 
 def _model_tensors(checkpoint: Checkpoint | GGUFSource, spec: ModelSpec, powerinfer: bool, orders: dict | None,
                    allow_nonfinite: bool) -> list[_Source]:
     sources = []
     for t in tensor_names(spec, powerinfer):
+        if t.values is not None:
+            sources.append(_Source(t.target, t.stored_shape, MadeRows(t.values)))
+            continue
         for source in t.sources:
-            checkpoint.check_weight(source, t.shape)
+            checkpoint.check_weight(source, t.checkpoint_shape)
         order = rope_row_order(t.shape[0], t.rope_heads) if t.rope_heads else None
         if orders is not None and gguf_neuron_axis(t.target) == 0:  # stored one row per neuron
             order = orders[t.unit]
-        parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite, t.offset)
+        parts = tuple(CheckpointRows(checkpoint, source, t.transpose, order, allow_nonfinite, t.offset, t.source_rows)
                       for source in t.sources)
         rows = StackedRows(parts, t.stored_shape[1]) if t.stacked else parts[0]
         sources.append(_Source(t.target, t.stored_shape, rows))
@@ -188,7 +204,7 @@ def plan_conversion(
     """
     if outtype not in OUTTYPES:
         raise PitoolsError(f"unknown output type {outtype!r} (supported: {', '.join(OUTTYPES)})")
-    spec = spec_from_config(checkpoint.config, checkpoint.config_path)
+    spec = checkpoint_spec(checkpoint)
     thresholds = sparsity.thresholds if sparsity is not None else None
     powerinfer = _choose_layout(spec, dense, predictors, thresholds is not None)
     vocab = checkpoint.vocab(spec.vocab_size)
@@ -297,7 +313,7 @@ def convert(
     """
     location = source_path(source, progress)
     checkpoint = open_source(location)
-    spec = spec_from_config(checkpoint.config, checkpoint.config_path)
+    spec = checkpoint_spec(checkpoint)
     name = _model_name(source, checkpoint)
     thresholded = calibration is not None or (sparsify is not None and sparsify.thresholded)
     sparse_layout = _choose_layout(spec, dense, None, thresholded)

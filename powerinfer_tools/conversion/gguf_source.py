@@ -3,10 +3,10 @@
 People have GGUF files (llama.cpp's converter, Ollama, LM Studio) far more often than checkpoints.
 ``GGUFSource`` answers what conversion and the reference engine ask of a ``checkpoints.Checkpoint``:
 
-* ``config``: the config.json the file's metadata stands for (``models.config_from_spec`` of the
-  ``ModelSpec`` that ``formats.gguf_spec`` reads back), so profiling, predictor training, threshold
+* ``spec``: the ``ModelSpec`` its metadata stands for (``models.spec_from_model_file``), where a checkpoint's
+  comes from its config.json (``models.checkpoint_spec``), so profiling, predictor training, threshold
   calibration and writing run unchanged;
-* the tensors by their Hugging Face names (the architecture's table, ``formats.gguf_names.tensor_names``,
+* the tensors by their Hugging Face names (the family's rows, ``formats.gguf_names.tensor_names``,
   read backwards), dequantized to float32 from any type gguf-py decodes, and with the q/k rows that
   llama.cpp's converter regrouped for its "normal" rope (``rope_row_order``) put back in the
   checkpoint's order;
@@ -31,14 +31,7 @@ from gguf.quants import dequantize
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import tensor_name
-from powerinfer_tools.formats.gguf_names import (
-    GEMMA3,
-    LLAMA,
-    QWEN2,
-    rope_row_order,
-    tensor_names,
-)
-from powerinfer_tools.formats.gguf_spec import spec_from_model_file
+from powerinfer_tools.formats.gguf_names import rope_row_order, tensor_names
 from powerinfer_tools.formats.model_check import check_model_tensors, sparse_layout
 from powerinfer_tools.formats.model_file import (
     ModelFile,
@@ -48,18 +41,15 @@ from powerinfer_tools.formats.model_file import (
 )
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.safetensors_file import NonFiniteTensor, TensorInfo
-from powerinfer_tools.models import config_from_spec
+from powerinfer_tools.models import spec_from_model_file
 from powerinfer_tools.runtime.tokenizer import GGUFTokenizer
 
-# The GGUF architectures whose files convert back: LLaMA's family (config.json: models/llama.py) and Gemma 3's.
-SOURCE_ARCHITECTURES = (LLAMA, QWEN2, GEMMA3)
 # Keys the output takes from the source as they are: the tokenizer's (vocabulary, merges, special tokens,
 # chat template) and the descriptive general.* ones. The hyperparameters are written anew from the spec.
 CARRIED_PREFIXES = ("tokenizer.", "general.")
 # general.* keys the converter writes itself, or that describe this file's layout, not the model.
 _REWRITTEN = (Keys.General.ARCHITECTURE, Keys.General.NAME, Keys.General.FILE_TYPE,
               Keys.General.QUANTIZATION_VERSION, Keys.General.ALIGNMENT)
-_ROPE_SCALINGS = ("none", "linear")  # the rope scalings a ModelSpec has (gguf_spec reads no other)
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,6 @@ class GGUFSource:
         self.path = Path(path)
         self.model = open_model_file(self.path)
         self.spec = _source_spec(self.model)
-        self.config, self.config_path = config_from_spec(self.spec), self.path
         # Its heldout.txt, when it has one, is the default calibration text (as `pitools perplexity` reads it).
         self.folder = self.path.resolve().parent
         self._parts = _checkpoint_parts(self.model, self.spec)
@@ -153,44 +142,28 @@ class GGUFSource:
 
 def _source_spec(model: ModelFile) -> ModelSpec:
     """The spec of a file conversion can read as a checkpoint, whose tensors are all there."""
-    if model.architecture not in SOURCE_ARCHITECTURES:
-        raise PitoolsError(f"{model.path}: GGUF architecture {model.architecture!r} cannot be converted "
-                           f"(supported: {', '.join(SOURCE_ARCHITECTURES)})")
     if Keys.Tokenizer.MODEL not in model.metadata or Keys.Tokenizer.LIST not in model.metadata:
         raise PitoolsError(f"{model.path}: the file has no embedded tokenizer ({Keys.Tokenizer.MODEL}, "
                            f"{Keys.Tokenizer.LIST}); a model file needs one")
     if model.powerinfer or sparse_layout(model):
         raise PitoolsError(f"{model.path}: a file in PowerInfer's sparse layout; convert the dense model it was made from")
     spec = spec_from_model_file(model)
-    check_model_tensors(model, spec)
-    scaling = model.get(Keys.Rope.SCALING_TYPE, "none")
-    if scaling not in _ROPE_SCALINGS:
-        raise PitoolsError(f"{model.path}: rope scaling {scaling!r} is not supported (supported: "
-                           f"{', '.join(_ROPE_SCALINGS)})")
-    rotated = model.get(Keys.Rope.DIMENSION_COUNT, spec.head_dim)
-    if rotated != spec.head_dim:
-        raise PitoolsError(f"{model.path}: rope rotates {rotated} of each head's {spec.head_dim} dimensions; "
-                           "only whole heads are supported")
+    check_model_tensors(model, spec)  # every tensor is one the family has: none is lost
     return spec
 
 
 def _checkpoint_parts(model: ModelFile, spec: ModelSpec) -> dict[str, _Part]:
-    """Each Hugging Face tensor's place in the file; a tensor of the file that has none is refused (it would
-    be lost: llama.cpp's rope_freqs of Llama-3.1's scaling, say)."""
-    parts, used = {}, set()
+    """Each Hugging Face tensor's place in the file (a tensor the checkpoint does not hold, as Llama 3.1's
+    rope_freqs, is in the spec)."""
+    parts = {}
     for t in tensor_names(spec, powerinfer=False):
-        if t.target == tensor_name(MODEL_TENSOR.OUTPUT) and spec.tied_embeddings:
+        if (t.target == tensor_name(MODEL_TENSOR.OUTPUT) and spec.tied_embeddings) or t.values is not None:
             continue  # a tied model's head is its token embedding, named already
         stored = model[t.target]
         _check_decodable(model.path, stored)
         rows = np.argsort(rope_row_order(t.shape[0], t.rope_heads)) if t.rope_heads else None
         for expert, name in enumerate(t.sources):
             parts[name] = _Part(stored, t.shape, expert if t.stacked else None, rows, t.offset)
-        used.add(t.target)
-    unused = sorted(set(model.tensors) - used)
-    if unused:
-        raise PitoolsError(f"{model.path}: tensor {unused[0]}{f' (and {len(unused) - 1} more)' if unused[1:] else ''} "
-                           f"has no place in a {spec.architecture} checkpoint; the file cannot be converted")
     return parts
 
 

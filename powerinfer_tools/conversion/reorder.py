@@ -15,7 +15,7 @@ import numpy as np
 from powerinfer_tools.formats.constants import PowerInferTensor
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import FiringStats
-from powerinfer_tools.formats.tensor_table import stored_neuron_axis
+from powerinfer_tools.formats.architecture import stored_neuron_axis
 from powerinfer_tools.models.layers import FFNWeights
 
 # The axis that indexes the neurons in each FFNWeights field ([out_features, in_features] layout).

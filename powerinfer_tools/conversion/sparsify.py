@@ -21,7 +21,7 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_spec import FFNUnit
 from powerinfer_tools.formats.profile_folder import load_profile, profile_units
 from powerinfer_tools.formats.quantization import OutType
-from powerinfer_tools.models import DecoderModel, load_model, spec_from_config
+from powerinfer_tools.models import DecoderModel, checkpoint_spec, load_model
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds, SparsityRule
 from powerinfer_tools.interfaces import Workers
 from powerinfer_tools.predictors.trainer import TrainSettings, train_predictors
@@ -81,7 +81,7 @@ def model_on_corpus(source: Path, settings: SparsifySettings, stored_as: OutType
     ``stored_as``, the engine's weights are those a PowerInfer file of that type holds (``StoredWeights``)."""
     checkpoint = open_source(source)
     if stored_as is not None:
-        spec = spec_from_config(checkpoint.config, checkpoint.config_path)
+        spec = checkpoint_spec(checkpoint)
         checkpoint = StoredWeights(checkpoint, spec, stored_as, powerinfer=True)
     model = load_model(checkpoint)
     corpus = resolve_source(settings.corpus, None, checkpoint.folder)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Optional
@@ -12,8 +14,9 @@ from gguf import MODEL_TENSOR as T
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
+from powerinfer_tools.formats.gguf_names import checkpoint_shape, part_rows
 from powerinfer_tools.formats.model_spec import ModelSpec
-from powerinfer_tools.formats.tensor_table import ArchitectureTable
+from powerinfer_tools.formats.rope import YARN_BETA_FAST, YARN_BETA_SLOW, RopeKind, RopeScaling, llama3_factors
 from powerinfer_tools.interfaces import Engine, FFNTracer
 from powerinfer_tools.models.layers import (
     FFNHook,
@@ -49,20 +52,60 @@ def token_id(config: dict, key: str) -> Any:
     return value[0] if isinstance(value, list) and value else value
 
 
-def rope_settings(config: dict) -> tuple[Any, Any]:
-    """(theta, linear scaling factor) from either transformers' v4 or v5 config layout."""
+def rope_settings(config: dict, head_dim: Any = None) -> tuple[Any, RopeScaling]:
+    """(theta, scaling) from either transformers' v4 or v5 config layout (``formats/rope.py``); ``head_dim``, the
+    rotated width, for Llama 3.1's per-pair factors. Which kinds a family allows, ``ModelSpec`` checks."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise PitoolsError(f"rope_scaling must be an object, not {params!r}")
     theta = optional(params, "rope_theta", optional(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, 1.0
-    if rope_type == "linear":
-        if params.get("factor") is None:
-            raise PitoolsError("linear rope scaling lacks its 'factor'")
-        return theta, params["factor"]
-    raise PitoolsError(f"rope scaling type {rope_type!r} is not supported (supported: default, linear)")
+    kinds = {kind.value: kind for kind in RopeKind} | {"default": RopeKind.NONE}
+    if rope_type not in kinds:
+        raise PitoolsError(f"rope scaling type {rope_type!r:.40} is not supported (supported: {', '.join(kinds)})")
+    kind = kinds[rope_type]
+    if kind is RopeKind.NONE:
+        return theta, RopeScaling()
+    factor = params.get("factor")  # ModelSpec checks it
+    if factor is None:
+        raise PitoolsError(f"{kind.value} rope scaling lacks its 'factor'")
+    if kind is RopeKind.LINEAR:
+        return theta, RopeScaling(kind, factor)
+    if kind is RopeKind.LLAMA3:
+        factor = _rope_number(params, "factor", None)  # what the frequency factors are computed from
+        if not all(isinstance(v, numbers.Real) and v > 0 for v in (theta, head_dim)):
+            raise PitoolsError(f"llama3 rope scaling needs a positive rope_theta and head size, not {theta!r:.20} "
+                               f"and {head_dim!r:.20}")
+        low, high = _rope_number(params, "low_freq_factor", 1.0), _rope_number(params, "high_freq_factor", 4.0)
+        original = _rope_number(params, "original_max_position_embeddings", 8192)
+        if not low < high:
+            raise PitoolsError(f"llama3 rope scaling's low_freq_factor ({low}) must be below its high_freq_factor "
+                               f"({high})")
+        return theta, RopeScaling(kind, factor, frequency_factors=llama3_factors(theta, head_dim, factor, low, high,
+                                                                                 original))
+    _refuse_unapplied_yarn(params)
+    original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    return theta, RopeScaling(kind, factor, original_context=original)
+
+
+def _rope_number(params: dict, key: str, default: Any) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise PitoolsError(f"rope_scaling {key} must be a finite number above 0, not {value!r:.40}")
+    return value
+
+
+# YaRN's settings that llama.cpp reads from no GGUF key (formats/rope.py), and the values it assumes: a config that
+# sets another would become a file that llama.cpp computes differently, so it is refused.
+_YARN_ASSUMED = {"beta_fast": (None, YARN_BETA_FAST), "beta_slow": (None, YARN_BETA_SLOW), "truncate": (None, True),
+                 "attention_factor": (None,), "mscale": (None,), "mscale_all_dim": (None,)}
+
+
+def _refuse_unapplied_yarn(params: dict) -> None:
+    for key, assumed in _YARN_ASSUMED.items():
+        if params.get(key) not in assumed:
+            raise PitoolsError(f"yarn rope scaling with {key}={params[key]!r:.40} is not supported (llama.cpp's "
+                               "GGUF files keep no such setting)")
 
 
 class CheckpointWeights:
@@ -104,49 +147,55 @@ class Block:
     bo: np.ndarray | None
     ffn_norm: Any
     ffn: FFNWeights | MoEWeights
-    # Gemma 3's further norms: of q and k per head (``[head_dim]``), after attention and after the FFN.
+    # Further norms: of q and k per head (``[head_dim]``; Qwen3, Gemma 3), after attention and after the FFN (Gemma 3).
     q_norm: Any = None
     k_norm: Any = None
     post_attn_norm: Any = None
     post_ffn_norm: Any = None
 
 
-# Block fields -> the tensors of the further norms an architecture's table may have.
+# Block fields -> the tensors of the further norms a family may have.
 EXTRA_NORMS = {"q_norm": T.ATTN_Q_NORM, "k_norm": T.ATTN_K_NORM, "post_attn_norm": T.ATTN_POST_NORM,
                "post_ffn_norm": T.FFN_POST_NORM}
 
 
-def load_block(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int,
-               norm: Callable[[T, int], Any]) -> Block:
-    """Layer ``layer`` of a checkpoint whose tensors ``table`` names; ``norm(tensor, layer)`` reads a norm."""
-    d, d_ff = spec.d_model, spec.d_ff
-    q_rows, kv_rows = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+def read_weight(w: CheckpointWeights, spec: ModelSpec, tensor: T, layer: int | None = None, part: str = "weight",
+                expert: int | None = None) -> np.ndarray:
+    """A tensor of ``spec``'s family from the checkpoint, checked against the shape config.json implies; a part of a
+    fused tensor (Phi-3's q of its qkv_proj) is its rows of it."""
+    row = spec.architecture.row(tensor)
+    shape = checkpoint_shape(spec, row) if part == "weight" else checkpoint_shape(spec, row)[:1]
+    return w.get(row.hf_name(layer, part, expert), *shape)[part_rows(spec, row, tensor)]
 
-    def projection(tensor: T, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
-        return w.get(table.hf_name(tensor, layer), rows, cols), w.maybe(table.hf_name(tensor, layer, "bias"), rows)
 
-    (wq, bq), (wk, bk) = projection(T.ATTN_Q, q_rows, d), projection(T.ATTN_K, kv_rows, d)
-    (wv, bv), (wo, bo) = projection(T.ATTN_V, kv_rows, d), projection(T.ATTN_OUT, d, q_rows)
+def load_block(w: CheckpointWeights, spec: ModelSpec, layer: int, norm: Callable[[T, int], Any]) -> Block:
+    """Layer ``layer`` of a checkpoint of ``spec``'s family; ``norm(tensor, layer)`` reads a norm."""
+    arch = spec.architecture
+
+    def projection(tensor: T) -> tuple[np.ndarray, np.ndarray | None]:
+        has_bias = arch.hf_name(tensor, layer, "bias") in w.checkpoint
+        return read_weight(w, spec, tensor, layer), read_weight(w, spec, tensor, layer, "bias") if has_bias else None
+
+    (wq, bq), (wk, bk) = projection(T.ATTN_Q), projection(T.ATTN_K)
+    (wv, bv), (wo, bo) = projection(T.ATTN_V), projection(T.ATTN_OUT)
     if spec.moe:
-        ffn = MoEWeights(w.get(table.hf_name(T.FFN_GATE_INP, layer), spec.n_experts, d),
-                         [_expert(w, table, spec, layer, e) for e in range(spec.n_experts)])
+        ffn = MoEWeights(read_weight(w, spec, T.FFN_GATE_INP, layer),
+                         [_expert(w, spec, layer, e) for e in range(spec.n_experts)])
     else:
-        gate, gate_bias = projection(T.FFN_GATE, d_ff, d) if spec.ffn.gated else (None, None)
-        (up, up_bias), (down, down_bias) = projection(T.FFN_UP, d_ff, d), projection(T.FFN_DOWN, d, d_ff)
+        gate, gate_bias = projection(T.FFN_GATE) if spec.ffn.gated else (None, None)
+        (up, up_bias), (down, down_bias) = projection(T.FFN_UP), projection(T.FFN_DOWN)
         ffn = FFNWeights(up, down, gate=gate, gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)
-    extra_norms = {field: norm(tensor, layer) for field, tensor in EXTRA_NORMS.items() if table.has(tensor)}
+    extra_norms = {field: norm(tensor, layer) for field, tensor in EXTRA_NORMS.items() if arch.has(tensor)}
     return Block(attn_norm=norm(T.ATTN_NORM, layer), wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
                  ffn_norm=norm(T.FFN_NORM, layer), ffn=ffn, **extra_norms)
 
 
-def _expert(w: CheckpointWeights, table: ArchitectureTable, spec: ModelSpec, layer: int, expert: int) -> FFNWeights:
+def _expert(w: CheckpointWeights, spec: ModelSpec, layer: int, expert: int) -> FFNWeights:
     """One expert's gated FFN (experts have no biases)."""
-    d, d_ff = spec.d_model, spec.d_ff
+    def weight(tensor: T) -> np.ndarray:
+        return read_weight(w, spec, tensor, layer, expert=expert)
 
-    def weight(tensor: T, rows: int, cols: int) -> np.ndarray:
-        return w.get(table.hf_name(tensor, layer, expert=expert), rows, cols)
-
-    return FFNWeights(weight(T.FFN_UP_EXP, d_ff, d), weight(T.FFN_DOWN_EXP, d, d_ff), gate=weight(T.FFN_GATE_EXP, d_ff, d))
+    return FFNWeights(weight(T.FFN_UP_EXP), weight(T.FFN_DOWN_EXP), gate=weight(T.FFN_GATE_EXP))
 
 
 @dataclass(frozen=True)

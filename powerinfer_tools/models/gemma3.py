@@ -5,39 +5,21 @@ gate); q and k are RMS-normed per head before RoPE; attention and FFN outputs ar
 they join the residual stream; every RMSNorm scales by ``1 + w``; token embeddings are multiplied by
 sqrt(d_model); scores are scaled by ``query_pre_attn_scalar``, not the head size; and five layers in
 six attend within a sliding window, rotating with their own (local) RoPE base. The layer math is
-``models/layers.py``'s; the table (``formats.tensor_table.GEMMA3``) names the further norms.
+``models/layers.py``'s, and the reference model LLaMA's (``models.llama.Model``), which its row (``ARCHITECTURE``)
+tells of the further norms, the norms' offset, the scaled embeddings and the two rotary bases.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
-import numpy as np
 from gguf import MODEL_TENSOR as T
+from gguf import Keys
 
-from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.architecture import Architecture, RopePairs, block_rows
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import GEMMA3
 from powerinfer_tools.models import llama
-from powerinfer_tools.models.base import (
-    CheckpointWeights,
-    Stages,
-    load_block,
-    optional,
-    require,
-    rope_settings,
-    token_id,
-)
-from powerinfer_tools.models.layers import (
-    KVCache,
-    apply_rope,
-    embedding_scale,
-    rms_norm,
-    rope_tables,
-)
+from powerinfer_tools.models.base import optional, require, rope_settings, token_id
 
-ARCHITECTURE = "gemma3"
 MODEL_TYPE = "gemma3_text"
 ACTIVATION = "gelu_pytorch_tanh"
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types
@@ -54,7 +36,7 @@ def spec_from_config(config: dict) -> ModelSpec:
         if config.get(capping) is not None:
             raise PitoolsError(f"gemma3 models with {capping} are not supported")
     full, local = _rope_parameters(config)
-    theta, scaling = rope_settings(full)
+    theta, scaling = rope_settings(full, optional(config, "head_dim", 256))
     n_heads = require(config, "num_attention_heads", ARCHITECTURE)
     return ModelSpec(
         architecture=ARCHITECTURE,
@@ -71,7 +53,7 @@ def spec_from_config(config: dict) -> ModelSpec:
         ffn=FFNKind.GEGLU,
         tied_embeddings=optional(config, "tie_word_embeddings", True),
         rope_theta=theta,
-        rope_scaling_factor=scaling,
+        rope_scaling=scaling,
         sliding_window=optional(config, "sliding_window", 4096),
         sliding_window_pattern=_sliding_window_pattern(config),
         rope_local_theta=rope_settings(local)[0],
@@ -106,49 +88,78 @@ def _sliding_window_pattern(config: dict) -> int:
     return pattern
 
 
-def config_from_spec(spec: ModelSpec) -> dict:
-    """The config.json (transformers v4's keys, which v5 reads too) that reads back as ``spec``."""
-    plain = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "max_positions", "norm_eps", "tied_embeddings")
-    config = {llama.CONFIG_KEYS[field]: getattr(spec, field) for field in plain}
-    layer_types = [SLIDING if spec.slides(i) else FULL for i in range(spec.n_layers)]
-    config.update(model_type=MODEL_TYPE, head_dim=spec.head_dim, vocab_size=spec.vocab_size, hidden_activation=ACTIVATION,
-                  rope_theta=spec.rope_theta, rope_local_base_freq=spec.rope_local_theta, layer_types=layer_types,
-                  sliding_window=spec.sliding_window, query_pre_attn_scalar=spec.query_pre_attn_scalar,
-                  bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id)
-    if spec.rope_scaling_factor != 1.0:
-        config["rope_scaling"] = {"rope_type": "linear", "factor": spec.rope_scaling_factor}
-    return config
+# What llama.cpp's gemma3 assumes rather than reads (src/llama-model.cpp, LLM_ARCH_GEMMA3): every 6th layer global,
+# the sliding ones rotating with base 10000, queries scaled by 1/sqrt(head_dim) except in the 27B model (62 layers),
+# whose scale is 1/sqrt(d_model / n_heads). A spec that differs has no GGUF layout (``check_layout``).
+GGUF_SLIDING_WINDOW_PATTERN = 6
+GGUF_ROPE_LOCAL_THETA = 10000.0
+_GEMMA3_27B_LAYERS = 62
 
 
-class Model(llama.Model):
-    @classmethod
-    def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
-                        layers: range | None = None) -> Model:
-        w = CheckpointWeights(checkpoint, dtype, layers)
-        d, vocab, hf = spec.d_model, spec.vocab_size, GEMMA3.hf_name
-        widths = {T.ATTN_Q_NORM: spec.head_dim, T.ATTN_K_NORM: spec.head_dim}
+def _gguf_query_pre_attn_scalar(n_layers: int, d_model: int, n_heads: int, head_dim: int) -> float:
+    return d_model / n_heads if n_layers == _GEMMA3_27B_LAYERS else head_dim
 
-        def norm(tensor: T, layer: int | None = None) -> np.ndarray:  # the (1 + w) of every Gemma RMSNorm
-            return w.get(hf(tensor, layer), widths.get(tensor, d)) + dtype(GEMMA3.norm_offset)
 
-        blocks = w.blocks(spec, lambda i: load_block(w, GEMMA3, spec, i, norm))
-        embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
-        untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
-        return cls(spec, embed, blocks, norm(T.OUTPUT_NORM), w.get(hf(T.OUTPUT), vocab, d) if untied else embed)
+def gguf_fields(get) -> dict:
+    """The fields llama.cpp's gemma3 assumes instead of reading keys (above); ``get`` reads the file's metadata."""
+    n_layers, d_model = get(Keys.LLM.BLOCK_COUNT), get(Keys.LLM.EMBEDDING_LENGTH)
+    n_heads, head_dim = get(Keys.Attention.HEAD_COUNT), get(Keys.Attention.KEY_LENGTH)
+    if head_dim is None and isinstance(d_model, int) and isinstance(n_heads, int) and n_heads:
+        head_dim = d_model // n_heads
+    scalar = None
+    if all(isinstance(v, int) and v > 0 for v in (n_layers, d_model, n_heads, head_dim)):  # else ModelSpec says why
+        scalar = _gguf_query_pre_attn_scalar(n_layers, d_model, n_heads, head_dim)
+    return {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN, "rope_local_theta": GGUF_ROPE_LOCAL_THETA,
+            "query_pre_attn_scalar": scalar}
 
-    def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
-        s = self.spec
-        start = cache.length
-        positions = np.arange(start, start + len(tokens))
-        rotations = {}  # (theta, scaling) -> its rotation; two per model, global and local
-        for rope in {s.layer_rope(i) for i in range(s.n_layers)}:
-            cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
-            rotations[rope] = partial(apply_rope, cos=cos, sin=sin)
 
-        def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
-            return rms_norm(v, weight, s.norm_eps)
+def check_layout(spec: ModelSpec) -> None:
+    """llama.cpp's gemma3 reads the window but assumes the rest (above): a model that differs is refused."""
+    expected = {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN, "rope_local_theta": GGUF_ROPE_LOCAL_THETA,
+                "query_pre_attn_scalar": _gguf_query_pre_attn_scalar(spec.n_layers, spec.d_model, spec.n_heads,
+                                                                     spec.head_dim)}
+    for field, value in expected.items():
+        if getattr(spec, field) != value:
+            raise PitoolsError(f"a gemma3 model with {field} {getattr(spec, field)} has no GGUF layout: llama.cpp's "
+                               f"gemma3 assumes {value}")
+    if spec.sliding_window is None:
+        raise PitoolsError("a gemma3 model without a sliding window has no GGUF layout (llama.cpp's gemma3 needs one)")
 
-        layers = [partial(self.layer, i, b, cache=cache, start=start, norm=norm, rotate=rotations[s.layer_rope(i)])
-                  for i, b in enumerate(self.blocks)]
-        return Stages(self.embed[tokens] * self.dtype.type(embedding_scale(s)), layers,
-                      lambda x: self.head(rms_norm(x, self.norm, s.norm_eps)))
+
+_LAYER = "model.layers.{bid}."
+ARCHITECTURE = Architecture(
+    name="gemma3",
+    gguf_name="gemma3",
+    model_types=(MODEL_TYPE,),
+    hf_classes=("Gemma3ForCausalLM",),
+    before=llama.ARCHITECTURE.before,
+    block=block_rows(
+        _LAYER,
+        (T.ATTN_NORM, "input_layernorm"),
+        (T.ATTN_Q, "self_attn.q_proj"),
+        (T.ATTN_K, "self_attn.k_proj"),
+        (T.ATTN_V, "self_attn.v_proj"),
+        (T.ATTN_Q_NORM, "self_attn.q_norm"),
+        (T.ATTN_K_NORM, "self_attn.k_norm"),
+        (T.ATTN_OUT, "self_attn.o_proj"),
+        (T.ATTN_POST_NORM, "post_attention_layernorm"),
+        (T.FFN_NORM, "pre_feedforward_layernorm"),
+        (T.FFN_GATE, "mlp.gate_proj"),
+        (T.FFN_UP, "mlp.up_proj"),
+        (T.FFN_DOWN, "mlp.down_proj"),
+        (T.FFN_POST_NORM, "post_feedforward_layernorm"),
+    ),
+    after=llama.ARCHITECTURE.after,
+    spec_from_config=spec_from_config,
+    config_keys=CONFIG_KEYS,
+    model=llama.Model,
+    ffn_kinds=(FFNKind.GEGLU,),
+    dense_ffn=FFNKind.GEGLU,
+    sparse_ffn=FFNKind.GEGLU,
+    rope_pairs=RopePairs.HALVES,
+    attention_biases=(),
+    norm_offset=1.0,
+    scaled_embeddings=True,
+    gguf_fields=gguf_fields,
+    check_layout=check_layout,
+)

@@ -23,7 +23,8 @@ import numpy as np
 from powerinfer_tools.formats import activations
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
+from powerinfer_tools.formats.architecture import RopePairs
+from powerinfer_tools.formats.rope import RopeScaling
 from powerinfer_tools.xp import array_namespace
 
 
@@ -59,15 +60,16 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: Optional[np.ndarray] = None)
 
 def embedding_scale(spec: ModelSpec) -> float | None:
     """What token embeddings are multiplied by before the first layer (Gemma: sqrt(d_model)); None: nothing."""
-    return float(np.sqrt(spec.d_model)) if TABLES[spec.architecture].scaled_embeddings else None
+    return float(np.sqrt(spec.d_model)) if spec.architecture.scaled_embeddings else None
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling_factor: float, dtype) -> tuple:
-    """cos/sin tables ``[tokens, head_dim]`` in the rotate-half layout Hugging Face LLaMA uses."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.outer(positions.astype(np.float64) / scaling_factor, inv_freq)
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling: RopeScaling, dtype) -> tuple:
+    """cos/sin tables ``[tokens, head_dim]`` in the rotate-half layout Hugging Face LLaMA uses, with the model's
+    scaling of the frequencies (``formats/rope.py``)."""
+    inv_freq, factor = scaling.frequencies(theta, head_dim)
+    angles = np.outer(positions.astype(np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    return (np.cos(angles) * factor).astype(dtype), (np.sin(angles) * factor).astype(dtype)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -97,7 +99,7 @@ def stored_rotation(spec: ModelSpec) -> Callable[[np.ndarray, np.ndarray, np.nda
     """``apply_rope`` or ``apply_rope_adjacent``: the rotation that q and k need as a GGUF file of
     ``spec``'s architecture stores them (its table's ``rope_pairs``, which llama.cpp's rope type and
     the converter's row order follow). The reference engine, on checkpoint weights, always rotates halves."""
-    return apply_rope_adjacent if TABLES[spec.architecture].rope_pairs is RopePairs.ADJACENT else apply_rope
+    return apply_rope_adjacent if spec.architecture.rope_pairs is RopePairs.ADJACENT else apply_rope
 
 
 class KVCache:

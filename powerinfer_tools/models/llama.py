@@ -1,4 +1,11 @@
-"""LLaMA family: ReluLLaMA and ProSparse (ReGLU), plain SiLU LLaMA, and dReLU variants."""
+"""LLaMA family: ReluLLaMA and ProSparse (ReGLU), plain SiLU LLaMA (Llama 2, Llama 3.x with its rope scaling),
+and dReLU variants; and the reference model of every rotary family.
+
+``Model`` computes any family whose row (``ARCHITECTURE`` of its module) describes a pre-norm decoder with
+rotary positions: its norms (with the row's ``norm_offset``), q/k norms and post-norms where the row has
+them, per-layer windows and rotary bases (``ModelSpec.layer_window``, ``layer_rope``), fused tensors read
+through the row. Mistral, Mixtral, Qwen2, Qwen3, Phi-3 and Gemma 3 use it; OPT has its own.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,9 @@ from gguf import MODEL_TENSOR as T
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.architecture import Architecture, TensorRow, block_rows
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import TABLES
+from powerinfer_tools.formats.rope import RopeKind
 from powerinfer_tools.models.base import (
     Block,
     CheckpointWeights,
@@ -18,11 +26,12 @@ from powerinfer_tools.models.base import (
     Stages,
     load_block,
     optional,
+    read_weight,
     require,
     rope_settings,
     token_id,
 )
-from powerinfer_tools.models.layers import KVCache, apply_rope, rms_norm, rope_tables
+from powerinfer_tools.models.layers import KVCache, apply_rope, embedding_scale, rms_norm, rope_tables
 
 # hidden_act values and the FFN they mean in a gated (gate/up/down) MLP.
 GATED_ACTIVATIONS = {"relu": FFNKind.REGLU, "drelu": FFNKind.DRELU, "silu": FFNKind.SWIGLU}
@@ -37,16 +46,15 @@ CONFIG_KEYS = {
     "d_ff": "intermediate_size",
     "max_positions": "max_position_embeddings",
     "norm_eps": "rms_norm_eps",
+    "ffn": "hidden_act",
+    "rope_scaling": "rope_scaling",
     "rope_scaling_factor": "rope_scaling factor",
     "tied_embeddings": "tie_word_embeddings",
     "ffn_bias": "mlp_bias",
 }
-# The ModelSpec fields config.json holds as they are, under the key CONFIG_KEYS names.
-_PLAIN_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "max_positions", "norm_eps", "tied_embeddings",
-                 "ffn_bias")
 
 
-def gated_ffn_kind(config: dict, architecture: str) -> FFNKind:
+def gated_ffn_kind(config: dict, architecture: Architecture) -> FFNKind:
     act = config.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in GATED_ACTIVATIONS:
         supported = ", ".join(GATED_ACTIVATIONS)
@@ -54,9 +62,19 @@ def gated_ffn_kind(config: dict, architecture: str) -> FFNKind:
     return GATED_ACTIVATIONS[act]
 
 
-def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | None = None) -> ModelSpec:
+def head_size(config: dict) -> int | None:
+    """config.json's head size: ``head_dim``, else hidden_size / num_attention_heads where those are numbers
+    (ModelSpec checks them); what rotary scaling is computed for."""
+    if config.get("head_dim") is not None:
+        return config["head_dim"]
+    d, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return d // heads if isinstance(d, int) and isinstance(heads, int) and heads > 0 else None
+
+
+def spec_from_config(config: dict, architecture: Architecture | None = None, ffn: FFNKind | None = None) -> ModelSpec:
+    architecture = architecture or ARCHITECTURE
     n_heads = require(config, "num_attention_heads", architecture)
-    theta, scaling = rope_settings(config)
+    theta, scaling = rope_settings(config, head_size(config))
     return ModelSpec(
         architecture=architecture,
         n_layers=require(config, "num_hidden_layers", architecture),
@@ -72,7 +90,7 @@ def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | N
         ffn=ffn or gated_ffn_kind(config, architecture),
         tied_embeddings=optional(config, "tie_word_embeddings", False),
         rope_theta=theta,
-        rope_scaling_factor=scaling,
+        rope_scaling=scaling,
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
         attention_bias=optional(config, "attention_bias", False),
         ffn_bias=optional(config, "mlp_bias", False),
@@ -81,25 +99,9 @@ def spec_from_config(config: dict, architecture: str = "llama", ffn: FFNKind | N
     )
 
 
-def config_from_spec(spec: ModelSpec) -> dict:
-    """The config.json that reads back as ``spec``: how a model that comes without one (a GGUF file
-    converted as a checkpoint) is read. Every architecture that reads its config through
-    ``spec_from_config`` above (LLaMA, Mistral, Mixtral, Qwen2) has one; the ``model_type`` is its module's."""
-    activations = {kind: name for name, kind in GATED_ACTIVATIONS.items()}
-    if spec.ffn not in activations:
-        raise PitoolsError(f"a {spec.architecture} model with a {spec.ffn.value} FFN has no config.json of this family")
-    config = {CONFIG_KEYS[field]: getattr(spec, field) for field in _PLAIN_FIELDS}
-    config.update(model_type=spec.architecture, head_dim=spec.head_dim, vocab_size=spec.vocab_size,
-                  hidden_act=activations[spec.ffn], rope_theta=spec.rope_theta, sliding_window=spec.sliding_window,
-                  attention_bias=spec.attention_bias, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id)
-    if spec.rope_scaling_factor != 1.0:
-        config["rope_scaling"] = {"rope_type": "linear", "factor": spec.rope_scaling_factor}
-    if spec.moe:  # Mixtral's keys (models/mixtral.py)
-        config.update(num_local_experts=spec.n_experts, num_experts_per_tok=spec.n_experts_used)
-    return config
-
-
 class Model(DecoderModel):
+    """A pre-norm decoder with rotary positions, as its family's row describes it (see the module's doc)."""
+
     def __init__(self, spec: ModelSpec, embed: np.ndarray, blocks: list[Block], norm: np.ndarray, lm_head: np.ndarray):
         super().__init__()
         self.spec, self.embed, self.blocks, self.norm, self.lm_head = spec, embed, blocks, norm, lm_head
@@ -109,31 +111,59 @@ class Model(DecoderModel):
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,
                         layers: range | None = None) -> "Model":
         w = CheckpointWeights(checkpoint, dtype, layers)
-        d, vocab = spec.d_model, spec.vocab_size
-        table = TABLES[spec.architecture]  # LLaMA's, or Mixtral's with experts
-        hf = table.hf_name  # the checkpoint's tensor names
+        arch = spec.architecture
 
-        def norm(tensor: T, layer: int | None = None) -> np.ndarray:
-            return w.get(hf(tensor, layer), d)
+        def norm(tensor: T, layer: int | None = None) -> np.ndarray:  # Gemma's (1 + w) with its norm_offset
+            return read_weight(w, spec, tensor, layer) + dtype(arch.norm_offset)
 
-        blocks = w.blocks(spec, lambda i: load_block(w, table, spec, i, norm))
-        embed = w.get(hf(T.TOKEN_EMBD), vocab, d)
-        untied = not spec.tied_embeddings and hf(T.OUTPUT) in checkpoint
-        lm_head = w.get(hf(T.OUTPUT), vocab, d) if untied else embed
+        blocks = w.blocks(spec, lambda i: load_block(w, spec, i, norm))
+        embed = read_weight(w, spec, T.TOKEN_EMBD)
+        untied = not spec.tied_embeddings and arch.hf_name(T.OUTPUT) in checkpoint
+        lm_head = read_weight(w, spec, T.OUTPUT) if untied else embed
         return cls(spec, embed, blocks, norm(T.OUTPUT_NORM), lm_head)
 
     def stages(self, tokens: np.ndarray, cache: KVCache) -> Stages:
         s = self.spec
         start = cache.length
         positions = np.arange(start, start + len(tokens))
-        cos, sin = rope_tables(positions, s.head_dim, s.rope_theta, s.rope_scaling_factor, self.dtype)
+        rotations = {}  # (theta, scaling) -> its rotation: one, or Gemma 3's global and local ones
+        for rope in {s.layer_rope(i) for i in range(s.n_layers)}:
+            cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
+            rotations[rope] = partial(apply_rope, cos=cos, sin=sin)
 
         def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
             return rms_norm(v, weight, s.norm_eps)
 
-        def rotate(t: np.ndarray) -> np.ndarray:
-            return apply_rope(t, cos, sin)
-
-        layers = [partial(self.layer, i, b, cache=cache, start=start, norm=norm, rotate=rotate)
+        layers = [partial(self.layer, i, b, cache=cache, start=start, norm=norm, rotate=rotations[s.layer_rope(i)])
                   for i, b in enumerate(self.blocks)]
-        return Stages(self.embed[tokens], layers, lambda x: self.head(rms_norm(x, self.norm, s.norm_eps)))
+        scale = embedding_scale(s)
+        embedded = self.embed[tokens] if scale is None else self.embed[tokens] * self.dtype.type(scale)
+        return Stages(embedded, layers, lambda x: self.head(rms_norm(x, self.norm, s.norm_eps)))
+
+
+ARCHITECTURE = Architecture(
+    name="llama",
+    gguf_name="llama",
+    model_types=("llama",),
+    hf_classes=("LlamaForCausalLM",),
+    before=(TensorRow(T.TOKEN_EMBD, "model.embed_tokens"),),
+    block=block_rows(
+        "model.layers.{bid}.",
+        (T.ATTN_NORM, "input_layernorm"),
+        (T.ATTN_Q, "self_attn.q_proj"),
+        (T.ATTN_K, "self_attn.k_proj"),
+        (T.ATTN_V, "self_attn.v_proj"),
+        (T.ATTN_OUT, "self_attn.o_proj"),
+        (T.FFN_NORM, "post_attention_layernorm"),
+        (T.FFN_GATE, "mlp.gate_proj"),
+        (T.FFN_UP, "mlp.up_proj"),
+        (T.FFN_DOWN, "mlp.down_proj"),
+    ),
+    after=(TensorRow(T.OUTPUT_NORM, "model.norm"), TensorRow(T.OUTPUT, "lm_head")),
+    spec_from_config=spec_from_config,
+    config_keys=CONFIG_KEYS,
+    model=Model,
+    gguf_names=("llama", "bamboo"),
+    powerinfer_drelu_name="bamboo",
+    rope_kinds=(RopeKind.NONE, RopeKind.LINEAR, RopeKind.LLAMA3, RopeKind.YARN),
+)

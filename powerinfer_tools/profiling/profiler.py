@@ -197,7 +197,7 @@ class Profiler:
         self.identity = {
             "format": FORMAT,
             "version": VERSION,
-            "architecture": spec.architecture,
+            "architecture": spec.architecture.name,
             "ffn": spec.ffn.value,
             "n_layers": spec.n_layers,
             "d_model": spec.d_model,

@@ -37,7 +37,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.activations import NUMBERS
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
-from powerinfer_tools.formats.tensor_table import TABLES, RopePairs
+from powerinfer_tools.formats.architecture import RopePairs
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
@@ -292,9 +292,10 @@ class CompiledDecoder:
     ffn_bytes: list[tuple[int, int, int] | None]
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
-    # Per layer, float64 [head_dim / 2]: angle per position of each rotated pair (one array per (theta, scaling),
-    # shared by the layers that rotate alike: Gemma 3's global and sliding layers differ).
-    rope_frequencies: list[np.ndarray]
+    # Per layer: float64 [head_dim / 2], the angle per position of each rotated pair, and what cos and sin are
+    # multiplied by (``formats/rope.py``; one pair per (theta, scaling), shared by the layers that rotate alike:
+    # Gemma 3's global and sliding layers differ).
+    rope_frequencies: list[tuple[np.ndarray, float]]
     windows: list[int | None]  # per layer: how many keys its query sees at most (``ModelSpec.layer_window``)
     max_context: int  # positions the scratch holds attention scores for
     can_run_sparse: bool  # every layer has one: sparse mode can run here
@@ -334,11 +335,9 @@ class CompiledDecoder:
             np.zeros(s.d_ff, np.intp),  # down_rows
             np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8), f32(s.d_model),  # x_vnni ffn_out
         )
-        rope_frequencies = {}
-        for theta, scaling in map(s.layer_rope, range(s.n_layers)):
-            exponents = np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim
-            rope_frequencies.setdefault((theta, scaling), 1.0 / theta ** exponents / scaling)
-        halves = TABLES[s.architecture].rope_pairs is RopePairs.HALVES
+        rope_frequencies = {(theta, scaling): scaling.frequencies(theta, s.head_dim)
+                            for theta, scaling in map(s.layer_rope, range(s.n_layers))}
+        halves = s.architecture.rope_pairs is RopePairs.HALVES
         units = [[_unit_weights(layer.dense, *unit, halves, s.attention_scale, s.ffn) for unit in _units(layer)]
                  if reason is None else [None] for layer, reason in zip(model.layers, general)]
         mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
@@ -409,12 +408,12 @@ class CompiledDecoder:
         """Per layer: the cos and sin of position ``pos``'s rotations, and the first cached position its query
         sees."""
         tables = {}
-        for f in self.rope_frequencies:
+        for f, factor in self.rope_frequencies:
             if id(f) not in tables:
                 angles = pos * f  # as rope_tables computes them: float64, then float32
-                tables[id(f)] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+                tables[id(f)] = (np.cos(angles) * factor).astype(np.float32), (np.sin(angles) * factor).astype(np.float32)
         return [(*tables[id(f)], 0 if window is None else max(0, pos - window + 1))
-                for f, window in zip(self.rope_frequencies, self.windows)]
+                for (f, _), window in zip(self.rope_frequencies, self.windows)]
 
 
 @dataclass

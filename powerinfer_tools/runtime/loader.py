@@ -26,13 +26,15 @@ from powerinfer_tools.formats.constants import (
     tensor_name,
 )
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
-from powerinfer_tools.formats.gguf_spec import spec_from_model_file
+from powerinfer_tools.formats.gguf_names import fused_parts
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
 from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies
-from powerinfer_tools.formats.model_file import ModelFile, open_model_file
+from powerinfer_tools.formats.model_file import ModelFile, StoredTensor, open_model_file
+from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
+from powerinfer_tools.models import spec_from_model_file
 from powerinfer_tools.models.base import EXTRA_NORMS
 from powerinfer_tools.models.layers import Norm
 from powerinfer_tools.runtime.backends import CpuBackend, CudaDevice, EmulatedDevice, OverBudget
@@ -59,17 +61,25 @@ class _Tensors:
 
     With a ``reader`` (a RAM budget), a tensor's bytes are read once with direct I/O into memory of
     our own, so that the weights in memory are exactly what the budget counts (``resident_bytes``);
-    otherwise they are the memory-mapped file's pages."""
+    otherwise they are the memory-mapped file's pages. The parts of a fused tensor (Phi-3's attn_qkv) are tensors
+    of their own here, views of its rows (``gguf_names.fused_parts``)."""
 
-    def __init__(self, model: ModelFile, reader: DirectReader | None = None):
+    def __init__(self, model: ModelFile, spec: ModelSpec, reader: DirectReader | None = None):
         self.model = model
+        self._tensors = {**model.tensors, **fused_parts(spec, model.tensors)}
         self.bundle = BundleLayout.of_file(model)
         self.reader = reader
         self._copies: dict[str, np.ndarray] = {}
 
+    def __getitem__(self, name: str) -> StoredTensor:
+        return self._tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
     def stored(self, name: str) -> np.ndarray:
         """A tensor's stored array: the mapped file's, or the copy read for the RAM budget."""
-        t = self.model[name]
+        t = self[name]
         if self.reader is None:
             return t.data
         if name not in self._copies:
@@ -94,12 +104,12 @@ class _Tensors:
         name = tensor_name(T.TOKEN_EMBD)
         if self.reader is None or tied:
             return self.matrix(name)
-        t = self.model[name]
+        t = self[name]
         self.check_type(name, t.qtype)
         return FileRows(self.reader, t.qtype, t.offset, t.data.dtype, t.data.shape)
 
     def matrix(self, name: str, backend=None) -> QuantMatrix:
-        t = self.model[name]
+        t = self[name]
         self.check_type(name, t.qtype)
         data = self.stored(name)
         return QuantMatrix(t.qtype, data if backend is None else backend.upload(data))
@@ -125,7 +135,7 @@ class _Tensors:
         part = None if self.bundle is None else self.bundle.part(tensor)
         if part is None:
             return qtype, self.stored(tensor_name(tensor, layer, expert=expert))
-        bundle = self.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)].data
+        bundle = self[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)].data
         return qtype, np.ascontiguousarray(self.bundle.view(bundle, part, self.d_model))
 
     @property
@@ -138,18 +148,18 @@ class _Tensors:
         if part is not None:
             self.check_type(tensor_name(PowerInferTensor.FFN_BUNDLE, layer), part.qtype)
             return part.qtype, part.nbytes
-        t = self.model[tensor_name(tensor, layer, expert=expert)]
+        t = self[tensor_name(tensor, layer, expert=expert)]
         self.check_type(t.name, t.qtype)
         return t.qtype, t.nbytes // t.shape[0]
 
     def has_ffn(self, tensor: TensorKind, layer: int, expert: int | None = None) -> bool:
-        return (tensor_name(tensor, layer, expert=expert) in self.model
+        return (tensor_name(tensor, layer, expert=expert) in self
                 or (self.bundle is not None and self.bundle.part(tensor) is not None))
 
     def array(self, name: str, backend=None) -> Optional[np.ndarray]:
-        if name not in self.model:
+        if name not in self:
             return None
-        t = self.model[name]
+        t = self[name]
         # A copy even of a float32 tensor: read in place, a norm's page at each step would map the whole large
         # folio of the page cache around it (up to 2 MiB of the neighbouring matrices; ``_release_mapped_pages``)
         v = np.array(decode(self.stored(name), t.qtype).reshape(t.shape), dtype=np.float32)
@@ -309,7 +319,7 @@ def _unit_masks(masks, spec) -> list[np.ndarray]:
 def _ram_setup(path: Path, model: ModelFile, spec, file: NeuronFile, gpu_split: GpuSplit | None, split_path: Path,
                ram: int, policy: str, cache_share: float) -> CacheSetup:
     """The plan for a RAM budget: the split's RAM tier when it has one, else the hottest neurons pinned."""
-    tensors, units, first = _Tensors(model), spec.ffn_units, spec.ffn_units[0]
+    tensors, units, first = _Tensors(model, spec), spec.ffn_units, spec.ffn_units[0]
     if not tensors.has_ffn(DOWN_T, 0, first.expert):
         raise PitoolsError(f"{path}: --ram needs a PowerInfer file (neuron-major {block_part(DOWN_T)}); "
                            "this one is dense")
@@ -337,12 +347,12 @@ def _row_sources(tensors: _Tensors, layer: int, present: list, expert: int | Non
     """Where the rows of a layer's (or an expert's) ``present`` FFN matrices lie in the file (matrix i =
     ``present[i]``): one source of bundle rows, or one per matrix."""
     if tensors.bundle is not None:
-        bundle = tensors.model[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)]
+        bundle = tensors[tensor_name(PowerInferTensor.FFN_BUNDLE, layer)]
         parts = tuple((i, tensors.bundle.part(t).offset, tensors.bundle.part(t).nbytes) for i, t in enumerate(present))
         return [RowSource(bundle.offset, tensors.bundle.stride, max(o + n for _, o, n in parts), parts)]
     sources = []
     for i, tensor in enumerate(present):
-        stored = tensors.model[tensor_name(tensor, layer, expert=expert)]
+        stored = tensors[tensor_name(tensor, layer, expert=expert)]
         row_bytes = stored.nbytes // stored.shape[0]
         sources.append(RowSource(stored.offset, row_bytes, row_bytes, ((i, 0, row_bytes),)))
     return sources
@@ -372,7 +382,7 @@ def _predictor(tensors: _Tensors, layer: int, backend, on_device: bool, threshol
                expert: int | None = None) -> Predictor | None:
     """A layer's (or an expert's) predictor on ``backend``, None when the file has none."""
     fc1_name, fc2_name = predictor_names(layer, expert)
-    if fc1_name not in tensors.model:
+    if fc1_name not in tensors:
         return None
     matrix_backend = backend if on_device else None  # in its stored type (PowerInfer's q5_0 too)
     return Predictor(backend, tensors.matrix(fc1_name, matrix_backend), tensors.matrix(fc2_name, matrix_backend),
@@ -403,7 +413,7 @@ def _dense_block(tensors: _Tensors, layer: int, backend, on_device: bool, thresh
         ffn_norm=tensors.norm(T.FFN_NORM, layer, backend),
         biases={k: v for k, v in biases.items() if v is not None},
         **{field: tensors.norm(tensor, layer, backend) for field, tensor in EXTRA_NORMS.items()
-           if tensor_name(tensor, layer) in tensors.model},
+           if tensor_name(tensor, layer) in tensors},
         predictor=_predictor(tensors, layer, backend, on_device, threshold),
         thresholds=thresholds,
     )
@@ -425,7 +435,7 @@ def _mixture_layer(tensors: _Tensors, layer: int, dense: DenseBlock, d_ff: int, 
         return RuntimeLayer(layer, dense, [], d_ff, router=router, experts=experts)
 
     def expert_matrix(tensor: TensorKind, e: int) -> QuantMatrix:
-        stored = tensors.model[tensor_name(tensor, layer)]
+        stored = tensors[tensor_name(tensor, layer)]
         tensors.check_type(stored.name, stored.qtype)
         return QuantMatrix(stored.qtype, stored.data[e])
 
@@ -534,12 +544,12 @@ def load_runtime_model(
                 raise PitoolsError(f"{split_path}: places neurons on a GPU, and this run is on the CPU: give --device "
                                    "cuda, or --no-split")
             device_backend = None
-    tensors, cache = _Tensors(model), None
+    tensors, cache = _Tensors(model, spec), None
     layer_thresholds, keeps = _layer_thresholds(model, spec, ram, neuron_choice)
     if ram is not None:
         file = NeuronFile(path)
         cache = _ram_setup(path, model, spec, file, gpu_split, split_path, ram, cache_policy, cache_share)
-        tensors = _Tensors(model, file.reader)
+        tensors = _Tensors(model, spec, file.reader)
 
     with _within_split_budget(split_path, path):
         layers = [_layer(tensors, spec, i, gpu_split, device_backend, host, cache, layer_thresholds[i], keeps)
@@ -593,7 +603,7 @@ def _runtime_model(tensors: _Tensors, spec, layers: list, gpu_split: GpuSplit | 
     # state crosses PCIe instead of the logits being computed from host memory.
     head = device_backend if gpu_split is not None and gpu_split.output_on_gpu else host
     output_name = tensor_name(T.OUTPUT)
-    tied = output_name not in model
+    tied = output_name not in tensors
     if not tied:
         output = tensors.whole_matrix(output_name) if head is host else tensors.matrix(output_name, head)
     else:  # the embedding, whose rows are also looked up one by one
