@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 from numba.extending import intrinsic
 
 from powerinfer_tools.formats import activations, weight_types
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 # ggml type ids (gguf's GGMLQuantizationType values) as the compiled code compares them; F32 is the
@@ -58,10 +58,10 @@ _PTR = _I8.as_pointer()
 
 
 def axpy_takes(qtype, cols: int) -> bool:
-    """Whether the axpy loops here compute rows of ``cols`` values of ``qtype`` (a ggml type): a type they
-    decode themselves (``WeightType.own_kernels``), in rows a whole number of ``BLOCK`` steps (f32 and
-    f16 rows may be any width). The other types' rows are dequantized by ggml's ``to_float`` instead."""
-    return WEIGHT_TYPES[GGMLQuantizationType(qtype)].own_kernels and cols % BLOCK == 0
+    """Whether the axpy loops here compute rows of ``cols`` values of ``qtype`` (a ggml type): a type whose row
+    claims ``Kernel.AXPY``, in rows a whole number of ``BLOCK`` steps (f32 and f16 rows may be any width). The
+    other types' rows are dequantized by ggml's ``to_float`` instead."""
+    return WEIGHT_TYPES[GGMLQuantizationType(qtype)].has(Kernel.AXPY) and cols % BLOCK == 0
 
 
 def use_threads(n: int) -> int:

@@ -1,0 +1,29 @@
+"""The weight types' rows as the one answer to "does kernel X take type Y" (formats/weight_types.py): a dispatch table
+holds the types that claim its kernel, and a claim without code is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from powerinfer_tools.formats.weight_types import (WEIGHT_TYPES, Kernel, KernelClaimError, implementations,
+                                                   types_with)
+
+UNCLAIMED = Q.Q5_0  # no kernel of ours takes it but the bfloat16 matmul: ggml's vec_dot and to_float compute it
+
+
+def claiming(qtype: Q, kernels_: frozenset) -> dict:
+    """The table with ``qtype``'s row claiming ``kernels_`` instead of its own."""
+    return {**WEIGHT_TYPES, qtype: dataclasses.replace(WEIGHT_TYPES[qtype], kernels=kernels_)}
+
+
+def test_a_dispatch_table_holds_the_claimed_types_and_refuses_a_claim_without_code():
+    implemented = {Q.F32: "f32 code", Q.Q4_0: "q4_0 code", Q.Q8_0: "q8_0 code"}
+    assert implementations(Kernel.COMPILED_DECODE, implemented, "here") == {Q.Q8_0: "q8_0 code", Q.Q4_0: "q4_0 code"}
+    rows = claiming(UNCLAIMED, WEIGHT_TYPES[UNCLAIMED].kernels | {Kernel.COMPILED_DECODE})
+    assert types_with(Kernel.COMPILED_DECODE, rows) == (Q.Q8_0, Q.Q4_0, UNCLAIMED)
+    with pytest.raises(KernelClaimError, match=r"^formats/weight_types.py: q5_0 claims the compiled decoder, which "
+                                               r"here has no implementation for$"):
+        implementations(Kernel.COMPILED_DECODE, implemented, "here", rows)
