@@ -1,15 +1,20 @@
 """The weight types' rows as the one answer to "does kernel X take type Y" (formats/weight_types.py): a dispatch table
-holds the types that claim its kernel, and a claim without code is refused."""
+holds the types that claim its kernel, a claim without code is refused, and the kernels' predicates read the rows."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
 
+from powerinfer_tools import kernels
 from powerinfer_tools.formats.weight_types import (WEIGHT_TYPES, Kernel, KernelClaimError, implementations,
                                                    types_with)
+from powerinfer_tools.kernels.interleaved import can_interleave
+from powerinfer_tools.kernels.quant import ARRAY_DECODERS, QuantMatrix
 
 UNCLAIMED = Q.Q5_0  # no kernel of ours takes it but the bfloat16 matmul: ggml's vec_dot and to_float compute it
 
@@ -27,3 +32,16 @@ def test_a_dispatch_table_holds_the_claimed_types_and_refuses_a_claim_without_co
     with pytest.raises(KernelClaimError, match=r"^formats/weight_types.py: q5_0 claims the compiled decoder, which "
                                                r"here has no implementation for$"):
         implementations(Kernel.COMPILED_DECODE, implemented, "here", rows)
+
+
+def test_the_predicates_read_the_rows(monkeypatch):
+    """q4_0 takes every kernel of ours until its row stops claiming them."""
+    from powerinfer_tools.kernels import numba_kernels
+
+    m = QuantMatrix(Q.Q4_0, quantize(np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32), Q.Q4_0))
+    assert numba_kernels.axpy_takes(Q.Q4_0, 256) and can_interleave(m) and Q.Q4_0 in ARRAY_DECODERS
+    questions = (kernels.vnni_rows, kernels.bf16_row_sums, kernels.bf16_matmuls)
+    answers = [ask(m) for ask in questions]  # these also need the CPU's instructions
+    monkeypatch.setitem(WEIGHT_TYPES, Q.Q4_0, claiming(Q.Q4_0, frozenset())[Q.Q4_0])
+    assert not numba_kernels.axpy_takes(Q.Q4_0, 256) and not can_interleave(m)
+    assert not any(ask(m) for ask in questions), answers
