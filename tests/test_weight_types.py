@@ -1,5 +1,6 @@
 """The weight types' rows as the one answer to "does kernel X take type Y" (formats/weight_types.py): a dispatch table
-holds the types that claim its kernel, a claim without code is refused, and the kernels' predicates read the rows."""
+holds the types that claim its kernel, a claim without code is refused, the kernels' predicates read the rows, and a
+compiled kernel given a type it has no code for raises instead of decoding it as another type."""
 
 from __future__ import annotations
 
@@ -45,3 +46,30 @@ def test_the_predicates_read_the_rows(monkeypatch):
     monkeypatch.setitem(WEIGHT_TYPES, Q.Q4_0, claiming(Q.Q4_0, frozenset())[Q.Q4_0])
     assert not numba_kernels.axpy_takes(Q.Q4_0, 256) and not can_interleave(m)
     assert not any(ask(m) for ask in questions), answers
+
+
+@pytest.fixture
+def compiled():
+    if not kernels.available():
+        pytest.skip(f"compiled kernels unavailable: {kernels.unavailable_reason()}")
+
+
+def test_compiled_kernels_given_a_type_they_have_no_code_for_raise(compiled):
+    """The axpy once decoded such rows as f32; now its entry points, and numba_vnni's, raise before any loop."""
+    from powerinfer_tools.kernels import numba_kernels, numba_vnni
+
+    t = WEIGHT_TYPES[UNCLAIMED]
+    weights = np.zeros((4, t.row_bytes(64)), np.uint8)
+    rows, out = np.arange(4), np.zeros((1, 64), np.float32)
+    coeffs = np.ones((1, 4), np.float32)
+    message = "a weight type this kernel has no code for"
+    for axpy in (numba_kernels.axpy_rows, numba_kernels.axpy_rows_one_token):
+        with pytest.raises(ValueError, match=message):
+            axpy(int(UNCLAIMED), weights, rows, coeffs, out, 1)
+    assert not out.any()
+    x = np.ones(128, np.float32)
+    with pytest.raises(ValueError, match=message):
+        numba_vnni.dot_rows(int(UNCLAIMED), 0, weights, rows, x, np.zeros(256, np.uint8), np.zeros(4096, np.uint8),
+                            np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match=message):
+        numba_vnni.encode(int(UNCLAIMED), np.zeros(256, np.uint8), np.zeros(4096, np.uint8), 128)
