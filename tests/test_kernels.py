@@ -17,14 +17,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from powerinfer_tools import kernels
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, WeightType
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, WeightType
 from powerinfer_tools.kernels import ggml_base, ggml_ops
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime import backends
 from powerinfer_tools.runtime.backends import CpuBackend
 
-TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.own_kernels]  # f32, f16, q8_0, q4_0
-GGML_TYPES = [t.qtype for t in WEIGHT_TYPES.values() if not t.own_kernels]  # computed by ggml's routines
+TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.has(Kernel.AXPY)]  # f32, f16, q8_0, q4_0
+GGML_TYPES = [t.qtype for t in WEIGHT_TYPES.values() if not t.has(Kernel.AXPY)]  # computed by ggml's routines
 SHAPES = [(1, 32), (7, 64), (33, 96), (130, 2048)]  # one block wide; 3 blocks for 2 threads; a model row
 
 

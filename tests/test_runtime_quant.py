@@ -8,12 +8,12 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel
 from powerinfer_tools.kernels import ggml_base
 from powerinfer_tools.kernels.quant import QuantMatrix
 
-TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.own_kernels]  # f32, f16, q8_0, q4_0
-GGML_TYPES = [t.qtype for t in WEIGHT_TYPES.values() if not t.own_kernels]  # dequantized by ggml's to_float
+TYPES = [t.qtype for t in WEIGHT_TYPES.values() if t.has(Kernel.ARRAY_DECODE)]  # f32, f16, q8_0, q4_0
+GGML_TYPES = [t.qtype for t in WEIGHT_TYPES.values() if not t.has(Kernel.ARRAY_DECODE)]  # by ggml's to_float
 
 
 def make(qtype, rows, cols, seed=0) -> QuantMatrix:

@@ -30,8 +30,7 @@ import warnings
 
 import numpy as np
 
-from powerinfer_tools.formats import weight_types
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel
 from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
@@ -135,13 +134,13 @@ def row_axpy(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None = None)
 
 def vnni_rows(m: QuantMatrix) -> bool:
     """Whether one token's rows of ``m``, read one by one, take ``numba_vnni``'s row product over all their
-    columns here (the compiled decoder's gate and up rows, ``ffn_decode.rows_take_vnni``, q4_0: a tail of
-    columns short of its groups goes through ggml's ``vec_dot``)."""
-    if not available() or m.qtype != weight_types.Q4_0:
+    columns here (the compiled decoder's gate and up rows, ``ffn_decode.rows_take_vnni``: a type that claims
+    ``Kernel.VNNI_GATE_UP``, q4_0; a tail of columns short of its groups goes through ggml's ``vec_dot``)."""
+    if not available() or not WEIGHT_TYPES[m.qtype].has(Kernel.VNNI_GATE_UP):
         return False
     from powerinfer_tools.kernels import numba_vnni  # needs numba, which the compiled path has
 
-    return numba_vnni.usable(int(m.qtype), m.cols)
+    return m.cols % numba_vnni.GROUP_COLS == 0 and numba_vnni.available()
 
 
 def interleaves(m: QuantMatrix) -> bool:
@@ -210,17 +209,17 @@ def block_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None, s
 
 
 def bf16_row_sums(m: QuantMatrix) -> bool:
-    """Whether ``bf16_row_sum`` takes ``m`` here: q4_0 rows, the compiled kernels in use, a CPU with AVX-512 BF16."""
-    return m.qtype == weight_types.Q4_0 and _bf16_products()
+    """Whether ``bf16_row_sum`` takes ``m`` here: rows of a type that claims ``Kernel.BF16_ROW_SUM`` (q4_0), the
+    compiled kernels in use, a CPU with AVX-512 BF16."""
+    return WEIGHT_TYPES[m.qtype].has(Kernel.BF16_ROW_SUM) and _bf16_products()
 
 
 def bf16_matmuls(m: QuantMatrix) -> bool:
-    """Whether ``bf16_matmul`` takes ``m`` here: a quantized type (whose own rounding is far coarser than
-    bfloat16's) or bf16 itself (which the products keep exactly; f32 and f16 matrices, kept in floats for their
-    precision, stay with BLAS), rows of a multiple of 32 weights, the compiled kernels in use, a CPU with
-    AVX-512 BF16."""
-    no_finer_than_bf16 = WEIGHT_TYPES[m.qtype].block_size > 1 or m.qtype == weight_types.BF16
-    return no_finer_than_bf16 and m.cols % 32 == 0 and _bf16_products()
+    """Whether ``bf16_matmul`` takes ``m`` here: a type that claims ``Kernel.BF16_MATMUL`` (a quantized type,
+    whose own rounding is far coarser than bfloat16's, or bf16 itself, which the products keep exactly; f32 and
+    f16 matrices, kept in floats for their precision, stay with BLAS), rows of a multiple of 32 weights, the
+    compiled kernels in use, a CPU with AVX-512 BF16."""
+    return WEIGHT_TYPES[m.qtype].has(Kernel.BF16_MATMUL) and m.cols % 32 == 0 and _bf16_products()
 
 
 def _bf16_products() -> bool:

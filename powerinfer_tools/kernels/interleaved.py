@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerinfer_tools.formats.weight_types import Q4_0, WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import Q4_0, WEIGHT_TYPES, Kernel, check_claims
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 ROWS = 8  # rows per interleaved group
@@ -73,9 +73,13 @@ class InterleavedQ4:
         return self.deinterleaved().matmul(x)
 
 
+check_claims(Kernel.INTERLEAVED, (InterleavedQ4.qtype,), __name__)  # the layout is q4_0's (ggml's block_q4_0x8)
+
+
 def can_interleave(m: QuantMatrix) -> bool:
-    """Whether ``m`` has the interleaved layout: q4_0, whole groups of eight rows, on the host."""
-    return m.qtype == Q4_0 and m.rows % ROWS == 0 and isinstance(m.data, np.ndarray)
+    """Whether ``m`` has the interleaved layout: a type that claims it (q4_0), whole groups of eight rows, on the
+    host."""
+    return WEIGHT_TYPES[m.qtype].has(Kernel.INTERLEAVED) and m.rows % ROWS == 0 and isinstance(m.data, np.ndarray)
 
 
 def interleave(m: QuantMatrix) -> InterleavedQ4:

@@ -29,7 +29,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, check_claims
 from powerinfer_tools.kernels.numba_blocks import dequantize_rows, share
 from powerinfer_tools.kernels.numba_kernels import BLOCK, compiles_for, const, decode_q4_0, load, splat, store, vec
 from powerinfer_tools.kernels.numba_cache import prepare_cache
@@ -210,6 +210,10 @@ def row_sum(weights, rows, coeffs, out, slabs, tiles):
                 for i in range(min(TOKENS, n_tokens - t)):
                     for c in range(BLOCK):
                         out[t + i, block * BLOCK + c] = tile[i, c]
+
+
+check_claims(Kernel.BF16_ROW_SUM, (weight_types.Q4_0,), __name__)  # row_sum unpacks q4_0 blocks alone
+# (matmul takes rows of every type: ggml's to_float dequantizes them; the rows that claim it are those it pays for)
 
 
 @njit(parallel=True, nogil=True, cache=True)

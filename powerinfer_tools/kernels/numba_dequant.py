@@ -1,63 +1,75 @@
-"""Compiled dequantization of q4_0 and q8_0 rows (NumPy arrays): what prompt processing spends its time on
-besides BLAS.
+"""Compiled dequantization of rows (NumPy arrays) of the types that claim ``Kernel.COMPILED_DECODE`` (q4_0, q8_0):
+what prompt processing spends its time on besides BLAS.
 
-The NumPy version (``quant.dequantize_blocks``) runs at 0.05-0.2 GB/s of weights (docs/kernels.md), slower
-than the products it feeds. These loops give the same float32 values bit for bit (table lookups of the
-exact values NumPy computes: the f16 scale as float32, q - 8 or q as float32, then one float32 product) at
-~2 G values/s per thread. ``quant.QuantMatrix.dequantize_rows`` takes them where the compiled kernels are
-in use.
+The NumPy version (``quant.dequantize_blocks``) is slower than the products it feeds. These loops decode each
+block with the axpy's block decoder of its type (``numba_kernels.BLOCK_DECODERS``: the one compiled q4_0 decoder)
+and give the same float32 values bit for bit: a block's values (q - 8, or q, as float32: exact) times its f16
+scale as float32, one float32 product each, as NumPy computes them. ``quant.QuantMatrix.dequantize_rows`` takes
+them where the compiled kernels are in use.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+import functools
 
-from powerinfer_tools.formats.weight_types import Q4_0, Q8_0, WEIGHT_TYPES
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, implementations
+from powerinfer_tools.kernels.numba_kernels import (BLOCK, BLOCK_DECODERS, refuse_unclaimed, splat, store,
+                                                     switch_on_type, type_mask)
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-_F16_TO_F32 = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)  # by bit pattern
-_Q4_VALUES = np.arange(-8, 8, dtype=np.float32)  # a q4_0 nibble n stands for n - 8
-_Q8_VALUES = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)  # a q8_0 byte, as int8
-_BLOCK = WEIGHT_TYPES[Q4_0].block_size  # values per block, q4_0's and q8_0's alike
-_Q4_0_BYTES, _Q8_0_BYTES = WEIGHT_TYPES[Q4_0].block_bytes, WEIGHT_TYPES[Q8_0].block_bytes
+_DECODED = implementations(Kernel.COMPILED_DECODE, BLOCK_DECODERS, __name__)  # block decoders by type
+# A row is walked in blocks of the decoders' BLOCK values: the types here are those of such blocks (not f32/f16)
+assert all(WEIGHT_TYPES[qtype].block_size == BLOCK for qtype in _DECODED)
+_TYPES = type_mask(_DECODED)
+_I64 = ir.IntType(64)
+
+
+@intrinsic
+def _decode_row(typingctx, qtype, row, out, n_blocks, block_bytes):
+    """The ``n_blocks`` blocks (``block_bytes`` each) of the row at address ``row``, of a type of ``_DECODED``, as
+    float32 at address ``out``."""
+    sig = types.void(*[types.intp] * 5)
+
+    def codegen(context, builder, signature, args):
+        qtype_, row_, out_, n_blocks_, block_bytes_ = args
+
+        def decode_row(decode):
+            with cgutils.for_range(builder, n_blocks_) as loop:
+                values, scale = decode(builder, builder.add(row_, builder.mul(loop.index, block_bytes_)))
+                store(builder, builder.fmul(values, splat(builder, scale, BLOCK)),
+                      builder.add(out_, builder.mul(loop.index, ir.Constant(_I64, 4 * BLOCK))))
+
+        switch_on_type(builder, qtype_, {t: functools.partial(decode_row, decode) for t, decode in _DECODED.items()})
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _decode_q4_0(raw, f16, values, out):
+def _decode_rows(qtype, raw, out):
+    refuse_unclaimed(_TYPES, qtype)
+    n_blocks = out.shape[1] // BLOCK
+    block_bytes = raw.shape[1] // max(n_blocks, 1)
     for r in prange(out.shape[0]):
-        src, dst = raw[r], out[r]
-        for b in range(dst.shape[0] // _BLOCK):
-            block, first = b * _Q4_0_BYTES, b * _BLOCK
-            d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-            for j in range(_BLOCK // 2):
-                byte = src[block + 2 + j]
-                dst[first + j] = values[byte & 15] * d
-                dst[first + _BLOCK // 2 + j] = values[byte >> 4] * d
+        _decode_row(qtype, raw.ctypes.data + r * raw.strides[0], out.ctypes.data + r * out.strides[0], n_blocks,
+                    block_bytes)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _decode_q8_0(raw, f16, values, out):
-    for r in prange(out.shape[0]):
-        src, dst = raw[r], out[r]
-        for b in range(dst.shape[0] // _BLOCK):
-            block, first = b * _Q8_0_BYTES, b * _BLOCK
-            d = f16[np.int32(src[block]) | np.int32(src[block + 1]) << 8]
-            for j in range(_BLOCK):
-                dst[first + j] = values[src[block + 2 + j]] * d
+def _dequantize(qtype, raw: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` from rows of ``qtype``'s GGUF blocks ``[rows, row_bytes]`` (uint8)."""
+    t = WEIGHT_TYPES[qtype]
+    out = np.empty((raw.shape[0], raw.shape[1] // t.block_bytes * t.block_size), dtype=np.float32)
+    _decode_rows(int(qtype), np.ascontiguousarray(raw), out)
+    return out
 
 
-def _decoder(loop, values, block_bytes: int):
-    def dequantize(raw: np.ndarray) -> np.ndarray:
-        """float32 ``[rows, cols]`` from rows of GGUF blocks ``[rows, row_bytes]`` (uint8)."""
-        out = np.empty((raw.shape[0], raw.shape[1] // block_bytes * _BLOCK), dtype=np.float32)
-        loop(np.ascontiguousarray(raw), _F16_TO_F32, values, out)
-        return out
-
-    return dequantize
-
-
-DECODERS = {Q4_0: _decoder(_decode_q4_0, _Q4_VALUES, _Q4_0_BYTES), Q8_0: _decoder(_decode_q8_0, _Q8_VALUES, _Q8_0_BYTES)}
+DECODERS = {qtype: functools.partial(_dequantize, qtype) for qtype in _DECODED}
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

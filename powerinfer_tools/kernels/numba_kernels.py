@@ -19,6 +19,8 @@ process, and numba refuses to cache functions that read such "dynamic globals").
 
 from __future__ import annotations
 
+import functools
+
 import llvmlite.binding
 import numpy as np
 import numba
@@ -29,14 +31,14 @@ from gguf import GGMLQuantizationType
 from numba.extending import intrinsic
 
 from powerinfer_tools.formats import activations, weight_types
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, implementations
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-# ggml type ids (gguf's GGMLQuantizationType values) as the compiled code compares them; F32 is the
-# axpy's remaining case
-F16, Q4_0, Q8_0 = int(weight_types.F16), int(weight_types.Q4_0), int(weight_types.Q8_0)
-BLOCK = WEIGHT_TYPES[weight_types.Q4_0].block_size  # q4_0's and q8_0's; the axpy walks f32/f16 rows this many at a time
-assert BLOCK == WEIGHT_TYPES[weight_types.Q8_0].block_size
+# q4_0's ggml type id (gguf's GGMLQuantizationType value), as compiled code written for q4_0 alone passes it on
+# (the compiled decoder's VNNI gate/up rows: numba_vnni.GATE_UP_TYPES)
+Q4_0 = int(weight_types.Q4_0)
+# Values a block decoder gives (``BLOCK_DECODERS``): a q4_0 or q8_0 block; f32/f16 rows are walked this many at a time
+BLOCK = WEIGHT_TYPES[weight_types.Q4_0].block_size
 # The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the one-token axpy spread over its
 # work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
 # Measured on the busy 2-core machine, 1 thread,
@@ -54,14 +56,37 @@ ROWS_AT_ONCE = 4
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _FLOAT = ir.FloatType()
+_INTP_BYTES = ir.Constant(_I64, 8)
 _PTR = _I8.as_pointer()
 
 
 def axpy_takes(qtype, cols: int) -> bool:
-    """Whether the axpy loops here compute rows of ``cols`` values of ``qtype`` (a ggml type): a type they
-    decode themselves (``WeightType.own_kernels``), in rows a whole number of ``BLOCK`` steps (f32 and
-    f16 rows may be any width). The other types' rows are dequantized by ggml's ``to_float`` instead."""
-    return WEIGHT_TYPES[GGMLQuantizationType(qtype)].own_kernels and cols % BLOCK == 0
+    """Whether the axpy loops here compute rows of ``cols`` values of ``qtype`` (a ggml type): a type whose row
+    claims ``Kernel.AXPY``, in rows a whole number of ``BLOCK`` steps (f32 and f16 rows may be any width). The
+    other types' rows are dequantized by ggml's ``to_float`` instead."""
+    return WEIGHT_TYPES[GGMLQuantizationType(qtype)].has(Kernel.AXPY) and cols % BLOCK == 0
+
+
+def type_mask(types) -> int:
+    """The ggml type ids ``types`` as the bits of one integer: a constant that compiled code tests with
+    ``claimed`` (a type's row claims a kernel), fixed when it is compiled (formats/weight_types.py is among
+    ``numba_cache.NUMBA_SOURCES``)."""
+    assert all(0 <= int(qtype) < 63 for qtype in types)
+    return sum(1 << int(qtype) for qtype in set(types))
+
+
+@njit(inline="always")
+def claimed(mask, qtype):
+    """Whether the ggml type id ``qtype`` is among the types of ``mask`` (``type_mask``)."""
+    return 0 <= qtype < 63 and (mask >> qtype) & 1 == 1
+
+
+@njit(inline="always")
+def refuse_unclaimed(mask, qtype):
+    """Raise for a type outside ``mask``: a compiled kernel's entry point, before its loops reach a switch on the
+    type (``switch_on_type``), which has no case for it."""
+    if not claimed(mask, qtype):
+        raise ValueError("a weight type this kernel has no code for (formats/weight_types.py: the row's kernels)")
 
 
 def use_threads(n: int) -> int:
@@ -246,6 +271,10 @@ def f16_row_dot(typingctx, row, x, n):
     return sig, codegen
 
 
+# The types whose narrow rows ``f16_row_dot`` takes (the compiled decoder's predictor products: ``ffn_decode``)
+NARROW_ROW_DOT_TYPES = type_mask(implementations(Kernel.NARROW_ROW_DOT, {weight_types.F16: f16_row_dot}, __name__))
+
+
 @njit(inline="always")
 def prefetch_span(addr, nbytes, order):
     """Ask for the ``nbytes`` at ``addr``: into L1 for rows read in order (``order``, from ``in_order``), into
@@ -302,7 +331,7 @@ def gated_activation(kind, g, u):
     return _gated(kind, activation(kind, g), u)
 
 
-# --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
+# --- block decoders: one block of 32 weights as 32 float lanes, by type; the axpy and numba_dequant's rows ----
 
 
 def _scale(builder, block):
@@ -336,69 +365,105 @@ def _decode_f32(builder, block):
     return load(builder, block, ir.VectorType(_FLOAT, BLOCK)), None
 
 
+# The block decoders by type: those of the kernels that decode rows block by block (the axpy here, numba_dequant)
+BLOCK_DECODERS = {weight_types.Q4_0: decode_q4_0, weight_types.Q8_0: _decode_q8_0, weight_types.F16: _decode_f16,
+                  weight_types.F32: _decode_f32}
+assert all(BLOCK % WEIGHT_TYPES[qtype].block_size == 0 for qtype in BLOCK_DECODERS)
+AXPY_DECODERS = implementations(Kernel.AXPY, BLOCK_DECODERS, __name__)  # the types the axpy takes
+AXPY_TYPES = type_mask(AXPY_DECODERS)
+
+
+def switch_on_type(builder, qtype, cases):
+    """Emit the code of ``cases[t]`` (``{ggml type: emitter}``, each called with no arguments) for the type whose
+    id is the integer value ``qtype``, and return the values they return as one (None where they return none).
+    Another type traps: the entry points of the compiled kernels refuse every type outside their table first
+    (``refuse_unclaimed``), so none reaches here."""
+    done, other = builder.append_basic_block("typed"), builder.append_basic_block("no_case_for_type")
+    switch = builder.switch(qtype, other)
+    results = []
+    for case_type, emit in cases.items():
+        case = builder.append_basic_block(f"type_{int(case_type)}")
+        switch.add_case(ir.Constant(qtype.type, int(case_type)), case)
+        builder.position_at_end(case)
+        results.append((emit(), builder.block))
+        builder.branch(done)
+    builder.position_at_end(other)
+    builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap"), [])
+    builder.unreachable()
+    builder.position_at_end(done)
+    if not results or results[0][0] is None:
+        return None
+    value = builder.phi(results[0][0].type)
+    for result, block in results:
+        value.add_incoming(result, block)
+    return value
+
+
+# --- the axpy: one block of 32 weights, decoded once, added to every token's output --------------
+
+
 def _times(builder, values, factor):
     """``values`` (32 floats) times the scalar ``factor`` (None: unchanged)."""
     return values if factor is None else builder.fmul(values, splat(builder, factor, BLOCK), flags=("contract",))
 
 
-def _block_axpy(decode):
-    """An intrinsic ``f(out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens)`` (addresses
-    and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for ``n_tokens`` tokens t:
-    the intp token ids stored at ``tokens``, or ``0 .. n_tokens-1`` where ``tokens`` is 0 (decoding's
-    case, kept free of the list's loads). The block is decoded once for all of them."""
+@intrinsic
+def _block_axpy(typingctx, qtype, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens):
+    """``f(qtype, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens)`` (a type of ``AXPY_DECODERS``,
+    addresses and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for ``n_tokens`` tokens t:
+    the intp token ids stored at ``tokens``, or ``0 .. n_tokens-1`` where ``tokens`` is 0 (decoding's case, kept
+    free of the list's loads). The block is decoded once for all of them, by its type's decoder."""
+    sig = types.void(*[types.intp] * 8)
 
-    @intrinsic
-    def block_axpy(typingctx, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens):
-        sig = types.void(*[types.intp] * 7)
+    def codegen(context, builder, signature, args):
+        qtype_, out_, out_stride_, block_, coeffs_, coeffs_stride_, tokens_, n_tokens_ = args
 
-        def codegen(context, builder, signature, args):
-            out_, out_stride_, block_, coeffs_, coeffs_stride_, tokens_, n_tokens_ = args
+        def add_to_each(values, token_of):
+            with cgutils.for_range(builder, n_tokens_) as loop:
+                token = token_of(loop.index)
+                coeff = load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
+                target = builder.inttoptr(builder.add(out_, builder.mul(token, out_stride_)),
+                                          ir.VectorType(_FLOAT, BLOCK).as_pointer())
+                total = builder.fadd(builder.load(target, align=4), _times(builder, values, coeff),
+                                     flags=("contract",))
+                builder.store(total, target, align=4)
+
+        def block_axpy(decode):
             values = _times(builder, *decode(builder, block_))
-
-            def add_to_each(token_of):
-                with cgutils.for_range(builder, n_tokens_) as loop:
-                    token = token_of(loop.index)
-                    coeff = load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
-                    target = builder.inttoptr(builder.add(out_, builder.mul(token, out_stride_)),
-                                              ir.VectorType(_FLOAT, BLOCK).as_pointer())
-                    total = builder.fadd(builder.load(target, align=4), _times(builder, values, coeff),
-                                         flags=("contract",))
-                    builder.store(total, target, align=4)
-
             listed = builder.icmp_unsigned("!=", tokens_, ir.Constant(tokens_.type, 0))
             with builder.if_else(listed) as (from_list, in_order):
                 with from_list:
-                    add_to_each(lambda i: load(builder, builder.add(tokens_, builder.mul(i, ir.Constant(_I64, 8))),
-                                                _I64))
+                    add_to_each(values, lambda i: load(builder, builder.add(tokens_, builder.mul(i, _INTP_BYTES)),
+                                                       _I64))
                 with in_order:
-                    add_to_each(lambda i: i)
-            return context.get_dummy_value()
+                    add_to_each(values, lambda i: i)
 
-        return sig, codegen
+        switch_on_type(builder, qtype_, {t: functools.partial(block_axpy, d) for t, d in AXPY_DECODERS.items()})
+        return context.get_dummy_value()
 
-    return block_axpy
+    return sig, codegen
 
 
-def _row_axpy(decode):
-    """An intrinsic ``f(out, rows, coeffs, n_blocks, block_bytes, ahead)`` doing one token's ``out[0:32n] +=
-    Σ_r coeffs[r] × row r`` over a tuple of row addresses, their float32 coefficients, and the addresses of
-    the rows the caller reads next (``ahead``): each block of ``out`` is loaded and stored once for all of
-    the rows, each row's block scale times its coefficient once, then one multiply-add per weight (no
-    per-block token loop, as ``_block_axpy`` has). The rows are added in order, so the sums are those of
-    one row at a time. Each block also asks the cache for the same block of the ``ahead`` rows: spread
-    over the work like this, rather than up front, the requests kept scattered q4_0 rows coming ~25%
-    faster (a one-off comparison while writing it: 5.0 -> 6.2 GB/s, two threads)."""
+@intrinsic
+def _row_axpy(typingctx, qtype, out, rows, coeffs, n_blocks, block_bytes, ahead):
+    """``f(qtype, out, rows, coeffs, n_blocks, block_bytes, ahead)`` doing one token's ``out[0:32n] += Σ_r coeffs[r]
+    × row r`` over a tuple of row addresses of a type of ``AXPY_DECODERS``, their float32 coefficients, and the
+    addresses of the rows the caller reads next (``ahead``): each block of ``out`` is loaded and stored once for
+    all of the rows, each row's block scale times its coefficient once, then one multiply-add per weight (no
+    per-block token loop, as ``_block_axpy`` has). The rows are added in order, so the sums are those of one row
+    at a time. Each block also asks the cache for the same block of the ``ahead`` rows: spread over the work like
+    this, rather than up front, the requests kept scattered q4_0 rows coming ~25% faster (a one-off comparison
+    while writing it: 5.0 -> 6.2 GB/s, two threads)."""
+    n_rows = rows.count
+    sig = types.void(types.intp, types.intp, types.UniTuple(types.intp, n_rows), types.UniTuple(types.float32, n_rows),
+                     types.intp, types.intp, types.UniTuple(types.intp, n_rows))
 
-    @intrinsic
-    def row_axpy(typingctx, out, rows, coeffs, n_blocks, block_bytes, ahead):
-        n_rows = rows.count
-        sig = types.void(types.intp, types.UniTuple(types.intp, n_rows), types.UniTuple(types.float32, n_rows),
-                         types.intp, types.intp, types.UniTuple(types.intp, n_rows))
+    def codegen(context, builder, signature, args):
+        qtype_, out_, rows_, coeffs_, n_blocks_, block_bytes_, ahead_ = args
+        rows_, coeffs_, ahead_ = ([builder.extract_value(t, r) for r in range(n_rows)]
+                                  for t in (rows_, coeffs_, ahead_))
 
-        def codegen(context, builder, signature, args):
-            out_, rows_, coeffs_, n_blocks_, block_bytes_, ahead_ = args
-            rows_, coeffs_, ahead_ = ([builder.extract_value(t, r) for r in range(n_rows)]
-                                      for t in (rows_, coeffs_, ahead_))
+        def row_axpy(decode):
             with cgutils.for_range(builder, n_blocks_) as loop:
                 at = builder.mul(loop.index, block_bytes_)
                 target = builder.inttoptr(builder.add(out_, builder.mul(loop.index, ir.Constant(_I64, 4 * BLOCK))),
@@ -410,23 +475,18 @@ def _row_axpy(decode):
                     factor = coeff if scale is None else builder.fmul(scale, coeff)
                     total = builder.fadd(total, _times(builder, values, factor), flags=("contract",))
                 builder.store(total, target, align=4)
-            return context.get_dummy_value()
 
-        return sig, codegen
+        switch_on_type(builder, qtype_, {t: functools.partial(row_axpy, decode) for t, decode in AXPY_DECODERS.items()})
+        return context.get_dummy_value()
 
-    return row_axpy
-
-
-_axpy_q8_0, _row_axpy_q8_0 = _block_axpy(_decode_q8_0), _row_axpy(_decode_q8_0)
-_axpy_q4_0, _row_axpy_q4_0 = _block_axpy(decode_q4_0), _row_axpy(decode_q4_0)
-_axpy_f16, _row_axpy_f16 = _block_axpy(_decode_f16), _row_axpy(_decode_f16)
-_axpy_f32, _row_axpy_f32 = _block_axpy(_decode_f32), _row_axpy(_decode_f32)
+    return sig, codegen
 
 
 @njit(inline="always")
 def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_threads):
     """``out[t] += coeffs[t, j] · W[rows[j]]`` for the tokens t of row j: all of them in order when
     ``every_token`` (``starts`` and ``tokens`` unused), else ``tokens[starts[j]:starts[j + 1]]``."""
+    refuse_unclaimed(AXPY_TYPES, qtype)
     n_tokens, cols = out.shape
     n_blocks = cols // BLOCK
     n_chunks = min(n_threads, n_blocks)
@@ -452,29 +512,8 @@ def _axpy_row(qtype, out_addr, out_stride, row_addr, first, stop, block_bytes, c
               n_tokens):
     """Blocks ``first .. stop-1`` of one weight row, times its coefficient, added to the listed tokens' outputs."""
     for b in range(first, stop):
-        args = (out_addr + b * BLOCK * 4, out_stride, row_addr + b * block_bytes, coeff_addr, c_stride, tokens_addr,
-                n_tokens)
-        if qtype == Q4_0:
-            _axpy_q4_0(*args)
-        elif qtype == Q8_0:
-            _axpy_q8_0(*args)
-        elif qtype == F16:
-            _axpy_f16(*args)
-        else:  # F32
-            _axpy_f32(*args)
-
-
-@njit(inline="always")
-def _one_token_row(qtype, out_addr, rows, coeffs, n_blocks, block_bytes, ahead):
-    """``_row_axpy`` for ``qtype``'s decoder: the rows of the tuples ``rows`` and ``coeffs`` into ``out``."""
-    if qtype == Q4_0:
-        _row_axpy_q4_0(out_addr, rows, coeffs, n_blocks, block_bytes, ahead)
-    elif qtype == Q8_0:
-        _row_axpy_q8_0(out_addr, rows, coeffs, n_blocks, block_bytes, ahead)
-    elif qtype == F16:
-        _row_axpy_f16(out_addr, rows, coeffs, n_blocks, block_bytes, ahead)
-    else:  # F32
-        _row_axpy_f32(out_addr, rows, coeffs, n_blocks, block_bytes, ahead)
+        _block_axpy(qtype, out_addr + b * BLOCK * 4, out_stride, row_addr + b * block_bytes, coeff_addr, c_stride,
+                    tokens_addr, n_tokens)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -521,6 +560,7 @@ def add_partials(partial, out):
 def _one_token_rows(qtype, weights, rows, coeffs, partial, first, total):
     """Rows ``rows`` (positions ``first ..`` of ``total``), times ``coeffs[0]``, each added to the partial
     of the thread whose run of the ``total`` positions holds it."""
+    refuse_unclaimed(AXPY_TYPES, qtype)
     n_chunks, cols = partial.shape
     n_blocks = cols // BLOCK
     block_bytes = weights.shape[1] // n_blocks
@@ -532,13 +572,13 @@ def _one_token_rows(qtype, weights, rows, coeffs, partial, first, total):
         out = p_addr + chunk * p_stride
         j = start
         while j + ROWS_AT_ONCE <= stop:
-            _one_token_row(qtype, out, _four_rows(w_addr, row_stride, rows, j, stop),
+            _row_axpy(qtype, out, _four_rows(w_addr, row_stride, rows, j, stop),
                            (coeffs[0, j], coeffs[0, j + 1], coeffs[0, j + 2], coeffs[0, j + 3]), n_blocks, block_bytes,
                            _four_rows(w_addr, row_stride, rows, j + ROWS_AT_ONCE, stop))
             j += ROWS_AT_ONCE
         for j in range(j, stop):
             ahead = (w_addr + rows[min(j + PREFETCH_ROWS, stop - 1)] * row_stride,)
-            _one_token_row(qtype, out, (w_addr + rows[j] * row_stride,), (coeffs[0, j],), n_blocks, block_bytes, ahead)
+            _row_axpy(qtype, out, (w_addr + rows[j] * row_stride,), (coeffs[0, j],), n_blocks, block_bytes, ahead)
 
 
 @njit(inline="always")

@@ -26,16 +26,17 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
-from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.kernels.numba_kernels import (BLOCK, PREFETCH_ROWS, Q4_0, Q8_0, TO_L1, TO_L2, compiles_for, const,
-                                                     ggml_from_float, in_order, lane_sum, load, offset, prefetch, splat,
-                                                     store, vec)
+from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, implementations
+from powerinfer_tools.kernels.numba_kernels import (BLOCK, PREFETCH_ROWS, TO_L1, TO_L2, compiles_for, const,
+                                                     ggml_from_float, in_order, lane_sum, load, offset, prefetch,
+                                                     refuse_unclaimed, splat, store, switch_on_type, type_mask, vec)
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 Q8_0_BLOCK_BYTES = WEIGHT_TYPES[weight_types.Q8_0].block_bytes  # f16 scale + 32 int8
@@ -49,9 +50,11 @@ _HALF = ir.HalfType()
 @dataclass(frozen=True)
 class _Rows:
     """How ``row_dot`` reads one weight type: ``blocks`` blocks a group, each ``block_bytes`` long (an
-    f16 scale, then ``quant_bytes`` of quants); weights are stored ``zero`` above their value."""
+    f16 scale, then ``quant_bytes`` of quants: two weights a byte, as nibbles, where ``nibbles``, else one);
+    weights are stored ``zero`` above their value."""
 
-    qtype: int
+    qtype: GGMLQuantizationType
+    nibbles: bool
     blocks: int
     block_bytes: int
     quant_bytes: int
@@ -74,13 +77,15 @@ class _Rows:
         return 64 * self.operands + 8 * _LANES  # the x values, then float32 scales and int32 offsets
 
 
-_Q4_0_ROWS = _Rows(Q4_0, 4, WEIGHT_TYPES[weight_types.Q4_0].block_bytes, 16, 8)
-_Q8_0_ROWS = _Rows(Q8_0, 2, Q8_0_BLOCK_BYTES, 32, 128)
-_ROWS = {rows.qtype: rows for rows in (_Q4_0_ROWS, _Q8_0_ROWS)}
-GROUP_COLS = _Q4_0_ROWS.group_cols  # the compiled decoder's gate/up rows: q4_0
-# the same, as plain constants for the compiled code
-_Q4_0_GROUP_COLS, _Q4_0_X_BYTES = _Q4_0_ROWS.group_cols, _Q4_0_ROWS.encoded_group_bytes
-_Q8_0_GROUP_COLS, _Q8_0_X_BYTES = _Q8_0_ROWS.group_cols, _Q8_0_ROWS.encoded_group_bytes
+_Q4_0_ROWS = _Rows(weight_types.Q4_0, True, 4, WEIGHT_TYPES[weight_types.Q4_0].block_bytes, 16, 8)
+_Q8_0_ROWS = _Rows(weight_types.Q8_0, False, 2, Q8_0_BLOCK_BYTES, 32, 128)
+# The row formats by type: what ``encode`` and ``row_dot`` take (the compiled decoder's gate/up rows: q4_0's)
+_FORMATS = {rows.qtype: rows for rows in (_Q4_0_ROWS, _Q8_0_ROWS)}
+_FORMAT_TYPES = type_mask(_FORMATS)
+# The types ``dot_rows`` takes (``usable``): those whose rows claim the VNNI row dot
+_ROWS = implementations(Kernel.VNNI_ROW_DOT, _FORMATS, __name__)
+_ROW_DOT_TYPES = type_mask(_ROWS)
+GROUP_COLS = _Q4_0_ROWS.group_cols  # the compiled decoder's gate/up rows: q4_0 (``GATE_UP_TYPES``)
 
 
 @functools.cache
@@ -91,12 +96,13 @@ def available() -> bool:
 
 
 def usable(qtype: int, cols: int) -> bool:
-    """Whether rows of ``cols`` weights of ggml type ``qtype`` can take ``row_dot`` here."""
+    """Whether rows of ``cols`` weights of ggml type ``qtype`` can take ``dot_rows`` here: a type that claims
+    ``Kernel.VNNI_ROW_DOT`` (q4_0, q8_0), in whole groups, on a CPU with the instructions."""
     return qtype in _ROWS and cols % _ROWS[qtype].group_cols == 0 and available()
 
 
 def encoded_bytes(qtype: int, cols: int) -> int:
-    rows = _ROWS[qtype]
+    rows = _FORMATS[qtype]
     return cols // rows.group_cols * rows.encoded_group_bytes
 
 
@@ -119,7 +125,7 @@ def _vpdpbusd(builder, acc, unsigned_bytes, signed_bytes):
 
 def _weight_operands(builder, fmt: _Rows, quants):
     """The group's weights as unsigned bytes, one 64-byte operand each (see the module doc)."""
-    if fmt.qtype == Q4_0:
+    if fmt.nibbles:
         return [builder.and_(quants, const(_I8, 64, [0x0F] * 64)), builder.lshr(quants, const(_I8, 64, [4] * 64))]
     return [builder.xor(quants, const(_I8, 64, [0x80] * 64))]
 
@@ -153,20 +159,24 @@ def _row_dot(fmt: _Rows, locality: int):
         sig = types.float32(types.intp, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            row_, x_, n_groups_, ahead_ = args
-            total = cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, _LANES), [0.0] * _LANES))
-            with cgutils.for_range(builder, n_groups_) as loop:
-                at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
-                for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
-                    prefetch(builder, builder.add(ahead_, builder.add(at, ir.Constant(_I64, last_byte))), locality)
-                x_group = builder.add(x_, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
-                product = _group_product(builder, fmt, builder.add(row_, at), x_group)
-                builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
-            return lane_sum(builder, builder.load(total))
+            return _emit_row_dot(builder, fmt, locality, *args)
 
         return sig, codegen
 
     return row_dot
+
+
+def _emit_row_dot(builder, fmt: _Rows, locality: int, row, x, n_groups, ahead):
+    """``row_dot``'s code: the float32 dot product of the row at address ``row`` with x (see below)."""
+    total = cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, _LANES), [0.0] * _LANES))
+    with cgutils.for_range(builder, n_groups) as loop:
+        at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
+        for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
+            prefetch(builder, builder.add(ahead, builder.add(at, ir.Constant(_I64, last_byte))), locality)
+        x_group = builder.add(x, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
+        product = _group_product(builder, fmt, builder.add(row, at), x_group)
+        builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
+    return lane_sum(builder, builder.load(total))
 
 
 # The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at
@@ -175,42 +185,75 @@ def _row_dot(fmt: _Rows, locality: int):
 # requests kept scattered q4_0 rows coming ~20% faster than the whole row's lines asked for up front
 # (``numba_kernels.prefetch_span``; a one-off comparison while writing it: 11.5 against 9.4 GB/s, two
 # threads), whose burst of 18 requests fills the core's line fill buffers and stalls the loads behind.
-row_dot_q4_0, row_dot_q8_0 = _row_dot(_Q4_0_ROWS, TO_L2), _row_dot(_Q8_0_ROWS, TO_L2)  # scattered rows
-_in_order_q4_0, _in_order_q8_0 = _row_dot(_Q4_0_ROWS, TO_L1), _row_dot(_Q8_0_ROWS, TO_L1)
+row_dot_q4_0, _in_order_q4_0 = _row_dot(_Q4_0_ROWS, TO_L2), _row_dot(_Q4_0_ROWS, TO_L1)  # scattered rows, in order
 
 
-def _encode_group(fmt: _Rows):
-    @intrinsic
-    def encode_group(typingctx, blocks, out):
-        """Rearrange a group's q8_0 blocks of x at address ``blocks`` into one encoded group at ``out``."""
-        sig = types.void(types.intp, types.intp)
+@intrinsic
+def row_dot(typingctx, qtype, row, x, cols, ahead, order):
+    """The ``row_dot`` of ``qtype``'s format (a type of ``_FORMATS``) for a row of ``cols`` weights, among rows read
+    in order or not (``order``: ``numba_kernels.in_order``)."""
+    sig = types.float32(types.intp, types.intp, types.intp, types.intp, types.intp, types.boolean)
 
-        def codegen(context, builder, signature, args):
-            blocks_, out_ = args
-            lanes, operands = _LANES // fmt.blocks, 64 * fmt.operands
-            for k in range(fmt.blocks):
-                block = offset(builder, blocks_, k * Q8_0_BLOCK_BYTES)
-                values = load(builder, offset(builder, block, 2), vec(_I8, BLOCK))
-                for o in range(fmt.operands):  # operand o meets values o*q .. of each block, q = quant bytes
-                    q = fmt.quant_bytes
-                    part = builder.shuffle_vector(values, values, const(_I32, q, range(o * q, o * q + q)))
-                    store(builder, part, offset(builder, out_, 64 * o + q * k))
-                scale = builder.fpext(load(builder, block, _HALF), _F32)
-                total = _lane_sum_int(builder, builder.sext(values, vec(_I32, BLOCK)))
-                start = builder.mul(total, ir.Constant(_I32, -fmt.zero))
-                for lane in range(lanes):
-                    at = 4 * (lanes * k + lane)
-                    store(builder, scale, offset(builder, out_, operands + at))
-                    store(builder, start if lane == 0 else ir.Constant(_I32, 0),
-                          offset(builder, out_, operands + 4 * _LANES + at))
-            return context.get_dummy_value()
+    def codegen(context, builder, signature, args):
+        qtype_, row_, x_, cols_, ahead_, order_ = args
 
-        return sig, codegen
+        def dot(fmt):
+            n_groups = builder.udiv(cols_, ir.Constant(cols_.type, fmt.group_cols))
+            dots = []
+            with builder.if_else(order_) as branches:
+                for branch, locality in zip(branches, (TO_L1, TO_L2)):  # rows in order, scattered rows
+                    with branch:
+                        dot_value = _emit_row_dot(builder, fmt, locality, row_, x_, n_groups, ahead_)
+                        dots.append((dot_value, builder.block))
+            value = builder.phi(_F32)
+            for dot_value, block in dots:
+                value.add_incoming(dot_value, block)
+            return value
 
-    return encode_group
+        return switch_on_type(builder, qtype_, {t: functools.partial(dot, fmt) for t, fmt in _FORMATS.items()})
+
+    return sig, codegen
 
 
-_encode_q4_0, _encode_q8_0 = _encode_group(_Q4_0_ROWS), _encode_group(_Q8_0_ROWS)
+def _emit_encode_group(builder, fmt: _Rows, blocks, out):
+    """Rearrange a group's q8_0 blocks of x at address ``blocks`` into one encoded group for ``fmt`` at ``out``."""
+    lanes, operands = _LANES // fmt.blocks, 64 * fmt.operands
+    for k in range(fmt.blocks):
+        block = offset(builder, blocks, k * Q8_0_BLOCK_BYTES)
+        values = load(builder, offset(builder, block, 2), vec(_I8, BLOCK))
+        for o in range(fmt.operands):  # operand o meets values o*q .. of each block, q = quant bytes
+            q = fmt.quant_bytes
+            part = builder.shuffle_vector(values, values, const(_I32, q, range(o * q, o * q + q)))
+            store(builder, part, offset(builder, out, 64 * o + q * k))
+        scale = builder.fpext(load(builder, block, _HALF), _F32)
+        total = _lane_sum_int(builder, builder.sext(values, vec(_I32, BLOCK)))
+        start = builder.mul(total, ir.Constant(_I32, -fmt.zero))
+        for lane in range(lanes):
+            at = 4 * (lanes * k + lane)
+            store(builder, scale, offset(builder, out, operands + at))
+            store(builder, start if lane == 0 else ir.Constant(_I32, 0),
+                  offset(builder, out, operands + 4 * _LANES + at))
+
+
+@intrinsic
+def _encode_groups(typingctx, qtype, x_q8_0, out, cols):
+    """``encode``'s work for ``qtype``'s format (a type of ``_FORMATS``): every group of ``cols`` values of x."""
+    sig = types.void(*[types.intp] * 4)
+
+    def codegen(context, builder, signature, args):
+        qtype_, x_, out_, cols_ = args
+
+        def encode(fmt):
+            x_bytes = ir.Constant(_I64, fmt.group_cols // BLOCK * Q8_0_BLOCK_BYTES)  # a group's q8_0 blocks of x
+            out_bytes = ir.Constant(_I64, fmt.encoded_group_bytes)
+            with cgutils.for_range(builder, builder.udiv(cols_, ir.Constant(cols_.type, fmt.group_cols))) as loop:
+                _emit_encode_group(builder, fmt, builder.add(x_, builder.mul(loop.index, x_bytes)),
+                                   builder.add(out_, builder.mul(loop.index, out_bytes)))
+
+        switch_on_type(builder, qtype_, {t: functools.partial(encode, fmt) for t, fmt in _FORMATS.items()})
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _lane_sum_int(builder, lanes):
@@ -222,13 +265,8 @@ def _lane_sum_int(builder, lanes):
 @njit(nogil=True, cache=True)
 def encode(qtype, x_q8_0, out, cols):
     """ggml's q8_0 encoding of an input of ``cols`` values (bytes) rearranged for ``qtype`` rows into ``out``."""
-    x, dst = x_q8_0.ctypes.data, out.ctypes.data
-    if qtype == Q4_0:
-        for g in range(cols // _Q4_0_GROUP_COLS):
-            _encode_q4_0(x + g * _Q4_0_GROUP_COLS // BLOCK * Q8_0_BLOCK_BYTES, dst + g * _Q4_0_X_BYTES)
-    else:
-        for g in range(cols // _Q8_0_GROUP_COLS):
-            _encode_q8_0(x + g * _Q8_0_GROUP_COLS // BLOCK * Q8_0_BLOCK_BYTES, dst + g * _Q8_0_X_BYTES)
+    refuse_unclaimed(_FORMAT_TYPES, qtype)
+    _encode_groups(qtype, x_q8_0.ctypes.data, out.ctypes.data, cols)
 
 
 @njit(inline="always")
@@ -239,21 +277,15 @@ def row_dot_q4_0_rows(row, x, n_groups, ahead, order):
     return row_dot_q4_0(row, x, n_groups, ahead)
 
 
-@njit(inline="always")
-def row_dot(qtype, row, x, cols, ahead, order):
-    """``row_dot_q4_0`` or ``row_dot_q8_0`` for a row of ``cols`` weights of ``qtype``, among rows read in
-    order or not (``order``)."""
-    if qtype == Q4_0:
-        return row_dot_q4_0_rows(row, x, cols // _Q4_0_GROUP_COLS, ahead, order)
-    if order:
-        return _in_order_q8_0(row, x, cols // _Q8_0_GROUP_COLS, ahead)
-    return row_dot_q8_0(row, x, cols // _Q8_0_GROUP_COLS, ahead)
+# The types of the compiled decoder's gate/up rows that take ``row_dot_q4_0_rows`` (``ffn_decode.rows_take_vnni``)
+GATE_UP_TYPES = type_mask(implementations(Kernel.VNNI_GATE_UP, {weight_types.Q4_0: row_dot_q4_0_rows}, __name__))
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     """One token: ``out[i] = weights[rows[i]] · x`` (q4_0 or q8_0 rows, ``usable``; x float32, encoded into
     the scratch ``x_q8_0`` and ``x_encoded``), the threads sharing the rows."""
+    refuse_unclaimed(_ROW_DOT_TYPES, qtype)
     cols, n = x.shape[0], rows.shape[0]
     ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
     encode(qtype, x_q8_0, x_encoded, cols)

@@ -5,8 +5,9 @@ contiguous, exactly as GGUF lays them out. Nothing is expanded to float32 for
 the whole model: each product dequantizes only the rows it needs, in chunks.
 These NumPy routines are the reference that compiled kernels are tested against.
 Rows are dequantized bit for bit as gguf's reference does: by compiled loops of ours
-(q4_0, q8_0), by ggml's ``to_float`` (``kernels.ggml_base``: the other block types), or
-by gguf's NumPy code where neither is at hand.
+(``kernels.numba_dequant``: the types that claim ``Kernel.COMPILED_DECODE``), by the array
+decoders here (``Kernel.ARRAY_DECODE``: f32, f16, q8_0, q4_0), by ggml's ``to_float``
+(``kernels.ggml_base``: the other types), or by gguf's NumPy code where none of these is at hand.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from powerinfer_tools.formats.weight_types import F16, F32, Q4_0, Q8_0, WEIGHT_TYPES
+from powerinfer_tools.formats.weight_types import F16, F32, Q4_0, Q8_0, WEIGHT_TYPES, Kernel, implementations
 from powerinfer_tools.kernels import ggml_base
 from powerinfer_tools.xp import array_namespace
 
@@ -59,7 +60,7 @@ class QuantMatrix:
         if compiled is not None:
             return compiled(raw)
         base = ggml_base.loaded()
-        if on_host and self.qtype not in _ARRAY_DECODED and base is not None:
+        if on_host and self.qtype not in ARRAY_DECODERS and base is not None:
             return base.dequantize(raw, self.qtype)
         return dequantize_blocks(raw, self.qtype)
 
@@ -105,33 +106,47 @@ def _compiled_dequantizers() -> dict:
     return numba_dequant.DECODERS
 
 
-_ARRAY_DECODED = (F32, F16, Q8_0, Q4_0)  # the types dequantize_blocks decodes with array operations
-
-
 def dequantize_blocks(raw, qtype: GGMLQuantizationType):
     """float32 rows from GGUF-encoded rows, with array operations that run on NumPy and CuPy alike
-    for the types of ``_ARRAY_DECODED``; other types by gguf's NumPy dequantizer (a device's rows go
-    through the host for it).
-
-    q8_0 blocks: an f16 scale then 32 int8 values. q4_0 blocks: an f16 scale then
-    16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each
-    stored with an offset of 8.
-    """
+    for the types of ``ARRAY_DECODERS``; other types by gguf's NumPy dequantizer (a device's rows go
+    through the host for it)."""
     xp = array_namespace(raw)
-    if qtype not in _ARRAY_DECODED:
+    decode = ARRAY_DECODERS.get(qtype)
+    if decode is None:
         return xp.asarray(WEIGHT_TYPES[qtype].dequantize(raw if xp is np else xp.asnumpy(raw)))
-    if qtype is F32:
-        return xp.asarray(raw, dtype=xp.float32)
-    if qtype is F16:
-        return raw.astype(xp.float32)
+    return decode(xp, raw)
+
+
+def _f32_rows(xp, raw):
+    return xp.asarray(raw, dtype=xp.float32)
+
+
+def _f16_rows(xp, raw):
+    return raw.astype(xp.float32)
+
+
+def _scaled_blocks(xp, raw, qtype: GGMLQuantizationType, values):
+    """Rows of ``qtype`` blocks that each start with an f16 scale: ``values(quants)`` (the float32 values of the
+    bytes after it, ``[rows, blocks, block_size]``) times the scale."""
     t = WEIGHT_TYPES[qtype]
     rows, n_blocks = raw.shape[0], raw.shape[1] // t.block_bytes
     blocks = xp.asarray(raw).reshape(rows, n_blocks, t.block_bytes)
     scale = xp.ascontiguousarray(blocks[:, :, :2]).view(xp.float16).astype(xp.float32)
-    if qtype is Q8_0:
-        values = blocks[:, :, 2:].astype(xp.int8).astype(xp.float32)
-    else:
-        packed = blocks[:, :, 2:]
-        nibbles = xp.concatenate([packed & 0x0F, packed >> 4], axis=-1)
-        values = nibbles.astype(xp.float32) - 8
-    return (values * scale).reshape(rows, -1)
+    return (values(blocks[:, :, 2:]) * scale).reshape(rows, -1)
+
+
+def _q8_0_rows(xp, raw):
+    """q8_0 blocks: an f16 scale, then 32 int8 values."""
+    return _scaled_blocks(xp, raw, Q8_0, lambda quants: quants.astype(xp.int8).astype(xp.float32))
+
+
+def _q4_0_rows(xp, raw):
+    """q4_0 blocks: an f16 scale, then 16 bytes whose low nibbles are elements 0-15 and high nibbles 16-31, each
+    stored with an offset of 8."""
+    return _scaled_blocks(xp, raw, Q4_0,
+                          lambda quants: xp.concatenate([quants & 0x0F, quants >> 4], axis=-1).astype(xp.float32) - 8)
+
+
+# The array decoders by type, for the rows that claim them (f32 and f16 rows are floats already)
+ARRAY_DECODERS = implementations(Kernel.ARRAY_DECODE, {F32: _f32_rows, F16: _f16_rows, Q8_0: _q8_0_rows,
+                                                       Q4_0: _q4_0_rows}, __name__)

@@ -104,7 +104,7 @@ def _predictor_product(from_float, vec_dot, w, w_type, x, x_encoded, out):
     """``out = W · x`` with ``w`` in its stored type: x encoded for ``vec_dot``, rows as the weights' are
     (narrow f16 rows: ``nk.f16_row_dot``, which rounds x to f16 itself, as ggml's encoding would)."""
     cols = x.shape[0]
-    if w_type == nk.F16 and cols <= NARROW_F16_COLS and cols % nk.F16_CHUNK == 0:
+    if nk.claimed(nk.NARROW_ROW_DOT_TYPES, w_type) and cols <= NARROW_F16_COLS and cols % nk.F16_CHUNK == 0:
         for i in range(w.shape[0]):
             out[i] = nk.f16_row_dot(w.ctypes.data + i * w.strides[0], x.ctypes.data, cols)
         return
@@ -136,10 +136,10 @@ def predict(x, w, s, fns):
 @njit(inline="always")
 def rows_take_vnni(vnni, ffn_type, cols):
     """Whether ``gate_up`` multiplies gate/up rows of ggml type ``ffn_type``, ``cols`` wide, with
-    ``numba_vnni.row_dot_q4_0`` (``vnni``: this CPU runs it) rather than ggml's ``vec_dot``; the execution
-    report asks too (``.py_func``). Up is never interleaved here: its rows are q4_0 as stored when
-    ``ffn_type`` says q4_0."""
-    return vnni and ffn_type == nk.Q4_0 and cols >= numba_vnni.GROUP_COLS
+    ``numba_vnni.row_dot_q4_0`` (``vnni``: this CPU runs it; ``ffn_type``: a type that claims
+    ``Kernel.VNNI_GATE_UP``, q4_0) rather than ggml's ``vec_dot``; the execution report asks too (``.py_func``).
+    Up is never interleaved here: its rows are q4_0 as stored when ``ffn_type`` says q4_0."""
+    return vnni and nk.claimed(numba_vnni.GATE_UP_TYPES, ffn_type) and cols >= numba_vnni.GROUP_COLS
 
 
 @njit(nogil=True, cache=True)
