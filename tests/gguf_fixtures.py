@@ -41,7 +41,7 @@ SAMPLE_TEXTS = [
 ]
 
 
-def _corpus() -> list[str]:
+def training_texts() -> list[str]:
     """The json package's sources (on every Python) plus some non-ASCII text."""
     folder = Path(json.__file__).parent
     texts = [p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.py"))]
@@ -58,7 +58,7 @@ def train_gpt2_tokenizer(folder: Path, vocab_size: int = 500) -> int:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet, show_progress=False
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(training_texts(), trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"bos_token": EOT, "eos_token": EOT, "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}
@@ -77,7 +77,7 @@ def train_spm_tokenizer(folder: Path, vocab_size: int = 600) -> int:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPM_SPECIALS, limit_alphabet=120, show_progress=False
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(training_texts(), trainer=trainer)
     # tokenizers cannot train byte tokens into the model vocabulary: renumber with them inserted.
     spec = json.loads(tok.to_str())
     trained = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]) if t not in SPM_SPECIALS]

@@ -75,6 +75,8 @@ def build(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: randomised too
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),  # norms randomised around 2
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k norms randomised too
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # fused qkv_proj and gate_up_proj
     }[family]
     config = config_cls(**(config_overrides or {}))
     model = model_cls(config).eval()
