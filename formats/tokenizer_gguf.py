@@ -7,7 +7,8 @@ Two kinds of BPE tokenizer can be embedded so that llama.cpp tokenizes exactly
   byte-to-unicode spelling and the merges in rank order. ``tokenizer.ggml.pre``
   names the regex that splits text before BPE, which llama.cpp looks up by that
   name: ``"gpt-2"`` for GPT-2's (``ByteLevel`` with its built-in regex, no
-  normalizer), ``"qwen2"`` for Qwen2's and ``"llama-bpe"`` for Llama-3's
+  normalizer), ``"smollm"`` for SmolLM's (every digit split off first: ``Digits``),
+  ``"qwen2"`` for Qwen2's and ``"llama-bpe"`` for Llama-3's
   (a ``Split`` with that regex, then ``ByteLevel`` without one; ``"smaug-bpe"``
   for Llama-3's regex without its ``ignore_merges``). llama.cpp's own converter
   recognises the pre-tokenizer by hashing how it tokenizes a fixed text; we
@@ -120,17 +121,17 @@ def _describe(part: dict | None) -> str:
     return str(part.get("type"))
 
 
-def _is_gpt2_byte_level(tokenizer: dict) -> bool:
-    """ByteLevel with GPT-2's regex and no prefix space, alone, and no normalizer."""
+def _gpt2_byte_level_name(tokenizer: dict) -> str | None:
+    """ByteLevel with GPT-2's regex and no prefix space, and no normalizer: alone, ``gpt-2``; after every digit is
+    split off (SmolLM's ``Digits(individual_digits)``), llama.cpp's ``smollm``; else None."""
     pre = tokenizer.get("pre_tokenizer") or {}
-    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
-        pre = pre["pretokenizers"][0]
-    return (
-        not tokenizer.get("normalizer")
-        and pre.get("type") == "ByteLevel"
-        and pre.get("use_regex", True)
-        and not pre.get("add_prefix_space", False)
-    )
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    digits = steps[:1] == [{"type": "Digits", "individual_digits": True}]
+    byte_level = steps[len(steps) - 1] if len(steps) == 1 + digits else {}
+    if (tokenizer.get("normalizer") or byte_level.get("type") != "ByteLevel" or not byte_level.get("use_regex", True)
+            or byte_level.get("add_prefix_space", False)):
+        return None
+    return "smollm" if digits else "gpt-2"
 
 
 def _split_then_byte_level(tokenizer: dict) -> dict | None:
@@ -266,7 +267,7 @@ def read_vocab(folder: str | Path, n_vocab: int) -> GGUFVocab:
 
     pre = None
     if model_type == "BPE":
-        pre = "gpt-2" if _is_gpt2_byte_level(tokenizer) else _split_pre_tokenizer(tokenizer, path)
+        pre = _gpt2_byte_level_name(tokenizer) or _split_pre_tokenizer(tokenizer, path)
     if pre is not None:
         tokens, types = _token_table(tokenizer, n_vocab, path, lambda text: TokenType.NORMAL)
         return GGUFVocab("gpt2", pre, tokens, types, [f"{a} {b}" for a, b in merges], None, None, special)
@@ -286,6 +287,6 @@ def read_vocab(folder: str | Path, n_vocab: int) -> GGUFVocab:
     raise PitoolsError(
         f"{path}: cannot embed this tokenizer in GGUF (model {model_type}, "
         f"pre-tokenizer {_describe(tokenizer.get('pre_tokenizer'))}, normalizer {_describe(tokenizer.get('normalizer'))}); "
-        "supported: byte-level BPE (GPT-2's, or Qwen2's or Llama-3's Split regex first) and "
+        "supported: byte-level BPE (GPT-2's, SmolLM's, or Qwen2's or Llama-3's Split regex first) and "
         "SentencePiece-style byte-fallback BPE (LLaMA, Mistral)"
     )
