@@ -104,7 +104,8 @@ def rebuild_smollm2_tokenizer(folder: Path) -> TokenizerFiles:
 def train_sentencepiece_tokenizer(folder: Path, vocab_size: int = 1000) -> TokenizerFiles:
     """A ``tokenizer.model`` as Llama 2's and Phi-3's (BPE with byte fallback, ``<unk> <s> </s>`` first, digits
     split, whitespace kept) trained on the json package's sources, with ``SPM_ADDED`` after its vocabulary and
-    the embedding padded to a multiple of 64, written into ``folder`` with Phi-3's kind of tokenizer_config.json."""
+    the embedding padded to a multiple of 64, written into ``folder`` with Phi-3's kind of tokenizer_config.json and
+    transformers' tokenizer.json of it."""
     import sentencepiece
 
     lines = [line for text in training_texts() for line in text.splitlines() if line.strip()]
@@ -124,6 +125,12 @@ def train_sentencepiece_tokenizer(folder: Path, vocab_size: int = 1000) -> Token
               "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<unk>", "legacy": False,
               "added_tokens_decoder": decoder}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    # Released Phi-3 checkpoints carry tokenizer.json too, transformers' conversion of tokenizer.model (what
+    # pitools reads; llama.cpp's converter reads tokenizer.model).
+    fast = folder / "fast"
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(fast)
+    (fast / "tokenizer.json").replace(folder / "tokenizer.json")
+    shutil.rmtree(fast)
     eos = added["<|endoftext|>"]
     n_vocab = -(-(vocab_size + len(added)) // 64) * 64
     return TokenizerFiles(folder, n_vocab, {"bos_token_id": 1, "eos_token_id": eos, "pad_token_id": eos})

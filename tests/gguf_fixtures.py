@@ -213,11 +213,12 @@ def stepwise_logits(model, tokens=TOKENS, prompt=4) -> np.ndarray:
 
 # --- rewriting a model or split file ------------------------------------------------------------------------
 
-def rewrite_gguf(path: Path, changes: dict, tensors: dict | None = None) -> None:
+def rewrite_gguf(path: Path, changes: dict, tensors: dict | None = None, add_tensors: dict | None = None) -> None:
     """Rewrite the model or split file ``path`` in place with its metadata changed: ``changes`` maps a key to
     ``(value, GGUFValueType[, item type])`` (a new value, of any type) or to None (the key removed); ``tensors``
-    maps a tensor's name to new data of its type. Every other key keeps its place and type, every other tensor
-    its bytes, the file its magic (PWRI or GGUF)."""
+    maps a tensor's name to new data of its type; ``add_tensors`` are new tensors (float32 arrays) after the
+    others. Every other key keeps its place and type, every other tensor its bytes, the file its magic (PWRI or
+    GGUF)."""
     import tempfile
 
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, Keys
@@ -242,6 +243,8 @@ def rewrite_gguf(path: Path, changes: dict, tensors: dict | None = None) -> None
             writer.add_key_value(key, value, kind, item_kind)
         for t in reader.tensors:
             writer.add_tensor(t.name, (tensors or {}).get(t.name, t.data), raw_dtype=t.tensor_type)
+        for name, values in (add_tensors or {}).items():
+            writer.add_tensor(name, values)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf_fixtures import llama
+from gguf_fixtures import SAMPLE_TEXTS, llama
+
+PROMPT = "\n".join(SAMPLE_TEXTS)  # ~190 tokens: rope at positions where every scaling shows
+STEPS = 24  # greedy tokens compared
+# Relative (Frobenius) error of llama.cpp's logits, as tests/test_llamacpp_dense.py bounds it: f32 files, and f16
+# files (whose weights are rounded) against transformers on the f32 checkpoint.
+F32_ERROR, F16_ERROR = 1e-4, 1e-2
+
+
+def prompt_ids(path) -> list[int]:
+    """The prompt as llama.cpp tokenizes it for the file (a BOS first where the file says to add one)."""
+    return llama(path, vocab_only=True).tokenize(PROMPT.encode(), add_bos=True, special=False)
 
 
 def transformers_logits(model, ids: list[int]) -> np.ndarray:

@@ -20,19 +20,18 @@ from gguf import GGUFReader, GGUFValueType
 from gguf_fixtures import SAMPLE_TEXTS, llama
 from llamacpp_converter import ConverterUnavailable, convert_checkpoint, converter_folder
 from oracle_decoding import (
+    F16_ERROR,
+    F32_ERROR,
+    STEPS,
     agreeing_prefix,
     llamacpp_logits_and_greedy,
+    prompt_ids,
     relative_error,
     transformers_greedy,
     transformers_logits,
 )
 from safetensors.numpy import load_file
 
-PROMPT = "\n".join(SAMPLE_TEXTS)  # ~190 tokens: rope at positions where every scaling shows
-STEPS = 24  # greedy tokens compared
-# Relative (Frobenius) error of llama.cpp's logits, as tests/test_llamacpp_dense.py bounds it: f32 files, and f16
-# files (whose weights are rounded) against transformers on the f32 checkpoint.
-F32_ERROR, F16_ERROR = 1e-4, 1e-2
 # Text on which SmolLM2's pre-tokenizer (digits split one by one first) and GPT-2's differ.
 DIGIT_TEXTS = ["x  +  1", "a 12345 b  678\t9", " 1 22  333   4444", "3.14 1e-5 0x1F ５６ ٣٤ ¹²³ ½"]
 # Per-layer tensors of each architecture's file (blk.N.* without the N), besides the norms attn_norm and ffn_norm.
@@ -42,11 +41,6 @@ BLOCK_TENSORS = {
               "ffn_down"},
     "phi3": {"attn_qkv", "attn_output", "ffn_up", "ffn_down"},  # ffn_up: gate and up, fused
 }
-
-
-def prompt_ids(path) -> list[int]:
-    """The prompt as llama.cpp tokenizes it for the file (a BOS first where the file says to add one)."""
-    return llama(path, vocab_only=True).tokenize(PROMPT.encode(), add_bos=True, special=False)
 
 
 def reloaded_with(folder, tmp_path, **config):

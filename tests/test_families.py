@@ -1,0 +1,143 @@
+"""Our reference engine, converter and runtime on the Llama 3.1/3.2 (llama3, linear and yarn rope scalings), Qwen3 and
+Phi-3 families, against the oracles no one here wrote (tests/test_family_oracles.py checks them against each
+other): transformers on the small random checkpoints of tests/family_checkpoints.py, llama.cpp on the GGUF files
+its own converter writes of them, which are the files users download."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cli_checks import fails, invoke
+from family_checkpoints import FAMILIES
+from gguf import GGUFValueType
+from gguf_fixtures import rewrite_gguf
+from oracle_decoding import (
+    F32_ERROR,
+    STEPS,
+    agreeing_prefix,
+    llamacpp_logits_and_greedy,
+    prompt_ids,
+    relative_error,
+    transformers_logits,
+)
+
+from powerinfer_tools.checkpoints.checkpoint import Checkpoint
+from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.formats.activation_thresholds import read_thresholds
+from powerinfer_tools.formats.model_file import open_model_file
+from powerinfer_tools.interfaces import FFNMode
+from powerinfer_tools.models import load_model
+from powerinfer_tools.runtime.loader import load_runtime_model
+
+ONE_AT_A_TIME = 8  # the prompt's last tokens, decoded one at a time after the rest as one block
+
+
+def runtime_logits_and_greedy(path, ids: list[int], compiled: bool, steps: int = STEPS, mode=FFNMode.DENSE):
+    """Our runtime's logits at every prompt position (a block, then ONE_AT_A_TIME tokens one by one) and its greedy
+    continuation of ``steps`` tokens."""
+    model = load_runtime_model(path)
+    model.compiled_decoding, model.mode = compiled, mode
+    caches, cut = model.new_cache(), len(ids) - ONE_AT_A_TIME
+    logits = [model.forward(np.array(ids[:cut]), caches)]
+    logits += [model.forward(np.array(ids[i : i + 1]), caches) for i in range(cut, len(ids))]
+    continuation, last = [], logits[-1][-1]
+    for _ in range(steps):
+        continuation.append(int(last.argmax()))
+        last = model.forward(np.array(continuation[-1:]), caches)[-1]
+    return np.concatenate(logits).astype(np.float64), continuation, model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_reference_engine_computes_what_transformers_computes(family_checkpoint, llamacpp_gguf, name):
+    built = family_checkpoint(name)
+    ids = prompt_ids(llamacpp_gguf(name))
+    model = load_model(Checkpoint(built.folder))
+    ours = model.forward(np.array(ids), model.new_cache()).astype(np.float64)
+    assert relative_error(ours, transformers_logits(built.reference, ids)) < F32_ERROR
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-decoder", "general-path"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_runtime_computes_llamacpps_file_as_llamacpp_does(llamacpp_gguf, name, compiled):
+    """The file llama.cpp's converter writes, as users download it: every prompt position's logits and the greedy
+    continuation, on either one-token path."""
+    path = llamacpp_gguf(name)
+    ids = prompt_ids(path)
+    theirs, their_tokens = llamacpp_logits_and_greedy(path, ids, STEPS)
+    ours, our_tokens, model = runtime_logits_and_greedy(path, ids, compiled)
+    assert model.layer_paths() == (["compiled decoder" if compiled else "general path (compiled decoding turned off)"]
+                                   * len(model.layers))
+    assert relative_error(ours, theirs) < F32_ERROR
+    assert our_tokens == their_tokens, f"the same for {agreeing_prefix(our_tokens, their_tokens)} tokens"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_our_dense_file_is_llamacpps(tmp_path, family_checkpoint, llamacpp_gguf, name):
+    """``pitools convert --dense`` of the checkpoint writes what llama.cpp computes as transformers does (Llama 3.1's
+    rope_freqs, Phi-3's fused tensors, Qwen3's q/k norms as its converter writes them), and converting llama.cpp's
+    own file reads it back as that checkpoint."""
+    built = family_checkpoint(name)
+    ours, _ = convert(str(built.folder), tmp_path / "ours.gguf", outtype="f32", dense=True, progress=False)
+    ids = prompt_ids(llamacpp_gguf(name))
+    logits, _ = llamacpp_logits_and_greedy(ours, ids, 0)
+    assert relative_error(logits, transformers_logits(built.reference, ids)) < F32_ERROR
+    again, _ = convert(str(llamacpp_gguf(name)), tmp_path / "again.gguf", outtype="f32", dense=True, progress=False)
+    source = load_model(Checkpoint(built.folder))
+    # (our files always hold output.weight, a tied model's copy of the embedding: PowerInfer's loader needs it)
+    untied = dataclasses.replace(load_runtime_model(llamacpp_gguf(name)).spec, tied_embeddings=False)
+    assert load_runtime_model(again).spec == untied
+    logits, _ = llamacpp_logits_and_greedy(again, ids, 0)
+    assert relative_error(logits, source.forward(np.array(ids), source.new_cache())) < F32_ERROR
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "phi3"])
+def test_a_thresholded_file_computes_the_rule_as_the_reference(tmp_path, family_checkpoint, llamacpp_gguf, name):
+    """``--target-sparsity`` (CATS): the sparse file (Phi-3's fused gate and up written apart) computes what the
+    reference engine computes with the same thresholds, on the compiled decoder, and skips neurons."""
+    built = family_checkpoint(name)
+    corpus = tmp_path / "calibration.txt"
+    corpus.write_text("\n".join(FAMILIES[name].config.keys()) * 200 + open(__file__).read())
+    path, _ = convert(str(built.folder), tmp_path / "m.powerinfer.gguf", outtype="f32", progress=False,
+                      sparsify=SparsifySettings(corpus=(corpus,), tokens=2048, target_sparsity=0.4))
+    ids = prompt_ids(llamacpp_gguf(name))
+    ours, _, model = runtime_logits_and_greedy(path, ids, compiled=True, steps=0, mode=FFNMode.SPARSE)
+    reference = load_model(Checkpoint(built.folder))
+    reference.activation_thresholds = read_thresholds(open_model_file(path).get, reference.spec.n_layers, "f")
+    theirs = reference.forward(np.array(ids), reference.new_cache())
+    assert (np.abs(ours - theirs).max(axis=1) < 1e-3).mean() >= 0.75
+    assert np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1)) >= 0.95
+    assert 0.3 < model.stats.density < 0.9
+
+
+def test_a_tensor_the_family_does_not_apply_is_refused(tmp_path, llamacpp_gguf):
+    """A long-context Phi-3's rope_factors_long would be ignored: the file is refused, naming it, by every command."""
+    import shutil
+
+    path = tmp_path / "phi3.gguf"
+    shutil.copy(llamacpp_gguf("phi3"), path)
+    rewrite_gguf(path, {}, add_tensors={"rope_factors_long.weight": np.ones(16, dtype=np.float32)})
+    for command in (["run", path, "-p", "x", "-n", "1"], ["convert", path, "--dense", "-o", tmp_path / "o.gguf"]):
+        fails(*command, match="tensor rope_factors_long.weight is not part of a phi3 model", names=path)
+
+
+@pytest.mark.parametrize("key, value", [("llama.attention.scale", 0.5), ("llama.rope.scaling.attn_factor", 2.0)])
+def test_a_key_the_family_does_not_apply_is_refused(tmp_path, llamacpp_gguf, key, value):
+    import shutil
+
+    path = tmp_path / "llama.gguf"
+    shutil.copy(llamacpp_gguf("llama3.1"), path)
+    rewrite_gguf(path, {key: (value, GGUFValueType.FLOAT32)})
+    fails("run", path, "-p", "x", "-n", "1", match=f"metadata key {key} ({value}) changes what a llama model computes",
+          names=path)
+
+
+def test_the_neutral_value_of_a_key_is_accepted(tmp_path, llamacpp_gguf):
+    import shutil
+
+    path = tmp_path / "llama.gguf"
+    shutil.copy(llamacpp_gguf("llama3.1"), path)
+    rewrite_gguf(path, {"llama.rope.scaling.attn_factor": (1.0, GGUFValueType.FLOAT32)})
+    assert invoke("run", path, "-p", "x", "-n", "1").exit_code == 0
