@@ -4,10 +4,14 @@ The metadata (``{arch}.embedding_length``, ``feed_forward_length``, ...) and the
 tensor table are written separately, and either can be damaged or edited. Every
 reader that computes with the tensors (the runtime, the solver's sizes) checks
 here first, so a mismatch is one error naming the file and the tensor instead
-of a shape error deep inside a kernel.
+of a shape error deep inside a kernel. Whether tensors hold NaN or infinity is
+``check_finite``'s question, asked of what a reader has at hand (the runtime: the
+norms and biases it copies at load, every tensor once its logits are not finite).
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
@@ -21,8 +25,10 @@ from powerinfer_tools.formats.constants import (
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.formats.metadata_keys import read_key
-from powerinfer_tools.formats.model_file import ModelFile
+from powerinfer_tools.formats.model_file import ModelFile, StoredTensor
 from powerinfer_tools.formats.model_spec import ModelSpec
+from powerinfer_tools.formats.quantization import decode
+from powerinfer_tools.formats.safetensors_file import NonFiniteTensor
 
 from powerinfer_tools.errors import PitoolsError
 
@@ -49,6 +55,28 @@ def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
             _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
     check_predictors(model, spec)
     read_key(model.get, Keys.Tokenizer.LIST, model.path, spec.vocab_size)  # a token per row of the embedding
+
+
+# Values dequantized at a time when a tensor is searched for NaN or infinity: a float32 copy of a large tensor
+# whole (a 150,000-token embedding: over a gigabyte) would take more memory than the run that asks.
+_CHUNK_VALUES = 1 << 22
+
+
+def check_finite(model: ModelFile, names: Iterable[str]) -> None:
+    """Refuse (``NonFiniteTensor``, as conversion does) the first of the tensors ``names`` holding a NaN or an
+    infinite value. It reads every byte of them: the runtime asks it of every tensor only once its logits
+    showed damage, never on a load."""
+    for name in names:
+        if count := _nonfinite_count(model[name]):
+            raise NonFiniteTensor(f"{model.path}: tensor {name} has {count} non-finite values (NaN/inf)")
+
+
+def _nonfinite_count(tensor: StoredTensor) -> int:
+    """How many of ``tensor``'s values are NaN or infinite, dequantized a chunk of rows at a time."""
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])
+    step = max(1, _CHUNK_VALUES // tensor.shape[-1])
+    return sum(int(np.count_nonzero(~np.isfinite(decode(rows[start : start + step], tensor.qtype))))
+               for start in range(0, len(rows), step))
 
 
 def check_predictors(model: ModelFile, spec: ModelSpec) -> None:
