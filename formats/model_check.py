@@ -11,7 +11,7 @@ norms and biases it copies at load, every tensor once its logits are not finite)
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
@@ -42,7 +42,7 @@ def sparse_layout(model: ModelFile) -> bool:
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     """Every tensor ``spec`` implies is present with its shape, the predictors fit (``check_predictors``), and
-    the vocabulary, when the file has one, has a token per embedding row."""
+    the vocabulary, when the file has one, has a token per embedding row and, byte-level BPE, its merges."""
     bundle = BundleLayout.of_file(model)
     bundled = set() if bundle is None else {tensor_name(p.tensor, i) for p in bundle.parts for i in range(spec.n_layers)}
     for expected in tensor_names(spec, sparse_layout(model)):
@@ -55,6 +55,18 @@ def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
             _check_shape(model, tensor_name(PowerInferTensor.FFN_BUNDLE, layer), (spec.d_ff, bundle.stride))
     check_predictors(model, spec)
     read_key(model.get, Keys.Tokenizer.LIST, model.path, spec.vocab_size)  # a token per row of the embedding
+    bpe_merges(model.get, model.path)
+
+
+def bpe_merges(get: Callable[[str], Any], source: Any) -> list[str] | None:
+    """A byte-level BPE (``gpt2``) vocabulary's merges by ``get`` (a model file's, its metadata's), ``"left right"``
+    in rank order; None for another vocabulary. A BPE vocabulary without them is refused, as llama.cpp refuses it
+    ("cannot find tokenizer merges", llama-vocab.cpp; it excepts Kimi-K2's, an architecture we do not read):
+    merged by no merges, text would be tokenized a character at a time."""
+    if get(Keys.Tokenizer.MODEL) != "gpt2":
+        return None
+    return read_key(get, Keys.Tokenizer.MERGES, source,
+                    required="a gpt2 vocabulary is merged by them; llama.cpp refuses a file without")
 
 
 # Values dequantized at a time when a tensor is searched for NaN or infinity: a float32 copy of a large tensor

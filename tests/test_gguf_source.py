@@ -242,6 +242,12 @@ def test_a_file_without_a_tokenizer_is_refused(copy_of):
     refused(copy_of, "the file has no embedded tokenizer", "--dense")
 
 
+def test_a_bpe_vocabulary_without_merges_is_refused(copy_of):
+    """llama.cpp refuses such a file: converted, it was written as it came."""
+    rewrite_gguf(copy_of, {"tokenizer.ggml.merges": None})
+    refused(copy_of, "tokenizer.ggml.merges must hold merges", "--dense")
+
+
 def test_rope_scalings_a_spec_lacks_are_refused(copy_of):
     rewrite_gguf(copy_of, {"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)})
     refused(copy_of, "rope scaling 'yarn' is not supported", "--dense")
