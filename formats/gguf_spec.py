@@ -63,13 +63,20 @@ def _ffn_kind(model: ModelFile) -> FFNKind:
         except ValueError:
             kinds = ", ".join(kind.value for kind in FFNKind)
             raise PitoolsError(f"{FFN_ACTIVATION_KEY} is {stored!r:.60}; expected one of {kinds}") from None
-    if model.architecture == BAMBOO:
+    return architecture_ffn(model.architecture, model.powerinfer)
+
+
+def architecture_ffn(architecture: str, powerinfer: bool) -> FFNKind:
+    """The FFN llama.cpp and PowerInfer's runtime compute for a file of GGUF ``architecture`` in the PowerInfer
+    layout or the dense one: they read it from the architecture alone (``src/models/llama.cpp``: SiLU, whatever
+    ``pitools.ffn_activation`` says), as a file without that key is read here."""
+    if architecture == BAMBOO:
         return FFNKind.DRELU
-    if model.architecture == OPT:
+    if architecture == OPT:
         return FFNKind.RELU
-    if model.architecture == GEMMA3:
+    if architecture == GEMMA3:
         return FFNKind.GEGLU
-    return FFNKind.REGLU if model.powerinfer else FFNKind.SWIGLU
+    return FFNKind.REGLU if powerinfer else FFNKind.SWIGLU
 
 
 def spec_from_model_file(model: ModelFile) -> ModelSpec:
