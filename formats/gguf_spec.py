@@ -70,9 +70,16 @@ def _ffn_kind(model: ModelFile, family: Architecture) -> FFNKind:
         except ValueError:
             kinds = ", ".join(kind.value for kind in FFNKind)
             raise PitoolsError(f"{FFN_ACTIVATION_KEY} is {stored!r:.60}; expected one of {kinds}") from None
-    if model.architecture == family.powerinfer_drelu_name:
+    return architecture_ffn(family, model.architecture, model.powerinfer)
+
+
+def architecture_ffn(family: Architecture, gguf_name: str, powerinfer: bool) -> FFNKind:
+    """The FFN llama.cpp and PowerInfer's runtime compute for a file of ``family`` named ``gguf_name``, in the
+    PowerInfer layout or the dense one: they read it from the architecture alone (``src/models/llama.cpp``: SiLU,
+    whatever ``pitools.ffn_activation`` says), as a file without that key is read here."""
+    if gguf_name == family.powerinfer_drelu_name:
         return FFNKind.DRELU
-    return family.sparse_ffn if model.powerinfer else family.dense_ffn
+    return family.sparse_ffn if powerinfer else family.dense_ffn
 
 
 def spec_from_model_file(model: ModelFile, family: Architecture) -> ModelSpec:

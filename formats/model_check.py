@@ -4,10 +4,14 @@ The metadata (``{arch}.embedding_length``, ``feed_forward_length``, ...) and the
 tensor table are written separately, and either can be damaged or edited. Every
 reader that computes with the tensors (the runtime, the solver's sizes) checks
 here first, so a mismatch is one error naming the file and the tensor instead
-of a shape error deep inside a kernel.
+of a shape error deep inside a kernel. Whether tensors hold NaN or infinity is
+``check_finite``'s question, asked of what a reader has at hand (the runtime: the
+norms and biases it copies at load, every tensor once its logits are not finite).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from gguf import MODEL_TENSOR, Keys
@@ -21,8 +25,10 @@ from powerinfer_tools.formats.constants import (
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_names
 from powerinfer_tools.formats.metadata_keys import read_key
-from powerinfer_tools.formats.model_file import ModelFile
+from powerinfer_tools.formats.model_file import ModelFile, StoredTensor
 from powerinfer_tools.formats.model_spec import ModelSpec
+from powerinfer_tools.formats.quantization import decode
+from powerinfer_tools.formats.safetensors_file import NonFiniteTensor
 
 from powerinfer_tools.errors import PitoolsError
 
@@ -36,7 +42,8 @@ def sparse_layout(model: ModelFile) -> bool:
 
 def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     """Every tensor ``spec`` implies is present with its shape, and no other (``_refuse_unknown_tensors``); the
-    predictors fit (``check_predictors``), and the vocabulary, when the file has one, has a token per embedding row."""
+    predictors fit (``check_predictors``), and the vocabulary, when the file has one, has a token per embedding row
+    and, byte-level BPE, its merges."""
     bundle = BundleLayout.of_file(model)
     bundled = set() if bundle is None else {tensor_name(p.tensor, i) for p in bundle.parts for i in range(spec.n_layers)}
     expected_names = tensor_names(spec, sparse_layout(model))
@@ -52,6 +59,40 @@ def check_model_tensors(model: ModelFile, spec: ModelSpec) -> None:
     predictors = [name for unit in spec.ffn_units for name in predictor_names(unit.layer, unit.expert)]
     _refuse_unknown_tensors(model, spec, {t.target for t in expected_names} | set(bundles) | set(predictors))
     read_key(model.get, Keys.Tokenizer.LIST, model.path, spec.vocab_size)  # a token per row of the embedding
+    bpe_merges(model.get, model.path)
+
+
+def bpe_merges(get: Callable[[str], Any], source: Any) -> list[str] | None:
+    """A byte-level BPE (``gpt2``) vocabulary's merges by ``get`` (a model file's, its metadata's), ``"left right"``
+    in rank order; None for another vocabulary. A BPE vocabulary without them is refused, as llama.cpp refuses it
+    ("cannot find tokenizer merges", llama-vocab.cpp; it excepts Kimi-K2's, an architecture we do not read):
+    merged by no merges, text would be tokenized a character at a time."""
+    if get(Keys.Tokenizer.MODEL) != "gpt2":
+        return None
+    return read_key(get, Keys.Tokenizer.MERGES, source,
+                    required="a gpt2 vocabulary is merged by them; llama.cpp refuses a file without")
+
+
+# Values dequantized at a time when a tensor is searched for NaN or infinity: a float32 copy of a large tensor
+# whole (a 150,000-token embedding: over a gigabyte) would take more memory than the run that asks.
+_CHUNK_VALUES = 1 << 22
+
+
+def check_finite(model: ModelFile, names: Iterable[str]) -> None:
+    """Refuse (``NonFiniteTensor``, as conversion does) the first of the tensors ``names`` holding a NaN or an
+    infinite value. It reads every byte of them: the runtime asks it of every tensor only once its logits
+    showed damage, never on a load."""
+    for name in names:
+        if count := _nonfinite_count(model[name]):
+            raise NonFiniteTensor(f"{model.path}: tensor {name} has {count} non-finite values (NaN/inf)")
+
+
+def _nonfinite_count(tensor: StoredTensor) -> int:
+    """How many of ``tensor``'s values are NaN or infinite, dequantized a chunk of rows at a time."""
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])
+    step = max(1, _CHUNK_VALUES // tensor.shape[-1])
+    return sum(int(np.count_nonzero(~np.isfinite(decode(rows[start : start + step], tensor.qtype))))
+               for start in range(0, len(rows), step))
 
 
 def _refuse_unknown_tensors(model: ModelFile, spec: ModelSpec, known: set[str]) -> None:

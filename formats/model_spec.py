@@ -58,6 +58,11 @@ class FFNKind(str, enum.Enum):
         return self not in (FFNKind.SWIGLU, FFNKind.GEGLU)
 
     @property
+    def activation(self) -> str:
+        """The activation of its first product, as people name it: ReLU, SiLU, GELU."""
+        return {FFNKind.SWIGLU: "SiLU", FFNKind.GEGLU: "GELU"}.get(self, "ReLU")
+
+    @property
     def relu_gated(self) -> bool:
         """relu of the gate product: a neuron fires exactly where its gate product is positive."""
         return self in (FFNKind.REGLU, FFNKind.DRELU)

@@ -14,6 +14,7 @@ allows it, e.g. ``--reserve 0B``) and below 2^63 (8 EiB): sizes are stored as 64
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
 
@@ -51,15 +52,21 @@ def parse_size(text: str, what: str = "size", minimum: int = 1) -> int:
 def check_size(nbytes: int, what: str = "size", minimum: int = 1) -> int:
     """``nbytes``, if it is a size from ``minimum`` to ``MAX_SIZE`` bytes; else PitoolsError naming ``what``."""
     if nbytes < minimum:
-        raise PitoolsError(f"{what}: {nbytes} bytes is too small; it must be at least {format_size(minimum)}")
+        raise PitoolsError(f"{what}: {nbytes} bytes is too small; it must be at least "
+                           f"{format_size(minimum, round_up=True)}")
     if nbytes > MAX_SIZE:
         raise PitoolsError(f"{what}: {format_size(nbytes)} is too large; sizes stop below 2^63 bytes (8 EiB)")
     return nbytes
 
 
-def format_size(nbytes: float) -> str:
-    """``12345678901`` -> ``'11.50 GiB'``: binary units, as GPU tools report memory."""
+def format_size(nbytes: float, round_up: bool = False) -> str:
+    """``12345678901`` -> ``'11.50 GiB'``: binary units, as GPU tools report memory. ``round_up``: at the last digit
+    shown (of a size >= 0), for a minimum the user is told to give: the text then reads back (``parse_size``) as at
+    least ``nbytes``, where the nearest hundredth may fall short (4.5415 MiB shown as 4.54 MiB)."""
     for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= scale:
+            if round_up:  # in integers: a float's rounding could land a hundredth below
+                hundredths = -(-math.ceil(nbytes) * 100 // scale)
+                return f"{hundredths // 100}.{hundredths % 100:02d} {unit}"
             return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
+    return f"{math.ceil(nbytes) if round_up else int(nbytes)} B"

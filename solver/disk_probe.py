@@ -67,7 +67,8 @@ def check_disk_file(path: Path) -> None:
     size = path.stat().st_size
     if size < MIN_DISK_PROBE_BYTES:
         raise PitoolsError(f"--disk {path}: {format_size(size)} is too small to measure a disk with; "
-                           f"give a file of at least {format_size(MIN_DISK_PROBE_BYTES)}, e.g. the model")
+                           f"give a file of at least {format_size(MIN_DISK_PROBE_BYTES, round_up=True)}, "
+                           "e.g. the model")
 
 
 def _sequential_seconds(reader: DirectReader, span: int) -> float:

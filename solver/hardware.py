@@ -188,8 +188,8 @@ def check_probe_size(nbytes: int) -> int:
     """``nbytes`` if a pass over that much measures memory bandwidth here; else PitoolsError naming --size."""
     if nbytes < MIN_PROBE_BYTES:
         raise PitoolsError(f"--size: {format_size(nbytes)} is too small to measure; give at least "
-                           f"{format_size(MIN_PROBE_BYTES)}: a pass over less takes about as long as timing it, "
-                           "and stays in the CPU caches")
+                           f"{format_size(MIN_PROBE_BYTES, round_up=True)}: a pass over less takes about as long as "
+                           "timing it, and stays in the CPU caches")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if nbytes > memory:
         raise PitoolsError(f"--size: {format_size(nbytes)} is more than this machine's memory ({format_size(memory)})")

@@ -213,8 +213,8 @@ def check_budget(problem: PlacementProblem) -> None:
     if problem.budget_bytes < minimum:
         raise PitoolsError(
             f"VRAM budget {format_size(problem.budget_bytes)} is below the minimum useful placement, "
-            f"{format_size(minimum)}: the {format_size(problem.reserve_bytes)} reserve for the CUDA context "
-            f"and scratch plus {what} ({format_size(nbytes)})"
+            f"{format_size(minimum, round_up=True)}: the {format_size(problem.reserve_bytes)} reserve for the CUDA "
+            f"context and scratch plus {what} ({format_size(nbytes)})"
         )
 
 

@@ -283,8 +283,8 @@ def check_ram_budget(problem: TieredProblem, slots: int = MIN_CACHE_SLOTS, batch
     where = " of the layers not on the GPU (as many are as --vram allows)" if problem.has_gpu else ""
     reserve = f", the {format_size(least.reserve_ram)} reserve" if least.reserve_ram else ""
     raise PitoolsError(
-        f"RAM budget {format_size(problem.ram_budget)} is below the minimum, {format_size(least.ram)}: the output "
-        f"head and a tied embedding ({format_size(least.head_ram)}), attention, norms, predictors and KV "
+        f"RAM budget {format_size(problem.ram_budget)} is below the minimum, {format_size(least.ram, round_up=True)}: "
+        f"the output head and a tied embedding ({format_size(least.head_ram)}), attention, norms, predictors and KV "
         f"caches{where} ({format_size(blocks)}), and neuron caches of {slots} neurons per layer "
         f"({format_size(caches)}){reserve}"
     )

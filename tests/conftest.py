@@ -8,6 +8,7 @@ test runs never need.
 import dataclasses
 import functools
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,22 @@ def sparse_pays(monkeypatch):
     from powerinfer_tools.runtime import sparse_verdict
 
     monkeypatch.setattr(sparse_verdict, "verdict", lambda *args, **kwargs: sparse_verdict.Verdict(1.0, 2.0))
+
+
+# Memory a fuzz test's commands may allocate beyond what the process holds: a dimension mutated to 2**40
+# must be refused, not exhaust a shared machine's memory. Past it NumPy raises MemoryError: a traceback.
+MEMORY_HEADROOM = 4 << 30
+
+
+@pytest.fixture(scope="module")
+def bounded_memory():
+    """This process's data segment limited to what it holds plus ``MEMORY_HEADROOM``, for a module of fuzz tests
+    (``pytestmark = pytest.mark.usefixtures("bounded_memory")``: tests/test_fuzz.py, tests/test_typed_metadata.py)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    in_use = int(Path("/proc/self/status").read_text().split("VmData:")[1].split()[0]) * 1024
+    resource.setrlimit(resource.RLIMIT_DATA, (in_use + MEMORY_HEADROOM, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 def pytest_addoption(parser):

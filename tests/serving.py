@@ -1,16 +1,24 @@
-"""Starting `pitools serve` for the server's tests: the real command in its own process, on a free port."""
+"""For the server's tests: `pitools serve` started, the real command in its own process on a free port, or an
+app served in this process as it serves one (``running``), on the bundled model slowed so that a generation lasts
+as long as a test needs (``slowed``); requests streamed or sent in the background, and the server's metrics."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+
+from powerinfer_tools.runtime.llm import LLM
+from powerinfer_tools.serving.uvicorn_server import http_server
 
 STARTUP_SECONDS = 180  # loading a model and compiling the kernels, on a busy 2-core machine
 
@@ -64,3 +72,73 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
     values = [line.split(" ")[1] for line in text.splitlines() if line.startswith(f"pitools_{name} ")]
     assert values, f"no pitools_{name} in /metrics:\n{text}"
     return float(values[0])
+
+
+STEP_SECONDS = 0.025
+LONG = {"model": "tiny", "prompt": "import os\n", "max_tokens": 240, "temperature": 0}  # >= 6 s on the model
+SHORT = {"model": "tiny", "prompt": "def ", "max_tokens": 3, "temperature": 0}
+
+
+def slowed(llm: LLM) -> LLM:
+    """``llm`` with every forward pass slowed by ``STEP_SECONDS`` and its end-of-sequence token never chosen."""
+    make, eos = llm.engine.step_fn, llm.engine.spec.eos_token_id
+
+    def step_fn():
+        step = make()
+
+        def slow(tokens):
+            time.sleep(STEP_SECONDS)
+            logits = np.array(step(tokens))
+            logits[eos] = -np.inf
+            return logits
+
+        return slow
+
+    llm.engine.step_fn = step_fn
+    return llm
+
+
+@contextlib.contextmanager
+def running(app):
+    """``app`` served as ``pitools serve`` serves it, on a free port; yields the base URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = http_server(app, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    until(lambda: server.started, seconds=30)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def until(condition, seconds: float = 10.0) -> float:
+    """Waits for ``condition()``; returns how long it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@contextlib.contextmanager
+def streaming(url: str, body: dict, started: bool = True):
+    """A streamed request, open until the block ends (then its connection closes, as a client that goes
+    away); with ``started``, once its first text has arrived."""
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions",
+                                                           json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: a dropped line iterator would close the connection
+        if started:
+            next(line for line in lines if line.startswith("data: {"))
+        yield lines
+
+
+def in_background(request) -> dict:
+    """``request()`` on a thread of its own: the dict returned holds the thread, then its ``response``."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(response=request()), daemon=True)
+    thread.start()
+    result["thread"] = thread
+    return result

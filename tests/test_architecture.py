@@ -6,6 +6,9 @@
 - No private name imported across modules.
 - GGUF tensor names are spelled only in formats/ (constants.py and the architecture tables).
 - No function longer than 60 lines.
+
+And of the tests: no test module imports another; what they share lives in helper modules (gguf_fixtures.py,
+cli_checks.py, serving.py, ...) or conftest.py.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
 SOURCE_FOLDERS = ("powerinfer_tools", "solver", "formats")
 GGUF_NAME = re.compile(r"blk\.|ffn_down_t|token_embd|output_norm|output\.weight|gpu_idx|gpu_bucket")
 MAX_FUNCTION_LINES = 60
@@ -191,3 +195,24 @@ def test_only_a_familys_module_tests_an_architecture_name():
     tested = [f"{path.relative_to(REPO)}:{line}" for module, (path, tree) in sources().items()
               if module not in FAMILY_MODULES for line in family_tests(tree)]
     assert not tested, tested
+
+
+def imported_modules(tree: ast.AST):
+    """(line, module name) of every absolute import in ``tree``, nested ones too."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
+def test_no_test_module_imports_another():
+    """A test module imported by another is a helper module in disguise, whose imports and fixtures come along (a
+    memory limit reached test_typed_metadata as test_fuzz's autouse fixture, imported by name): what test modules
+    share belongs in a helper module or conftest.py."""
+    test_modules = {path.stem for path in TESTS.glob("test_*.py")}
+    imports = [f"{path.name}:{line} imports {module}"
+               for path in sorted(TESTS.glob("*.py"))
+               for line, module in imported_modules(ast.parse(path.read_text(encoding="utf-8")))
+               if module.split(".")[0] in test_modules]
+    assert not imports, imports

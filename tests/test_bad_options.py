@@ -13,7 +13,7 @@ from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.runtime.llm import LLM, GenerationStats
-from powerinfer_tools.units import MAX_SIZE, parse_size
+from powerinfer_tools.units import MAX_SIZE, format_size, parse_size
 
 # --- run: sampling, token count, context size, prompt text -----------------------------------------------
 
@@ -82,6 +82,17 @@ def test_sizes_are_bounded_and_zero_only_where_allowed():
         parse_size("8388608TiB", "--vram")  # 2^63
     with pytest.raises(PitoolsError, match="--vram: 0 bytes is too small"):
         parse_size("0.1B", "--vram")  # rounds down to nothing
+
+
+@pytest.mark.parametrize("nbytes", [1, 1023, 1024, 4_762_149, 4_760_536, 4 * 2**20, 2**30 + 1, 10**15 + 7, 2**50 - 1])
+def test_a_minimum_is_printed_as_a_size_that_reads_back_as_enough(nbytes):
+    """Rounded up at its last digit (4,762,149 bytes is 4.5415 MiB: "4.54 MiB" is 4,760,535 bytes, too few), and
+    by no more than that digit."""
+    shown = format_size(nbytes, round_up=True)
+    value, unit = shown.split()
+    step = parse_size(f"0.01{unit}") if "." in value else 1
+    assert nbytes <= parse_size(shown) < nbytes + step
+    assert format_size(4_762_149, round_up=True) == "4.55 MiB" and format_size(4_762_149) == "4.54 MiB"
 
 
 @pytest.mark.parametrize("args, match", [

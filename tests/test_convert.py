@@ -224,6 +224,23 @@ def test_silu_models_are_dense_and_take_no_predictors(tmp_path, relu_llama):
         convert(str(relu_llama[0]), tmp_path / "y.gguf", dense=True, predictors=relu_llama[1], progress=False)
 
 
+@pytest.mark.parametrize("family, config, dense, noted", [
+    ("llama", RELU_LLAMA, True, "not with this model's ReLU (reglu)"),
+    ("mistral", dict(RELU_LLAMA, sliding_window=None), True, "not with this model's ReLU (drelu)"),  # dReLU
+    ("llama", dict(RELU_LLAMA, hidden_act="silu"), True, None),
+    ("llama", RELU_LLAMA, False, None),  # the PowerInfer layout: llama.cpp does not load it
+    ("opt", OPT, True, None),  # mainline llama.cpp has no OPT; PowerInfer's computes its ReLU
+])
+def test_convert_notes_where_llamacpp_computes_another_ffn(tmp_path, family, config, dense, noted):
+    """llama.cpp's dense "llama" computes SiLU whatever the model's activation (tests/test_llamacpp_dense.py)."""
+    make_model(tmp_path / "model", family, build_kwargs=dict(drelu=True) if family == "mistral" else None, **config)
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "model"), "-o", str(tmp_path / "m.gguf")]
+                                + (["--dense"] if dense else ["--no-sparsity"]))
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "llama.cpp computes" in line]
+    assert len(notes) == (noted is not None) and all("with SiLU (swiglu)" in n and noted in n for n in notes)
+
+
 def test_cli_convert_and_inspect(tmp_path, relu_llama):
     folder, predictors = relu_llama
     runner = CliRunner()

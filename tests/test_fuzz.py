@@ -16,33 +16,29 @@ from __future__ import annotations
 import json
 import os
 import random
-import resource
 import shutil
 import stat
 import struct
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
-from cli_checks import snapshot
-from click.testing import CliRunner, Result
+from cli_checks import (Command, changed_files, check, folders, refusal_problems, run_command, snapshot, solve_command,
+                        uncaught)
+from click.testing import CliRunner
 from gguf import GGUFReader, GGUFValueType
-from powerinfer_tools.formats.gpu_split import read_gpu_split
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.solver.hardware import load_profile
 
 from powerinfer_tools.commands.cli import cli
 from powerinfer_tools.conversion.convert import convert
 
+pytestmark = pytest.mark.usefixtures("bounded_memory")
+
 SEED = 20_240_000
 DEFAULT_CASES = 400
 FAMILIES = {"config": 3, "safetensors": 3, "gguf": 5, "options": 1, "outputs": 1}  # relative frequencies
-# Memory the fuzzed commands may allocate beyond what the process holds: a dimension mutated to 2**40
-# must be refused, not exhaust a shared machine's memory. Past it NumPy raises MemoryError: a traceback.
-MEMORY_HEADROOM = 4 << 30
 
 
 def case_count(config: pytest.Config) -> int:
@@ -70,15 +66,6 @@ def base(small_checkpoint, small_powerinfer_file, tmp_path_factory) -> Base:
     dense, _ = convert(str(small_checkpoint), tmp_path_factory.mktemp("fuzz-base") / "m.gguf", "f16", dense=True,
                        progress=False)
     return Base(small_checkpoint, small_powerinfer_file, dense)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def bounded_memory():
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    in_use = int(Path("/proc/self/status").read_text().split("VmData:")[1].split()[0]) * 1024
-    resource.setrlimit(resource.RLIMIT_DATA, (in_use + MEMORY_HEADROOM, hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
 # --- mutations: JSON values and config.json ----------------------------------------------------------
@@ -345,101 +332,7 @@ def mutate_gguf(rng: random.Random, path: Path, layout: Layout) -> str:
     return "; ".join(changes)
 
 
-# --- running a command and checking the contract -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Command:
-    args: list
-    output: Path | None = None  # the file it writes when it succeeds
-    validate: Callable[[Path], object] | None = None  # opens that file; raises if it is not valid
-    names: tuple[str, ...] = ()  # its error line must name one: a file, a folder, an option (as "vram")
-
-    def __str__(self) -> str:
-        return " ".join(Path(a).name if isinstance(a, Path) else repr(a)[:60] for a in self.args)
-
-
-def _uncaught(result: Result) -> str | None:
-    """The traceback a user would see: any exception CliRunner caught that is not an exit."""
-    if result.exception is None or isinstance(result.exception, SystemExit):
-        return None
-    return "".join(traceback.format_exception(*result.exc_info))
-
-
-def _refusal_problems(result: Result, command: Command) -> list[str]:
-    lines = result.stderr.splitlines()
-    if len(lines) != 1 or not lines[0].startswith("pitools: error: "):
-        return [f"exit {result.exit_code} without exactly one 'pitools: error:' line; stderr: {result.stderr[-600:]!r}"]
-    if command.names and not any(name.lower() in lines[0].lower() for name in command.names):
-        return [f"the error line names none of {list(command.names)}: {lines[0][:300]!r}"]
-    return []
-
-
-def _success_problems(result: Result, command: Command) -> list[str]:
-    if "nan" in result.stderr.lower().split():
-        return [f"succeeded but reports nan: {result.stderr[-300:]!r}"]
-    if command.output is None:
-        return []
-    try:
-        command.validate(command.output)
-    except Exception as exc:  # noqa: BLE001 - any failure to open it means the output is not valid
-        return [f"exit 0 but the output does not open: {type(exc).__name__}: {exc}"]
-    return []
-
-
-def contract_problems(result: Result, command: Command, out: Path) -> list[str]:
-    """How ``result`` breaks the error contract, if it does (an empty list when it keeps it)."""
-    uncaught = _uncaught(result)
-    if uncaught is not None:
-        frames = [line for line in uncaught.splitlines() if line.strip(" ^~")]  # without the column markers
-        problems = ["uncaught exception (a traceback for the user), ending:\n" + "\n".join(frames[-12:])]
-    elif result.exit_code == 0:
-        problems = _success_problems(result, command)
-    else:
-        problems = _refusal_problems(result, command)
-    if uncaught is None and "Traceback" in result.stdout + result.stderr:
-        problems.append("'Traceback' in the output")
-    expected = [command.output.name] if result.exit_code == 0 and command.output else []
-    left = sorted(p.name for p in out.iterdir())
-    if left != expected:
-        problems.append(f"the output folder holds {left}, expected {expected}")
-    return problems
-
-
-def check(command: Command, inputs: Path, out: Path) -> tuple[bool, list[str]]:
-    """Run ``command`` with ``out`` emptied first; whether it succeeded, and how it broke the contract."""
-    clear(out)
-    before = snapshot(inputs)
-    result = CliRunner().invoke(cli, [str(a) for a in command.args])
-    problems = contract_problems(result, command, out)
-    if snapshot(inputs) != before:
-        problems.append(f"an input changed: {_changed(before, snapshot(inputs))}")
-    return result.exit_code == 0 and not problems, [f"{command}: {p}" for p in problems]
-
-
-def _changed(before: dict, after: dict) -> list[str]:
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-
-
-def clear(folder: Path) -> None:
-    for p in folder.iterdir():
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-
-
 # --- the cases ---------------------------------------------------------------------------------------
-
-
-def run_command(model: Path, *extra, names: tuple[str, ...] = ()) -> Command:
-    """``run`` generating 2 tokens; its error may also name the prompt, one of its inputs."""
-    # One kernel thread: on a busy 2-core machine, the parallel kernels' start-up dominates a tiny model.
-    args = ["run", model, "-n", "2", "-p", "def ", "-t", "1", "--no-split", *extra]
-    return Command(args, names=(model.name, "prompt", *names))
-
-
-def folders(tmp: Path, *names: str) -> list[Path]:
-    for name in names:
-        (tmp / name).mkdir()
-    return [tmp / name for name in names]
 
 
 def open_finite_model_file(path: Path) -> None:
@@ -496,12 +389,6 @@ RUN_OPTIONS = {
     "--prompt": ["", "é", "ab\udcff", "\ud800", "x" * 120_000, "def " * 20],
 }
 SIZES = ["0B", "-1GB", "1B", "12MB", "99999999TB", "1e400GB", "nanGB", "abc", "4MiB", "1000TiB"]
-
-
-def solve_command(model: Path, out: Path, *options: str, names: tuple[str, ...] = ()) -> Command:
-    split = out / "fuzzed.gpuidx"
-    args = ["solve", model, *options, "--time-limit", "2", "-o", split]
-    return Command(args, split, read_gpu_split, (model.name, split.name, *names))
 
 
 def options_case(rng: random.Random, base: Base, tmp: Path) -> tuple[str, list[str]]:
@@ -585,17 +472,17 @@ def outputs_case(rng: random.Random, base: Base, tmp: Path) -> tuple[str, list[s
     before, kinds = snapshot(inputs), file_kinds(special)
     result = CliRunner().invoke(cli, [str(a) for a in args])
     replaces = kind == "existing file" and force
-    uncaught = _uncaught(result)
-    if uncaught is not None:
-        problems = ["uncaught exception: " + uncaught.splitlines()[-1]]
+    traceback_text = uncaught(result)
+    if traceback_text is not None:
+        problems = ["uncaught exception: " + traceback_text.splitlines()[-1]]
     elif replaces:
         problems = [] if result.exit_code == 0 else [f"--force did not replace an earlier output: {result.stderr!r}"]
     else:
-        problems = _refusal_problems(result, Command(args, names=(target.name,))) if result.exit_code else ["exit 0"]
+        problems = refusal_problems(result, Command(args, names=(target.name,))) if result.exit_code else ["exit 0"]
     if file_kinds(special) != kinds:  # an earlier output replaced is a regular file still
         problems.append(f"the folder of the output changed: {kinds} -> {file_kinds(special)}")
     if snapshot(inputs) != before:
-        problems.append(f"an input changed: {_changed(before, snapshot(inputs))}")
+        problems.append(f"an input changed: {changed_files(before, snapshot(inputs))}")
     return f"{args[0]} -o {kind} {' '.join(force)}", [f"{Command(args)}: {p}" for p in problems]
 
 

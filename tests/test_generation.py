@@ -132,14 +132,3 @@ def test_a_logit_of_minus_infinity_is_a_token_never_sampled():
     assert drawn == {0, 2, 3, 4}
     with pytest.raises(NonFiniteLogits):
         Sampler(SamplingConfig(temperature=1))(np.full(5, -np.inf))
-
-
-def test_a_model_whose_logits_turn_nan_is_one_error_line_naming_it(small_checkpoint, tmp_path):
-    from cli_checks import fails, invoke
-    from gguf import GGUFReader
-
-    model = tmp_path / "m.gguf"
-    assert invoke("convert", small_checkpoint, "--dense", "--outtype", "f32", "-q", "-o", model).exit_code == 0
-    embedding = next(t for t in GGUFReader(model, "r+").tensors if t.name == "token_embd.weight")
-    embedding.data[:] = np.nan  # damaged weights: every token's row
-    fails("run", model, "-p", "def ", "-n", "4", "--temp", "0.5", match="not finite", names=model)

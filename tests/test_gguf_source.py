@@ -11,7 +11,6 @@ GGUF source as on its checkpoint. The slow test takes a real model from the pack
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from pathlib import Path
@@ -21,11 +20,16 @@ import pytest
 from cli_checks import fails, invoke, snapshot
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf_fixtures import (
+    EVAL_SEQ_LEN,
+    EVAL_TOKENS,
     FAST_TRAINING,
+    PERPLEXITY_BOUND,
     SAMPLE_TEXTS,
     llama,
     llama_quantize,
+    llamacpp_perplexity,
     make_model,
+    our_perplexity,
     rewrite_gguf,
     stepwise_logits,
     write_code_corpus,
@@ -229,6 +233,12 @@ def test_a_file_without_a_tokenizer_is_refused(copy_of):
     refused(copy_of, "the file has no embedded tokenizer", "--dense")
 
 
+def test_a_bpe_vocabulary_without_merges_is_refused(copy_of):
+    """llama.cpp refuses such a file: converted, it was written as it came."""
+    rewrite_gguf(copy_of, {"tokenizer.ggml.merges": None})
+    refused(copy_of, "tokenizer.ggml.merges must hold merges", "--dense")
+
+
 def test_rope_scalings_a_spec_lacks_are_refused(copy_of):
     rewrite_gguf(copy_of, {"llama.rope.scaling.type": ("longrope", GGUFValueType.STRING)})
     refused(copy_of, "rope scaling type 'longrope' is not supported", "--dense")
@@ -290,10 +300,6 @@ def test_smollm_splits_digits_as_llamacpp_does(tmp_path, tokenizer_models):
 
 # --- a real model: SmolLM2-135M-Instruct, Q4_1, from the package registry ---------------------------------------
 
-EVAL_TOKENS, EVAL_SEQ_LEN = 4096, 512
-PERPLEXITY_BOUND = 0.01  # the issue's: ours within 1% of llama.cpp's on the same file
-
-
 def test_the_held_out_english_and_the_calibration_text_are_one_text_cut_at_a_paragraph(tmp_path):
     from pydoc_data import topics
 
@@ -304,30 +310,6 @@ def test_the_held_out_english_and_the_calibration_text_are_one_text_cut_at_a_par
     assert EVALUATION_CHARS <= len(held_out) < EVALUATION_CHARS + 5000 and len(calibration) > 10 * len(held_out)
     assert whole.startswith(held_out + "\n\n") and whole.endswith(calibration)
     assert len(held_out) + len(calibration) >= len(whole) - 10  # nothing between them but the paragraph break
-
-
-def llamacpp_perplexity(path: Path, tokens: np.ndarray, seq_len: int) -> float:
-    """llama.cpp's perplexity with ``pitools perplexity``'s windows: each ``seq_len`` inputs from an empty
-    cache, scored on the tokens one further on (f32 KV cache: its f16 default rounds what ours does not)."""
-    cpp = llama(path, n_ctx=seq_len, n_batch=seq_len, logits_all=True, n_threads=2, type_k=0, type_v=0)
-    nll, scored = 0.0, 0
-    for start in range(0, len(tokens) - 1, seq_len):
-        targets = tokens[start + 1 : start + seq_len + 1]
-        cpp.reset()
-        cpp.eval(tokens[start : start + len(targets)].tolist())
-        logits = np.array(cpp.scores[: len(targets)], dtype=np.float64)
-        peak = logits.max(axis=1)
-        log_norm = np.log(np.exp(logits - peak[:, None]).sum(axis=1)) + peak
-        nll += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
-        scored += len(targets)
-    return float(np.exp(nll / scored))
-
-
-def our_perplexity(path: Path, corpus: Path) -> float:
-    result = invoke("perplexity", path, "--corpus", corpus, "--tokens", EVAL_TOKENS, "--seq-len", EVAL_SEQ_LEN,
-                    "--json", "-q")
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)["perplexity"]
 
 
 @pytest.mark.slow

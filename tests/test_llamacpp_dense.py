@@ -7,7 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from cli_checks import invoke
 from gguf_fixtures import LLAMA_FILE_TYPES, SAMPLE_TEXTS, llama, llama_quantize, make_model, rope_rows, stepwise_logits
+from powerinfer_tools.formats.gguf_spec import architecture_ffn
 from powerinfer_tools.formats.model_file import open_model_file
 from tokenizers import Tokenizer
 
@@ -119,17 +121,24 @@ def test_silu_logits_and_greedy_tokens_match(tmp_path, models, name, outtype, to
     assert theirs == ours
 
 
-def test_relu_model_in_dense_mode_runs_silu_in_llamacpp(tmp_path, models):
-    """llama.cpp's "llama" has no ReLU FFN: it computes the same weights with SiLU."""
-    folder = models / "relu-llama"
-    path, _ = convert(str(folder), tmp_path / "m.gguf", outtype="f32", dense=True, progress=False)
-    assert open_model_file(path).get("pitools.ffn_activation") == "reglu"
+def test_relu_model_in_dense_mode_runs_silu_in_llamacpp_as_convert_says(tmp_path, models):
+    """llama.cpp's "llama" has no ReLU FFN: it computes the same weights with SiLU, what `convert --dense` notes."""
+    folder, path = models / "relu-llama", tmp_path / "m.gguf"
+    result = invoke("convert", folder, "-o", path, "--outtype", "f32", "--dense")
+    assert result.exit_code == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "llama.cpp" in line] == [
+        "note: llama.cpp computes the FFN of a llama file with SiLU (swiglu), not with this model's ReLU (reglu): "
+        "there it runs as another model; our runtime reads reglu from pitools.ffn_activation"]
+    stored = open_model_file(path)
+    assert stored.get("pitools.ffn_activation") == "reglu"
     ids = tokens(folder)
     model = load_model(Checkpoint(folder))
     assert model.spec.ffn is FFNKind.REGLU
-    model.spec = dataclasses.replace(model.spec, ffn=FFNKind.SWIGLU)
+    reglu = model.forward(ids, model.new_cache())
+    model.spec = dataclasses.replace(model.spec, ffn=architecture_ffn(model.spec.architecture, stored.architecture,
+                                                                               stored.powerinfer))
     got, _ = cpp_logits(path, ids)
-    assert relative_error(got, model.forward(ids, model.new_cache())) < 1e-4
+    assert relative_error(got, model.forward(ids, model.new_cache())) < 1e-4 < 1e-2 < relative_error(got, reglu)
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2"])

@@ -280,6 +280,15 @@ def test_budgets_and_files_the_cache_cannot_serve(wide_model, bundled_gguf, tmp_
     fails("run", bundled_gguf("q8_0").parent, "--ram", "1GB", match="no GPU split or RAM budget")
 
 
+def test_the_least_ram_the_error_names_is_enough(bundled_gguf):
+    """Its "give at least" figure, given back, runs: the figure is rounded up (for this file it had been rounded
+    down to 8.79 MiB, which was then refused as too small)."""
+    path = bundled_gguf("f32")
+    least = fails("run", path, "--ram", "100KiB", "-n", "1", match="give at least").rsplit("give at least ", 1)[1]
+    result = invoke("run", path, "--ram", least, "-n", "1", "-p", "def ")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_perplexity_with_ram_matches(wide_model, tmp_path):
     corpus = tmp_path / "text.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)

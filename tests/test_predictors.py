@@ -10,14 +10,13 @@ import pytest
 from cli_checks import invoke
 from powerinfer_tools.formats.predictor_folder import predictor_report
 from powerinfer_tools.formats.predictor_rule import predict
-from powerinfer_tools.formats.profile_folder import FORMAT as PROFILE_FORMAT
-from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PROFILE_JSON, STATS_FILE, FiringStats, PairStore
+from powerinfer_tools.formats.profile_folder import PAIRS_DIR, PROFILE_JSON, PairStore
 from safetensors.numpy import load_file
+from synthetic_profiles import write_synthetic_profile
 from tiny_models import run_profiler
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.fileio import write_json
 from powerinfer_tools.models import load_model
 from powerinfer_tools.predictors import trainer as predictors
 from powerinfer_tools.predictors import fit as predictors_fit
@@ -118,23 +117,6 @@ def test_every_layer_reaches_recall_within_budget(trained, profile_dir):
     assert params <= FAST.budget * saved["ffn_params"] == FAST.budget * 2 * 3 * 64 * 160
     report = predictor_report(saved)
     assert report["all_layers_reach_recall"] and report["total_bytes"] == 4 * params
-
-
-def write_synthetic_profile(folder, x, fired_per_layer):
-    """A profile folder (layout of formats/README.md) holding the given pairs for each layer."""
-    n, d_model = x.shape
-    d_ff = fired_per_layer[0].shape[1]
-    store = PairStore.create(folder / PAIRS_DIR, len(fired_per_layer), d_model, d_ff, n)
-    for layer, fired in enumerate(fired_per_layer):
-        store.write(layer, 0, x, fired)
-    store.flush()
-    fire = np.stack([f.sum(0) for f in fired_per_layer]).astype(np.int64)
-    FiringStats(fire, fire.astype(np.float64), n).save(folder / STATS_FILE, {})
-    write_json(folder / PROFILE_JSON, {
-        "model": "synthetic", "format": PROFILE_FORMAT, "architecture": "llama", "ffn": "reglu",
-        "n_layers": len(fired_per_layer), "d_model": d_model, "d_ff": d_ff, "corpus_sha256": "0", "tokens": n,
-        "pairs_capacity": n, "progress": {"complete": True},
-    })
 
 
 def test_skewed_layer_gets_a_smaller_predictor(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from cli_checks import fails, invoke, snapshot
 from ray_cluster import two_nodes
-from test_predictors import write_synthetic_profile
+from synthetic_profiles import write_synthetic_profile
 from tiny_models import run_profiler
 
 from powerinfer_tools.benchmarking.synth import HARDNESS, SHAPES, write_checkpoint

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
-from gguf_fixtures import EOT, SAMPLE_TEXTS, llama
+from cli_checks import fails
+from gguf_fixtures import EOT, SAMPLE_TEXTS, llama, rewrite_gguf
 from powerinfer_tools.formats.model_file import open_model_file
 
 from powerinfer_tools.errors import PitoolsError
@@ -36,6 +40,19 @@ def test_decoding_matches_llamacpp_and_round_trips(tokenizer_models, kind):
 def test_unknown_tokenizer_kind_is_named():
     with pytest.raises(PitoolsError, match="'bert' is not supported"):
         GGUFTokenizer({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+
+
+def test_a_bpe_vocabulary_without_merges_is_refused_as_llamacpp_refuses_it(tokenizer_models, tmp_path):
+    """Merged by no merges, text was tokenized a character at a time."""
+    path = tmp_path / "no-merges.gguf"
+    shutil.copyfile(tokenizer_models["gpt2"][1], path)
+    rewrite_gguf(path, {"tokenizer.ggml.merges": None})
+    with pytest.raises(ValueError, match="Failed to load model"):  # "cannot find tokenizer merges in model file"
+        llama(path, vocab_only=True)
+    missing = "tokenizer.ggml.merges must hold merges (a gpt2 vocabulary is merged by them"
+    fails("run", path, "-p", "def ", "-n", "1", match=missing, names=path)
+    with pytest.raises(PitoolsError, match=re.escape(f"{path}: {missing}")):
+        GGUFTokenizer(open_model_file(path).metadata, source=str(path))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "spm"])

@@ -27,9 +27,8 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from serving import metric, serving_process
-from test_serve_queue import LONG, SHORT, in_background, slowed, streaming, until
-from test_serve_queue import running as serving_app
+from serving import LONG, SHORT, in_background, metric, serving_process, slowed, streaming, until
+from serving import running as serving_app
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.app import ServeSettings, create_app
 from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError
@@ -217,7 +216,7 @@ def test_max_queue_0_runs_one_request_and_refuses_a_second(slow_llm):
 SLOWED_WITH_RUNAWAY_TEMPLATE = f"""import sys
 sys.path.insert(0, {str(TESTS)!r})
 import powerinfer_tools.commands.options as options
-from test_serve_queue import slowed
+from serving import slowed
 load_llm = options.load_llm
 def slowed_with_runaway_template(*args, **kwargs):
     llm = slowed(load_llm(*args, **kwargs))

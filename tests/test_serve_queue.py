@@ -1,62 +1,18 @@
 """The server's queue on a slowed model, in this process: one generation at a time, a bounded queue
 answering 503 with Retry-After, and clients that leave giving back the model (or their place) at once.
 
-The model is the bundled one on the runtime with every forward pass slowed by ``STEP_SECONDS`` and its
+The model is the bundled one on the runtime with every forward pass slowed by ``serving.STEP_SECONDS`` and its
 end-of-sequence token never chosen, so a generation lasts as long as the test needs it to.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
-import time
-
 import httpx
-import numpy as np
 import pytest
 
-from serving import metric
+from serving import LONG, SHORT, in_background, metric, running, slowed, streaming, until
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.app import ServeSettings, create_app
-from powerinfer_tools.serving.uvicorn_server import http_server
-
-STEP_SECONDS = 0.025
-LONG = {"model": "tiny", "prompt": "import os\n", "max_tokens": 240, "temperature": 0}  # >= 6 s on the model
-SHORT = {"model": "tiny", "prompt": "def ", "max_tokens": 3, "temperature": 0}
-
-
-def slowed(llm: LLM) -> LLM:
-    make, eos = llm.engine.step_fn, llm.engine.spec.eos_token_id
-
-    def step_fn():
-        step = make()
-
-        def slow(tokens):
-            time.sleep(STEP_SECONDS)
-            logits = np.array(step(tokens))
-            logits[eos] = -np.inf
-            return logits
-
-        return slow
-
-    llm.engine.step_fn = step_fn
-    return llm
-
-
-@contextlib.contextmanager
-def running(app):
-    """``app`` served as ``pitools serve`` serves it, on a free port; yields the base URL."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    server = http_server(app, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    until(lambda: server.started, seconds=30)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -64,36 +20,6 @@ def url(bundled_gguf):
     llm = slowed(LLM.load(bundled_gguf("q8_0")))
     with running(create_app(llm, ServeSettings("tiny", max_queue=1))) as url:
         yield url
-
-
-def until(condition, seconds: float = 10.0) -> float:
-    """Waits for ``condition()``; returns how long it took."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < seconds, "timed out"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-@contextlib.contextmanager
-def streaming(url: str, body: dict, started: bool = True):
-    """A streamed request, open until the block ends (then its connection closes, as a client that goes
-    away); with ``started``, once its first text has arrived."""
-    with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/v1/completions",
-                                                           json={**body, "stream": True}) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()  # held: a dropped line iterator would close the connection
-        if started:
-            next(line for line in lines if line.startswith("data: {"))
-        yield lines
-
-
-def in_background(request) -> dict:
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(response=request()), daemon=True)
-    thread.start()
-    result["thread"] = thread
-    return result
 
 
 def test_a_full_queue_answers_503_and_a_stream_that_leaves_frees_the_model_at_once(url):

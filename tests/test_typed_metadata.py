@@ -3,11 +3,11 @@ the wrong length, non-finite or out of range is one error naming the file and th
 `solve` and `run` alike, never a traceback, never clamped; a split solved for another model file, named with
 --split, is refused; inspect refuses predictors that do not fit, as run does.
 
-The fuzz test at the end rewrites one typed key of a model file or a split file at a time with a value of
-another GGUF type (or a wrong length, a value out of range, nothing) and runs the commands that read it, in
-the manner of tests/test_fuzz.py (whose contract checks it uses). Case ``i`` rewrites key ``i`` of the two
-tables (modulo their number: each key in every run) with a value drawn from ``random.Random(SEED + i)``; it is
-printed when it fails, and is its own test id:
+The fuzz test at the end rewrites one typed key of a model file or a split file at a time with a value of another
+GGUF type (or a wrong length, a value out of range, nothing) and runs the commands that read it, in the manner of
+tests/test_fuzz.py (with its contract checks: tests/cli_checks.py). Case ``i`` rewrites key ``i`` of the two tables
+(modulo their number: each key in every run) with a value drawn from ``random.Random(SEED + i)``; it is printed
+when it fails, and is its own test id:
 ``pytest 'tests/test_typed_metadata.py::test_typed_key_fuzz_case[17]'``. 120 cases by default;
 ``PITOOLS_METADATA_FUZZ_CASES=N`` runs N.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_checks import fails, invoke, snapshot
+from cli_checks import Command, check, fails, folders, invoke, run_command, snapshot, solve_command
 from gguf import GGUFValueType as V
 from gguf_fixtures import rewrite_gguf
 from powerinfer_tools.formats.constants import (CACHE_BYTES_KEY, DENSE_ON_GPU_KEY, MODEL_FINGERPRINT_KEY,
@@ -30,7 +30,8 @@ from powerinfer_tools.formats.constants import (CACHE_BYTES_KEY, DENSE_ON_GPU_KE
                                                 VRAM_CAPACITY_KEY)
 from powerinfer_tools.formats.metadata_keys import ANY, MODEL_KEYS, SPLIT_KEYS, TypedKey
 from powerinfer_tools.formats.model_file import open_model_file
-from test_fuzz import Command, bounded_memory, check, folders, run_command, solve_command  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("bounded_memory")
 
 TOKENS, TYPES = "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"
 MODEL = "m.powerinfer.gguf"

@@ -13,7 +13,8 @@ from powerinfer_tools.conversion.convert import convert as convert_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
-from powerinfer_tools.formats.constants import PowerInferTensor, block_part, predictor_names
+from powerinfer_tools.formats.constants import FFN_ACTIVATION_KEY, PowerInferTensor, block_part, predictor_names
+from powerinfer_tools.formats.gguf_spec import architecture_ffn
 from powerinfer_tools.formats.quantization import OUTTYPES
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.predictors.trainer import TrainSettings
@@ -161,11 +162,24 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
 
 
 def _report(plan: ConversionPlan, outtype: str, path: Path) -> None:
-    """What was written, on stderr: the file, the sparsity chosen by quality, notes for PowerInfer's runtime."""
+    """What was written, on stderr: the file, the sparsity chosen by quality, notes for PowerInfer's runtime and
+    llama.cpp."""
     layout = "PowerInfer" if plan.powerinfer else "dense GGUF"
     click.echo(f"wrote {layout} {plan.architecture} model, {len(plan.tensors)} tensors, {outtype}: {path}", err=True)
     if plan.thresholds is not None and plan.thresholds.choice is not None:
         for line in describe(plan.thresholds):
             click.echo(line, err=True)
-    for note in _powerinfer_runtime_notes(plan, plan.sparse_threshold is not None):
+    for note in _powerinfer_runtime_notes(plan, plan.sparse_threshold is not None) + _llamacpp_notes(plan):
         click.echo(f"note: {note}", err=True)
+
+
+def _llamacpp_notes(plan: ConversionPlan) -> list[str]:
+    """What llama.cpp computes otherwise than the model in a dense file, which it loads: a ReLU family's FFN, in an
+    architecture whose FFN it computes with SiLU."""
+    computed = architecture_ffn(plan.spec.architecture, plan.architecture, plan.powerinfer)
+    if plan.powerinfer or computed is plan.spec.ffn:
+        return []
+    ffn = plan.spec.ffn
+    return [f"llama.cpp computes the FFN of a {plan.architecture} file with {computed.activation} ({computed.value}), "
+            f"not with this model's {ffn.activation} ({ffn.value}): there it runs as another model; our runtime reads "
+            f"{ffn.value} from {FFN_ACTIVATION_KEY}"]

@@ -53,6 +53,12 @@ PREFETCH_ROWS = 2
 # 1.0-1.4x (1.0 at 75% of SmolLM2's, which its two threads read at ~17 GB/s either way). A prototype with
 # 8 rows did no better than 4. (The tuples of `_one_token_rows` are spelled out for four.)
 ROWS_AT_ONCE = 4
+# The options of a loop compiled with fast floating point (LLVM may reorder its sums and assume no NaN or infinity):
+# NumPy's error model too, so that its divisions give inf or NaN as NumPy's do, where numba's default raises
+# ZeroDivisionError. A NaN weight, which fast code may turn into a 0 divisor (an RMS of NaN whose square root came
+# out 0), then reaches the logits as the NumPy reference's NaN does, and the runtime's check of the logits names
+# the damaged tensor (``RuntimeModel.forward``) instead of a traceback.
+FAST_FLOATS = {"fastmath": True, "error_model": "numpy"}
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _FLOAT = ir.FloatType()

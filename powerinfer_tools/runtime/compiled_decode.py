@@ -129,7 +129,7 @@ def new_scratch(*fields):
     return Scratch(*fields)
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True, **nk.FAST_FLOATS)
 def _rms_norm(x, weight, eps, out):
     """``out`` = RMSNorm of ``x`` (``out`` may be ``x``)."""
     total = 0.0
@@ -194,7 +194,7 @@ def _add_bias(x, bias):
         x[i] += bias[i]
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@njit(parallel=True, nogil=True, cache=True, **nk.FAST_FLOATS)
 def _attend(q, keys, values, first, last, n_heads, scale, scores, out):
     """Causal attention of one query at position ``last`` over cached positions ``first .. last``, its scores
     multiplied by ``scale``."""

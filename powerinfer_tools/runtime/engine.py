@@ -5,12 +5,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional
+from typing import NoReturn, Optional
 
 import numpy as np
 
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import LayerThresholds
+from powerinfer_tools.formats.model_check import check_finite
+from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools import kernels
@@ -30,7 +32,7 @@ from powerinfer_tools.models.layers import (
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
 from powerinfer_tools.runtime.neuron_cache import CacheCounters, compute_cached
-from powerinfer_tools.runtime.generation import context_window
+from powerinfer_tools.runtime.generation import context_window, finite_logits
 from powerinfer_tools.runtime.selection_meter import SelectionMeter
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
@@ -164,6 +166,7 @@ class RuntimeModel(Engine):
         self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
         self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
+        self.checks_logits = True  # False: logits that are not finite are returned, not refused (a warm-up's steps)
         # A measurement off the clock (``pitools bench``'s quality pass): in sparse mode every neuron is also
         # computed, on the general path, to count which firing neurons the predictors missed.
         self.firing_meter: Optional[SelectionMeter] = None
@@ -206,8 +209,18 @@ class RuntimeModel(Engine):
         """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold.
 
         With ``all_logits=False`` only the last token's, ``[1, vocab]``: generation needs no more,
-        and the output projection of a whole prompt costs as much as a layer.
+        and the output projection of a whole prompt costs as much as a layer. Logits that are not finite are
+        refused, naming the file's damaged tensor (``_refuse_damaged_file``).
         """
+        # A NaN or an infinity on the way shows in the logits, whichever path computed them: NumPy's warnings of
+        # it (the compiled decoder gives none) would only be lines before the error.
+        with np.errstate(all="ignore"):
+            logits = self._logits(tokens, caches, all_logits)
+        if self.checks_logits and not finite_logits(logits):
+            self._refuse_damaged_file()
+        return logits
+
+    def _logits(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool) -> np.ndarray:
         s = self.spec
         start = caches[0].length
         if start + len(tokens) > self.context_size:  # before anything is allocated for them
@@ -239,6 +252,16 @@ class RuntimeModel(Engine):
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
         return move(head.matmul(self.output, x), head, self.host)
+
+    def _refuse_damaged_file(self) -> NoReturn:
+        """Logits that are not finite: name the tensor of the file that holds a NaN or an infinity. The search reads
+        the whole file, which no load could afford, so it is made only now: the tensors the loader copied (norms,
+        biases) were checked then, and a damaged matrix shows here on every path (the compiled decoder's fast
+        floating point turns a NaN into inf or NaN, never an exception: ``kernels.numba_kernels.FAST_FLOATS``)."""
+        model = open_model_file(self.path)
+        check_finite(model, model.tensors)
+        raise PitoolsError(f"{self.path}: the model's logits are not finite (NaN or infinity), though every weight in "
+                           "the file is: its activations overflowed, or the file changed while it was being read")
 
     def _ropes(self, start: int, n_tokens: int):
         """``rope_of(i)``: layer ``i``'s cos/sin tables for positions ``start ..`` (None without rotary

@@ -36,7 +36,7 @@ _hidden_layer = njit(inline="always")(hidden_layer)
 _chooses = njit(inline="always")(chooses)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=True)
+@njit(parallel=True, nogil=True, cache=True, **nk.FAST_FLOATS)
 def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given, x_vnni):
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
     one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
@@ -220,7 +220,7 @@ def down_of_activations(x, w, s, rows, sparse, fns, n_threads):
     return rows.shape[0]
 
 
-@njit(nogil=True, cache=True, fastmath=True)
+@njit(nogil=True, cache=True, **nk.FAST_FLOATS)
 def _given_activations(s, rows, kind):
     """``s.act[i]``: the activated value of the neuron in row ``rows[i]`` from every neuron's gate and up
     products (``s.predicted``, ``s.up_out``, by row)."""

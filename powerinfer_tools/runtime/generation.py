@@ -68,7 +68,9 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         c = self.config
-        _check_finite(logits)
+        if not finite_logits(logits):
+            raise NonFiniteLogits("the model's logits are not finite (NaN or infinity): its weights are damaged, "
+                                  "or the model file changed while it was being read")
         if c.temperature == 0:
             return int(np.argmax(logits))
         logits = logits.astype(np.float64)
@@ -87,12 +89,10 @@ class Sampler:
         return int(order[self.rng.choice(len(order), p=probs)])
 
 
-def _check_finite(logits: np.ndarray) -> None:
-    """NaN, +infinity, or no finite logit at all: nothing can be sampled. A -infinity logit is a token
-    with probability 0."""
-    if np.isnan(logits).any() or not np.isfinite(logits.max()):
-        raise NonFiniteLogits("the model's logits are not finite (NaN or infinity): its weights are damaged, "
-                              "or the model file changed while it was being read")
+def finite_logits(logits: np.ndarray) -> bool:
+    """Whether a token can be sampled from each row of ``logits`` (one token's, or ``[T, vocab]``): no NaN, no
+    +infinity, and some finite logit. A -infinity logit is a token with probability 0."""
+    return not np.isnan(logits).any() and bool(np.isfinite(logits.max(axis=-1)).all())
 
 
 def _likeliest(logits: np.ndarray, top_k: int) -> np.ndarray:

@@ -28,7 +28,8 @@ from powerinfer_tools.formats.constants import (
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import fused_parts
 from powerinfer_tools.formats.gpu_split import GpuSplit, default_split_path, read_gpu_split
-from powerinfer_tools.formats.model_check import check_model_tensors, neuron_frequencies, routing_frequencies
+from powerinfer_tools.formats.model_check import (check_finite, check_model_tensors, neuron_frequencies,
+                                                  routing_frequencies)
 from powerinfer_tools.formats.model_file import ModelFile, StoredTensor, open_model_file
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.quantization import decode, storage_shape
@@ -163,6 +164,8 @@ class _Tensors:
         # A copy even of a float32 tensor: read in place, a norm's page at each step would map the whole large
         # folio of the page cache around it (up to 2 MiB of the neighbouring matrices; ``_release_mapped_pages``)
         v = np.array(decode(self.stored(name), t.qtype).reshape(t.shape), dtype=np.float32)
+        if not np.isfinite(v).all():  # checked here at no cost; a matrix only once the logits show damage
+            check_finite(self.model, [name])
         return v if backend is None else backend.upload(v)
 
     def norm(self, tensor: TensorKind, layer: int | None, backend) -> Norm:

@@ -58,7 +58,8 @@ def plan_ram(budget: int, dense_bytes: int, neuron_bytes: int, cpu_neurons: list
     if budget < minimum:
         raise PitoolsError(f"--ram {format_size(budget)} is too small for this model: its attention, head and "
                            f"predictors take {format_size(dense_bytes)}, and a neuron cache of {MIN_SLOTS} neurons "
-                           f"per layer {format_size(minimum - dense_bytes)} more: give at least {format_size(minimum)}")
+                           f"per layer {format_size(minimum - dense_bytes)} more: give at least "
+                           f"{format_size(minimum, round_up=True)}")
     rows = (budget - dense_bytes) // (n_units * neuron_bytes)  # per FFN; a layer's experts share theirs
     pinned, capacity = [], []
     for first in range(0, n_units, experts):

@@ -26,6 +26,7 @@ import regex
 from gguf import Keys
 
 from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.formats.model_check import bpe_merges
 from powerinfer_tools.interfaces import Tokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -115,7 +116,7 @@ class GGUFTokenizer(Tokenizer):
                 raise PitoolsError(f"{source}: pre-tokenizer {name!r} is not supported (supported: {supported})")
             self.pre = PRE_TOKENIZERS[name]
             self._split = regex.compile(self.pre.pattern)
-            merges = metadata.get(Keys.Tokenizer.MERGES, [])
+            merges = bpe_merges(metadata.get, source)
             self._merge_rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
             self._byte_of = {c: b for b, c in byte_alphabet().items()}
             self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, self.pre.add_bos))

@@ -119,15 +119,19 @@ def failure(key: str) -> str | None:
     return path.read_text(errors="replace").strip() or "unknown error" if path.is_file() else None
 
 
-def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS) -> None:
+def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTHS,
+             checks_logits: bool = False) -> None:
     """Run the compiled paths of ``engine`` (a ``RuntimeModel``) once, for numba to compile and cache them (or,
     cached, to load them): by default every path, in dense and (where the file allows) sparse mode; its FFN
-    mode and statistics are left as they were."""
+    mode and statistics are left as they were. Logits that are not finite are refused only with ``checks_logits``
+    (``RuntimeModel.checks_logits``): compiling needs no finite values, so a damaged file's kernels are built and
+    marked as an intact one's, and its run is refused at its own first step, once."""
     from powerinfer_tools.interfaces import FFNMode
     from powerinfer_tools.runtime.engine import TokenStats
 
-    saved = engine.mode, engine.stats
+    saved = engine.mode, engine.stats, engine.checks_logits
     engine.stats = TokenStats()  # what these steps read is not the caller's to count
+    engine.checks_logits = checks_logits
     if modes is None:
         modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
     vocab = engine.spec.vocab_size
@@ -141,13 +145,14 @@ def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTH
                 for token in range(DECODED_TOKENS):
                     step(np.array([token + 1]) % vocab)
     finally:
-        engine.mode, engine.stats = saved
+        engine.mode, engine.stats, engine.checks_logits = saved
 
 
 def load_compiled(engine) -> None:
     """Bring the compiled code a short request runs in ``engine``'s mode into this process (from numba's
-    cache), so that the first request does not wait for it: a server does this before it listens."""
-    exercise(engine, modes=[engine.mode], prompt_lengths=PROMPT_LENGTHS[:1])
+    cache), so that the first request does not wait for it: a server does this before it listens, and a file
+    whose weights spoil that request's logits is refused then."""
+    exercise(engine, modes=[engine.mode], prompt_lengths=PROMPT_LENGTHS[:1], checks_logits=True)
 
 
 def mark_warm(key: str) -> None:
