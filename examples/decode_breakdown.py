@@ -3,10 +3,11 @@
     python examples/decode_breakdown.py MODEL.gguf [--mode sparse|dense] [--threads 2] [--repeats 30]
 
 After a 99-token prompt it times, for every layer in turn, the three calls a layer makes
-(``runtime/compiled_decode.py``, ``ffn_decode.py``): ``decode_attention`` (the attention, then what chooses the
-neurons: the predictor, or CATS's whole gate product and selection), the chosen neurons' activations
-(their gate and up rows, or whole products where the loader interleaved the matrices), and the down
-projection (with TEAL's selection where the file has it); then the output head, and whole steps for
+(``runtime/compiled_decode.py``, ``ffn_decode.py``): ``decode_chosen`` (the attention, then ``choose``: what
+chooses the neurons, the predictor or CATS's selection, and the products the layer's plan computes whole: CATS's
+gate, matrices the loader interleaved), the chosen neurons' activations (from their gate and up rows, or from
+those whole products), and the down projection (with TEAL's selection where the file has it); then the output
+head, and whole steps for
 comparison. Medians per layer, times the layer count. Layers are timed on the model's own weights in memory
 order, so the weights come from memory as in a real step, and the residual flows through them from a token's
 embedding, so that each layer chooses the neurons a real token's does (the KV cache position is held fixed).
@@ -34,18 +35,18 @@ TOKEN = 5  # the token fed to the layers (and to the whole steps timed for compa
 
 
 @njit
-def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
-    return cd.decode_attention(x, w, s, keys, values, pos, 0, cos, sin, n_heads, eps, kind, sparse, fns, n_threads)
+def _attention(x, w, s, keys, values, pos, cos, sin, n_heads, eps, fns, n_threads):
+    return cd.decode_chosen(x, w, s, keys, values, pos, 0, cos, sin, n_heads, eps, fns, n_threads)
 
 
 @njit
-def _gate_up(w, s, n, sparse, kind, fns, n_threads):
-    return fd.activations(w, s, n, kind, sparse, fns, n_threads).copy()
+def _gate_up(w, s, n, fns):
+    return fd.activations(w, s, n, fns).copy()
 
 
 @njit
-def _down(x, w, s, rows, sparse, fns, n_threads):
-    return fd.down_of_activations(x, w, s, rows, sparse, fns, n_threads)
+def _down(x, w, s, rows, fns, n_threads):
+    return fd.down_of_activations(x, w, s, rows, fns, n_threads)
 
 
 def main():
@@ -64,7 +65,8 @@ def main():
     if decoder is None or spec.moe or not decoder.usable(model.mode, 1, caches):
         raise SystemExit(f"{args.model}: its steps do not take the compiled one-token path this script times")
     embedded = model.token_embd.dequantize_rows(np.array([TOKEN]))[0]
-    times = _time_layers(decoder, spec, caches, embedded * np.float32(embedding_scale(spec) or 1.0), args)
+    times = _time_layers(decoder, model.mode, spec, caches, embedded * np.float32(embedding_scale(spec) or 1.0),
+                         args)
     for name, values in times.items():
         if name != "neurons":
             print(f"{name:>34}: {np.median(values) * 1e3:6.3f} ms a layer, x{spec.n_layers} = "
@@ -77,8 +79,8 @@ def main():
     print(f"{'whole step':>34}: {step * 1e3:6.1f} ms")
 
 
-def _time_layers(decoder, spec, caches, embedded, args) -> dict[str, list]:
-    sparse, threads, kind = args.mode == "sparse", nk.use_threads(args.threads), cd._KINDS[spec.ffn]
+def _time_layers(decoder, mode, spec, caches, embedded, args) -> dict[str, list]:
+    threads = nk.use_threads(args.threads)
     s = decoder.scratch
     pos, half = caches[0].length, spec.head_dim // 2
     cos, sin = np.ones(half, np.float32), np.zeros(half, np.float32)
@@ -87,15 +89,15 @@ def _time_layers(decoder, spec, caches, embedded, args) -> dict[str, list]:
              "neurons": []}
     for repeat in range(args.repeats + 3):
         residual = embedded.copy()  # each layer's output is the next one's input, as in a step
-        for w, cache in zip(decoder.layers, caches):
+        for (w, *_), cache in zip(decoder.steps[mode], caches):
             keys, values = cache.store(0, empty, empty)  # position pos, as a step would fill it
             start = time.perf_counter()
-            n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, kind, sparse,
-                           decoder.fns, threads)
+            n = _attention(residual, w, s, keys, values, pos, cos, sin, spec.n_heads, spec.norm_eps, decoder.fns,
+                           threads)
             chosen = time.perf_counter()
-            rows = _gate_up(w, s, n, sparse, kind, decoder.fns, threads)
+            rows = _gate_up(w, s, n, decoder.fns)
             computed = time.perf_counter()
-            m = _down(residual, w, s, rows, sparse, decoder.fns, threads)
+            m = _down(residual, w, s, rows, decoder.fns, threads)
             done = time.perf_counter()
             if repeat >= 3:  # the first ones compile or warm up
                 for name, seconds in zip(list(times)[:3], (chosen - start, computed - chosen, done - computed)):

@@ -32,8 +32,8 @@ def thinning(keep: dict, shares: list[float]):
     noting each block's share of neurons computed in ``shares``."""
     select, rng = engine.RuntimeModel._select, np.random.default_rng(0)
 
-    def thinned(self, layer, partitions, predictor, h, residual, step):
-        active, mask = select(self, layer, partitions, predictor, h, residual, step)
+    def thinned(self, layer, plan, partitions, predictor, h, residual):
+        active, mask = select(self, layer, plan, partitions, predictor, h, residual)
         if h.shape[0] == 1:
             return active, mask
         mask = mask & (rng.random(mask.shape) < keep["p"])

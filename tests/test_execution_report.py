@@ -8,7 +8,10 @@ import re
 import numpy as np
 import pytest
 from cli_checks import invoke
+from gguf import MODEL_TENSOR
+from powerinfer_tools.formats.constants import PowerInferTensor, predictor_names, tensor_name
 from powerinfer_tools.formats.gpu_split import GpuSplit, write_gpu_split
+from powerinfer_tools.formats.model_file import open_model_file
 
 from powerinfer_tools import kernels
 from powerinfer_tools.benchmarking.bench import (
@@ -27,6 +30,7 @@ from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 HIDDEN = 16  # the predictors' hidden size
+FFN_DOWN_T = PowerInferTensor.FFN_DOWN_T
 RAM = 9 * 2**19  # --ram 4.5 MiB for the 5.1 MiB of ``sparse_bundled``: neuron caches pinning every neuron (fast)
 
 
@@ -52,7 +56,12 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     [line] = layer_lines(model)  # six alike layers: one line
     assert line.startswith("layers 0-5: compiled decoder | attention q4_0 interleaved, ")
     assert f"| FFN sparse, predicted (predictor hidden size {HIDDEN}) |" in line
-    assert re.search(r"\| gate/up q4_0 rows, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours$", line)
+    assert re.search(r"\| gate/up q4_0 rows, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours \| ",
+                     line)
+    file = open_model_file(sparse_bundled)  # a token reads each layer's predictor, and each computed neuron's rows
+    predictor = sum(file[name].nbytes for name in predictor_names(0))
+    neuron = sum(file[tensor_name(t, 0)].nbytes for t in (MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, FFN_DOWN_T))
+    assert line.endswith(f" | reads {predictor / 1024:.4g} KiB + {neuron / model.spec.d_ff / 1024:.4g} KiB a neuron")
     report = model.execution_report()
     assert report[0] == f"kernels: {kernels.describe()}"
     from powerinfer_tools.kernels import numba_bf16
@@ -62,7 +71,9 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     assert report[-1] == ("prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons "
                           f"(kernels.batched) while they are under 30% of them, else their union | rows q4_0: {rows} | "
                           f"ffn_down_t q4_0: {down}")
-    assert LLM.load(sparse_bundled).description.endswith(", tokens decoded by the compiled decoder")
+    description = LLM.load(sparse_bundled, mode="sparse").description
+    assert description.startswith("runtime, sparse FFN, neurons: predictor in every layer, ")
+    assert description.endswith(", tokens decoded by the compiled decoder")
 
 
 def test_a_layer_the_compiled_decoder_refuses_is_left_to_the_general_path(sparse_bundled):
@@ -76,7 +87,8 @@ def test_a_layer_the_compiled_decoder_refuses_is_left_to_the_general_path(sparse
     assert [line.split(":")[0] for line in lines] == ["layers 0-1", "layer 2", "layers 3-5"]
     assert lines[0].startswith("layers 0-1: compiled decoder | ") and lines[2].startswith("layers 3-5: compiled decoder")
     assert lines[1].startswith(f"layer 2: general path ({why}) | ")
-    assert re.search(r"\| gate/up q4_0, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours$", lines[1])
+    assert re.search(r"\| gate/up q4_0, (ggml vec_dot|AVX-512 VNNI) \| down ffn_down_t q4_0, axpy of ours \| reads ",
+                     lines[1])
 
 
 def test_every_layer_refused_sends_the_token_to_the_general_path(sparse_bundled):

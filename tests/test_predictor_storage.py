@@ -165,13 +165,18 @@ def test_runtime_keeps_predictors_in_their_stored_type_and_counts_those_bytes(q4
         for m, name in zip((p.fc1, p.fc2), predictor_names(i)):
             assert m.nbytes == stored_file[name].nbytes
     float32_bytes = sum(4 * (hidden * 64 + 160 * hidden) for _ in model.layers)
-    assert model.predictor_bytes == sum(layer.dense.predictor.nbytes for layer in model.layers) < float32_bytes / 2
+    plans = model.ffn_plans[FFNMode.SPARSE]  # what a sparse step reads of each layer's FFN
+    assert [plan.predictor_bytes for plan in plans] == [(layer.dense.predictor.nbytes,) for layer in model.layers]
+    predictor_bytes = sum(layer.dense.predictor.nbytes for layer in model.layers)
+    assert predictor_bytes == sum(stored_file[name].nbytes for i in range(len(model.layers))
+                                  for name in predictor_names(i)) < float32_bytes / 2
     model.mode = FFNMode.SPARSE
     caches = model.new_cache()
     model.forward(TOKENS[:1], caches)
     step = model.stats
-    neuron_bytes = step.neurons_active * model.layers[0].partitions[0].bytes_per_neuron
-    assert step.bytes_read == model.static_bytes + model.predictor_bytes + neuron_bytes
+    p = model.layers[0].partitions[0]
+    neuron_bytes = step.neurons_active * (p.gate.row_bytes + p.up.row_bytes + p.down_t.row_bytes)
+    assert step.bytes_read == model.static_bytes + predictor_bytes + neuron_bytes
 
 
 def test_device_holds_the_predictors_at_their_stored_size(q4_0_models, tmp_path):

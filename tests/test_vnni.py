@@ -133,7 +133,7 @@ def test_the_runtime_computes_with_it_what_it_computes_with_vec_dot(width, reque
         model = load_runtime_model(path, ram=budget)
         model.mode = mode
         decoder = model.compiled_decoder()
-        assert decoder is not None and all(_takes_vnni(w) == vnni for w in decoder.layers)
+        assert decoder is not None and all(_takes_vnni(w) == vnni for w, *_ in decoder.steps[mode])
         return _steps(model, tokens), model.stats
 
     (steps, stats), (want, want_stats) = decoded(True), decoded(False)

@@ -15,7 +15,9 @@ output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_on
 ``ffn_down_t``; the predictor's two products, on its stored rows, add one each only when the matrix is
 large), and the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is
 compiled loops. The FFN's part of a layer (the predictor, gate/up, down and their variants: dense, sparse,
-thresholded, an expert, behind a neuron cache) is ``ffn_decode``; this module runs the layer around it.
+thresholded, an expert, behind a neuron cache) is ``ffn_decode``, which runs each layer's FFN plan for the mode
+(``ffn_plan``), given to it as numbers in the layer's ``LayerWeights`` of that mode; this module runs the layer
+around it.
 A layer outside that case (``layer_refusal``: on a device, other biases, mixed layouts) is left to the
 general path for that layer alone (``RuntimeModel.general_layer``); the others still run here.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
@@ -47,15 +49,20 @@ from powerinfer_tools.kernels import weight_bytes
 from powerinfer_tools.kernels.numba_kernels import ggml_from_float, ggml_vec_dot
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import KVCache, mix_experts
-from powerinfer_tools.runtime.ffn_decode import cached_ffn, expert_ffn, ffn, predict, rows_take_vnni
+from powerinfer_tools.runtime import ffn_decode as fd
+from powerinfer_tools.runtime.ffn_decode import cached_ffn, choose, expert_ffn, ffn, rows_take_vnni
+from powerinfer_tools.runtime.ffn_plan import Cache, Choice, Down, FFNPlan, GateUp
 from powerinfer_tools.runtime.neuron_cache import NeuronCache
-from powerinfer_tools.runtime.thresholded_decode import thresholded_input
 from powerinfer_tools.runtime.thresholded_ffn import cats_bounds
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-# The gated FFN kinds it computes, numbered as ``formats/activations.py`` (``ffn_decode.GATE_GIVEN`` may be added)
+# The gated FFN kinds it computes, numbered as ``formats/activations.py``
 _KINDS = {kind: number for kind, number in NUMBERS.items() if kind.gated}
 NO_THRESHOLD = np.float32(-1.0)  # a LayerWeights threshold its rule does not use
+# A layer's plan as ``ffn_decode`` numbers it (the oracle's choice runs on the general path only)
+_CHOICES = {Choice.EVERY: fd.CHOOSE_EVERY, Choice.TEAL: fd.CHOOSE_EVERY, Choice.PREDICTOR: fd.CHOOSE_PREDICTED,
+            Choice.CATS: fd.CHOOSE_BY_GATE, Choice.WHOLE_GATE: fd.CHOOSE_BY_GATE}
+_GATE_UPS = {GateUp.ROWS: fd.GATE_UP_ROWS, GateUp.GATE_WHOLE: fd.GATE_WHOLE, GateUp.WHOLE: fd.GATE_UP_WHOLE}
 # The attention biases the compiled path adds (Qwen2's); a layer with others takes the general path.
 _BIASES = ("q", "k", "v")
 _ABSENT = np.zeros(0, np.float32)  # LayerWeights' placeholder for an absent bias or norm (same numba type)
@@ -95,6 +102,10 @@ class LayerWeights(structref.StructRefProxy):
     further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by;
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and the whole groups
     of q4_0 gate/up rows at least a group wide).
+    ``kind``: the FFN's, as ``formats/activations.py`` numbers it; ``choice``, ``gate_up``: its plan in one mode
+    (``ffn_plan``, as ``ffn_decode`` numbers it; a layer has one ``LayerWeights`` per mode), with the thresholds the
+    plan applies (``cats``, ``ffn_in``, ``ffn_down``; ``NO_THRESHOLD`` where it applies none) and the
+    predictor's (``threshold``).
     ``cats_bounds``: where CATS's threshold lies on the gate product (``thresholded_ffn.cats_bounds``). ``bq, bk, bv``:
     biases, empty when absent; ``rope_halves``: q and k rotate pairs (i, i + head_dim/2), not (2i, 2i+1)."""
 
@@ -107,7 +118,7 @@ structref.define_proxy(LayerWeights, LayerWeightsType, [
     "attn_norm", "wq", "wk", "wv", "wo", "attn_types", "attn_gemv", "bq", "bk", "bv", "rope_halves",
     "ffn_norm", "gate", "up", "ffn_type", "up_gemv", "down", "down_type", "down_transposed", "down_gemv",
     "vnni", "fc1", "fc1_type", "fc2", "fc2_type",
-    "threshold", "thresholded", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
+    "threshold", "kind", "choice", "gate_up", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
     "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "attn_scale",
 ])
 structref.define_proxy(Scratch, ScratchType, [
@@ -223,11 +234,9 @@ def _attend(q, keys, values, first, last, n_heads, scale, scores, out):
 
 
 @njit(nogil=True, cache=True)
-def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
+def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, fns, n_threads):
     """A layer's attention for one token at position ``pos`` (updates the residual ``x`` in place, writes
-    this token's key and value into ``keys[pos]`` / ``values[pos]``), then what its FFN needs: the
-    normed input encoded in ``s.x_encoded`` and, sparse, the predicted neurons in ``s.active``; returns
-    how many neurons to compute."""
+    this token's key and value into ``keys[pos]`` / ``values[pos]``), then its FFN's normed input in ``s.h``."""
     n_kv_heads, head_dim, d_model = keys.shape[1], keys.shape[2], x.shape[0]
     _rms_norm(x, w.attn_norm, eps, s.h)
     ggml_from_float(fns[w.attn_types[0], 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
@@ -256,24 +265,26 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     x += s.o
 
     _rms_norm(x, w.ffn_norm, eps, s.h)
-    if sparse and w.thresholded:
-        return thresholded_input(w, s, kind, fns, n_threads)
-    # the predictor reads the residual before the FFN norm, as PowerInfer's runtime does
-    n = predict(x, w, s, fns) if sparse else s.act.shape[0]  # every neuron (up may be interleaved: not its rows)
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    return n
 
 
 @njit(nogil=True, cache=True)
-def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads):
-    """One layer for one token at position ``pos`` in one call (``decode_attention``, then the FFN on the
+def decode_chosen(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, fns, n_threads):
+    """``decode_attention``, then the neurons the layer's FFN computes (``ffn_decode.choose``); returns their
+    count."""
+    decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, fns, n_threads)
+    return choose(x, w, s, fns, n_threads)
+
+
+@njit(nogil=True, cache=True)
+def decode_layer(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, fns, n_threads):
+    """One layer for one token at position ``pos`` in one call (``decode_chosen``, then the FFN on the
     rows of the neurons it chose); returns the number of neurons computed and of down rows read."""
-    n = decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, kind, sparse, fns, n_threads)
+    n = decode_chosen(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, fns, n_threads)
     if not w.post_ffn_norm.shape[0]:
-        return ffn(x, w, s, n, kind, sparse, fns, n_threads)
+        return ffn(x, w, s, n, fns, n_threads)
     out = s.ffn_out  # Gemma 3: the FFN's output normed before it joins the residual stream
     out[:] = 0.0
-    computed = ffn(out, w, s, n, kind, sparse, fns, n_threads)
+    computed = ffn(out, w, s, n, fns, n_threads)
     _rms_norm(out, w.post_ffn_norm, eps, out)
     x += out
     return computed
@@ -284,12 +295,12 @@ class CompiledDecoder:
     """The compiled one-token decode path for a model whose every layer runs on the CPU; see the module doc."""
 
     spec: ModelSpec
-    layers: list[LayerWeights | None]  # None: a layer left to the general path (``general`` says why)
     general: list[str | None]  # per layer: why the general path computes it (``layer_refusal``), or None
     general_layer: Callable  # ``RuntimeModel.general_layer``: how it does
-    # Per compiled layer, what a step reads (TokenStats): the bytes read whole (a gate CATS chooses from, an up
-    # interleaved beside it: ``loader.WHOLE_UP_SHARE``), a computed neuron's gate/up rows, a down row.
-    ffn_bytes: list[tuple[int, int, int] | None]
+    # Per FFN mode it runs, per layer: (its weights, its FFN's plan, its neuron cache under a RAM budget, its
+    # mixture of experts), all of that mode; None for a layer left to the general path (``general`` says why).
+    steps: dict[FFNMode, list[tuple[LayerWeights, FFNPlan, NeuronCache | None, Mixture | None] | None]]
+    mode_refusals: dict[FFNMode, str | None]  # per mode it knows: why its steps take the general path, or None
     scratch: Scratch
     fns: np.ndarray  # int64 [max type id + 1, 2]: from_float and vec_dot addresses by weight type
     # Per layer: float64 [head_dim / 2], the angle per position of each rotated pair, and what cos and sin are
@@ -298,10 +309,7 @@ class CompiledDecoder:
     rope_frequencies: list[tuple[np.ndarray, float]]
     windows: list[int | None]  # per layer: how many keys its query sees at most (``ModelSpec.layer_window``)
     max_context: int  # positions the scratch holds attention scores for
-    can_run_sparse: bool  # every layer has one: sparse mode can run here
-    neuron_caches: list[NeuronCache | None]  # per layer, under a RAM budget: its FFN rows' cache
     active: np.ndarray  # the scratch's ``active``: the neurons a layer's predictor chose
-    mixtures: list[Mixture | None]  # per layer: its router and experts, when its FFN is a mixture
     ffn_input: np.ndarray  # the scratch's ``h``: the normed input of a layer's FFN (the router's too)
 
     @classmethod
@@ -338,18 +346,12 @@ class CompiledDecoder:
         rope_frequencies = {(theta, scaling): scaling.frequencies(theta, s.head_dim)
                             for theta, scaling in map(s.layer_rope, range(s.n_layers))}
         halves = s.architecture.rope_pairs is RopePairs.HALVES
-        units = [[_unit_weights(layer.dense, *unit, halves, s.attention_scale, s.ffn) for unit in _units(layer)]
-                 if reason is None else [None] for layer, reason in zip(model.layers, general)]
-        mixtures = [Mixture(layer.router, weights, [e.predictor.nbytes if e.predictor else 0 for e in layer.experts])
-                    if layer.experts and reason is None else None
-                    for layer, weights, reason in zip(model.layers, units, general)]
-        ffn_bytes = [_ffn_bytes(layer, s.d_ff) if reason is None else None  # the general path counts its own
-                     for layer, reason in zip(model.layers, general)]
-        return cls(s, [weights[0] for weights in units], general, model.general_layer, ffn_bytes,
+        refusals = {mode: _mode_refusal(model, mode, general) for mode in (FFNMode.DENSE, FFNMode.SPARSE)}
+        steps = {mode: _steps(model, model.ffn_plans[mode], general, halves)
+                 for mode, reason in refusals.items() if reason is None}
+        return cls(s, general, model.general_layer, steps, refusals,
                    scratch, fns, [rope_frequencies[s.layer_rope(i)] for i in range(s.n_layers)],
-                   [s.layer_window(i) for i in range(s.n_layers)], max_context, model.can_run_sparse,
-                   [None if layer.experts else layer.partitions[0].cache for layer in model.layers], active, mixtures,
-                   h)
+                   [s.layer_window(i) for i in range(s.n_layers)], max_context, active, h)
 
     def usable(self, mode: FFNMode, n_tokens: int, caches: list[KVCache]) -> bool:
         """Whether this step can run here (otherwise the general path runs it, or reports why it cannot)."""
@@ -362,46 +364,43 @@ class CompiledDecoder:
             return f"a block of {n_tokens} tokens (a prompt)"
         if filled >= self.max_context:
             return f"context full ({self.max_context} positions)"
-        if mode is FFNMode.DENSE:  # dense mode streams the neuron caches: the general path does
-            return "dense mode under a RAM budget" if any(c is not None for c in self.neuron_caches) else None
-        if mode is FFNMode.SPARSE:
-            return None if self.can_run_sparse else "sparse mode without a predictor or thresholds for every FFN"
+        if mode in self.mode_refusals:
+            return self.mode_refusals[mode]
         return f"{mode.value} mode, not dense or sparse"
 
-    def forward(self, x: np.ndarray, caches: list[KVCache], sparse: bool, step) -> np.ndarray:
-        """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``; counts into ``step``."""
+    def forward(self, x: np.ndarray, caches: list[KVCache], mode: FFNMode, step) -> np.ndarray:
+        """The residual ``[1, d_model]`` after every layer, from the embedded token ``x``, each layer as its plan
+        for ``mode`` says; counts into ``step``."""
         s = self.spec
         pos = caches[0].length
         threads = nk.use_threads(kernels.get_threads())
-        kind = _KINDS[s.ffn]
         residual = np.array(x[0], dtype=np.float32)  # a private copy: updated in place below
         zeros = np.zeros((1, s.n_kv_heads, s.head_dim), dtype=np.float32)
-        for i, (w, ffn_bytes, cache, neurons, mixture, (cos, sin, first)) in enumerate(zip(
-                self.layers, self.ffn_bytes, caches, self.neuron_caches, self.mixtures, self._at(pos))):
-            if w is None:  # counts into ``step`` itself
+        neurons_total = s.d_ff * max(s.n_experts_used, 1)  # of a layer's FFN (of its routed experts)
+        for i, (layer, cache, (cos, sin, first)) in enumerate(zip(self.steps[mode], caches, self._at(pos))):
+            if layer is None:  # counts into ``step`` itself
                 residual[:] = self.general_layer(i, residual[None], cache, step)[0]
                 continue
-            whole_bytes, neuron_bytes, down_bytes = ffn_bytes
+            w, plan, neurons, mixture = layer
             keys, values = cache.store(0, zeros, zeros)  # reserves position pos; decode_layer fills it in
             cache.advance(1)
-            if mixture is not None:
+            if mixture is not None:  # counts what its experts read
                 decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                 s.norm_eps, kind, False, self.fns, threads)
-                n = m = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, kind, sparse,
-                                       self.fns, threads, step)
+                                 s.norm_eps, self.fns, threads)
+                n = mixture.decode(residual, self.ffn_input, self.scratch, s.n_experts_used, self.fns, threads, step)
             elif neurons is None:
                 n, m = decode_layer(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                    s.norm_eps, kind, sparse, self.fns, threads)
+                                    s.norm_eps, self.fns, threads)
+                step.bytes_read += plan.bytes_read(n, m)
             else:
-                n = decode_attention(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
-                                     s.norm_eps, kind, sparse, self.fns, threads)
+                n = decode_chosen(residual, w, self.scratch, keys, values, pos, first, cos, sin, s.n_heads,
+                                  s.norm_eps, self.fns, threads)
                 before = neurons.counters.snapshot()
-                cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), kind, self.fns, threads)
+                cached_ffn(residual, w, self.scratch, neurons, self.active[:n].copy(), self.fns, threads)
                 step.add_cache_use(neurons.counters.since(before))
-                m = n
-            step.neurons_total += s.d_ff * max(s.n_experts_used, 1)
+                step.bytes_read += plan.bytes_read(n, n)
+            step.neurons_total += neurons_total
             step.neurons_active += n
-            step.bytes_read += whole_bytes + neuron_bytes * n + down_bytes * m
         return residual[None]
 
     def _at(self, pos: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -423,20 +422,19 @@ class Mixture:
 
     router: np.ndarray  # [n_experts, d_model] float32
     experts: list[LayerWeights]
-    predictor_bytes: list[int]  # per expert: read when it is routed to, in sparse mode
+    plan: FFNPlan  # the layer's, in the experts' mode: what each routed expert reads
 
-    def decode(self, x: np.ndarray, h: np.ndarray, s: Scratch, k: int, kind: int, sparse: bool, fns, n_threads: int,
-               step) -> int:
+    def decode(self, x: np.ndarray, h: np.ndarray, s: Scratch, k: int, fns, n_threads: int, step) -> int:
         """The routed experts' FFNs for one token whose normed FFN input is ``h`` (the scratch's), mixed
         (``models.layers.mix_experts``, on the float32 router) and added to ``x``; returns the neurons
-        computed."""
+        computed and counts what they read into ``step``."""
         residual = x.copy()  # what the predictors read: the stream entering the FFN block
         computed = []
 
         def expert_output(e: int, tokens: np.ndarray) -> np.ndarray:
             out = np.zeros((1, x.shape[0]), np.float32)
-            computed.append(expert_ffn(out[0], residual, self.experts[e], s, kind, sparse, fns, n_threads))
-            step.bytes_read += self.predictor_bytes[e] if sparse else 0
+            computed.append(expert_ffn(out[0], residual, self.experts[e], s, fns, n_threads))
+            step.bytes_read += self.plan.bytes_read(computed[-1], computed[-1], e)
             return out
 
         x += mix_experts((self.router @ h)[None], k, len(self.experts), expert_output, residual[None])[0]
@@ -510,15 +508,27 @@ def layer_refusal(layer) -> str | None:
     return None
 
 
-def _ffn_bytes(layer, d_ff: int) -> tuple[int, int, int]:
-    """``CompiledDecoder.ffn_bytes`` of ``layer``: a gate that chooses (CATS, in either mode: dense computes every
-    neuron anyway) and an interleaved up are read whole."""
-    p = _units(layer)[0][0]
-    cats = layer.dense.thresholds is not None and layer.dense.thresholds.cats is not None
-    whole_up = isinstance(p.up, InterleavedQ4)
-    gate, up = p.gate.row_bytes, p.up.row_bytes
-    return (d_ff * (gate * cats + up * whole_up), gate * (not cats) + up * (not whole_up),
-            p.bytes_per_neuron - gate - up)
+def _mode_refusal(model, mode: FFNMode, general: list[str | None]) -> str | None:
+    """Why a step of ``mode`` cannot run here, or None: a plan it has no loop for (every neuron streamed through a
+    neuron cache), or a layer without its means of choosing."""
+    if mode is FFNMode.SPARSE and not model.can_run_sparse:
+        return "sparse mode without a predictor or thresholds for every FFN"
+    if any(plan.cache is Cache.STREAMED for plan, reason in zip(model.ffn_plans[mode], general) if reason is None):
+        return "dense mode under a RAM budget"  # (the general path streams the neuron caches)
+    return None
+
+
+def _steps(model, plans: list[FFNPlan], general: list[str | None], halves: bool) -> list[tuple | None]:
+    """``CompiledDecoder.steps`` of one mode, whose plans are ``plans``."""
+    s, steps = model.spec, []
+    for layer, plan, reason in zip(model.layers, plans, general):
+        if reason is not None:
+            steps.append(None)
+            continue
+        weights = [_unit_weights(layer.dense, *unit, plan, halves, s.attention_scale, s.ffn) for unit in _units(layer)]
+        steps.append((weights[0], plan, None if layer.experts else layer.partitions[0].cache,
+                      Mixture(layer.router, weights, plan) if layer.experts else None))
+    return steps
 
 
 def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
@@ -527,14 +537,15 @@ def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
     return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float, kind: FFNKind) -> LayerWeights:
-    """The compiled weights of one FFN (a layer's, or an expert's, of ``kind``) with its layer's attention ``d``."""
+def _unit_weights(d, p, predictor, plan: FFNPlan, rope_halves: bool, attn_scale: float, kind: FFNKind) -> LayerWeights:
+    """The compiled weights of one FFN (a layer's, or an expert's, of ``kind``; run as ``plan`` says) with its
+    layer's attention ``d``."""
     bq, bk, bv = (d.biases.get(key, _ABSENT) for key in _BIASES)
     down = p.down_t if p.down_t is not None else p.down
     # Without a predictor (dense mode, or thresholds) the fields hold a placeholder of the same numba type.
     fc1, fc2 = ([predictor.fc1, predictor.fc2] if predictor is not None
                 else [QuantMatrix(GGMLQuantizationType.F32, np.zeros((1, 1), np.float32))] * 2)
-    t = d.thresholds
+    t = plan.thresholds
     cats, ffn_in, ffn_down = (NO_THRESHOLD if v is None else np.float32(v)
                               for v in ((t.cats, t.ffn_in, t.ffn_down) if t is not None else (None,) * 3))
     interleaved = kernels.ggml_routines().interleaved
@@ -548,7 +559,8 @@ def _unit_weights(d, p, predictor, rope_halves: bool, attn_scale: float, kind: F
         weight_bytes(down), int(down.qtype), p.down_t is not None, gemv if isinstance(down, InterleavedQ4) else 0,
         numba_vnni.available(),
         weight_bytes(fc1), int(fc1.qtype), weight_bytes(fc2), int(fc2.qtype),
-        np.float32(predictor.threshold if predictor is not None else 0.0), t is not None, cats,
+        np.float32(predictor.threshold if predictor is not None else 0.0), _KINDS[kind], _CHOICES[plan.choice],
+        _GATE_UPS[plan.gate_up], cats,
         cats_bounds(cats, kind) if cats >= 0 and not kind.relu_gated else np.zeros(4),  # (relu's needs none)
         gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
@@ -568,18 +580,21 @@ def attention_kernel(d) -> str:
     return f"{_type_names((d.wq, d.wk, d.wv, d.wo))} rows, ggml vec_dot"
 
 
-def ffn_kernels(layer) -> tuple[str, str]:
-    """How one token's gate/up and down products of ``layer``'s FFN run here (a mixture's experts share their
-    gate/up type: ``layer_refusal``)."""
+def ffn_kernels(layer, plan: FFNPlan) -> tuple[str, str]:
+    """How one token's gate/up and down products of ``layer``'s FFN run here, as its ``plan`` computes them (a
+    mixture's experts share their gate/up type: ``layer_refusal``)."""
     p = _units(layer)[0][0]
     whole = _interleaved_kernel()
     vnni = rows_take_vnni.py_func(numba_vnni.available(), int(p.gate.qtype), p.up.cols)
     rows = f"{_type_name(p.up)} rows, {'AVX-512 VNNI' if vnni else 'ggml vec_dot'}"
-    if isinstance(p.up, InterleavedQ4):  # up_gemv (the gate is then interleaved too: loader._partition)
+    if plan.gate_up is GateUp.WHOLE:  # up_gemv beside the gate's (both interleaved: loader._partition)
         gate_up = whole
+    elif plan.gate_up is GateUp.GATE_WHOLE:  # ``whole_products``: gemv where interleaved, else every row
+        gate = whole if isinstance(p.gate, InterleavedQ4) else f"{_type_name(p.gate)} rows, ggml vec_dot"
+        gate_up = f"gate whole ({gate}), up {rows}"
     else:
-        gate_up = f"gate whole ({whole}), up {rows}" if isinstance(p.gate, InterleavedQ4) else rows
-    if p.down_t is not None:
+        gate_up = rows
+    if plan.down is Down.ROWS:
         down = f"{_DOWN_T} {_type_name(p.down_t)}, axpy of ours"
     else:
         down = whole if isinstance(p.down, InterleavedQ4) else f"{_DOWN} {_type_name(p.down)} rows, ggml vec_dot"

@@ -31,6 +31,7 @@ from powerinfer_tools.models.layers import (
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
+from powerinfer_tools.runtime.ffn_plan import Choice, FFNPlan, plan_ffn
 from powerinfer_tools.runtime.neuron_cache import CacheCounters, compute_cached
 from powerinfer_tools.runtime.generation import context_window, finite_logits
 from powerinfer_tools.runtime.selection_meter import SelectionMeter
@@ -163,7 +164,8 @@ class RuntimeModel(Engine):
         self.stats = TokenStats()
         self.static_bytes = (sum(m.nbytes for m in self._dense_matrices())
                              + sum(layer.router.nbytes for layer in layers if layer.router is not None))
-        self.predictor_bytes = sum(layer.dense.predictor.nbytes for layer in layers if layer.dense.predictor)
+        # How each layer's FFN runs in each mode (``ffn_plan``): decided here, looked up per step.
+        self.ffn_plans = {mode: [plan_ffn(layer, mode, spec.n_experts_used) for layer in layers] for mode in FFNMode}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-ffn")
         self.compiled_decoding = True  # False: single tokens take the general path too (for comparisons)
         self.checks_logits = True  # False: logits that are not finite are returned, not refused (a warm-up's steps)
@@ -232,20 +234,18 @@ class RuntimeModel(Engine):
         if self.positions is not None:
             x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
         where = self.host
-        sparse = self.mode is FFNMode.SPARSE
-        step = TokenStats(steps=1, tokens=len(tokens),
-                          bytes_read=self.static_bytes + (self.predictor_bytes if sparse else 0))
+        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
         decoder = self.compiled_decoder()
         if decoder is not None and self.firing_meter is None and decoder.usable(self.mode, len(tokens), caches):
-            x = decoder.forward(x, caches, sparse, step)  # computes its own rotations
+            x = decoder.forward(x, caches, self.mode, step)  # computes its own rotations
         else:
             rope_of = self._ropes(start, len(tokens))
             with single_threaded_blas():
-                for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+                for i, (layer, plan, cache) in enumerate(zip(self.layers, self.ffn_plans[self.mode], caches)):
                     backend = layer.dense.backend
                     x = move(x, where, backend)
                     where = backend
-                    x = self._layer(i, layer, x, cache, start, rope_of(i), step)
+                    x = self._layer(i, layer, plan, x, cache, start, rope_of(i), step)
         head = self.head_backend
         x = move(x if all_logits else x[-1:], where, head)
         if self.output_norm is not None:
@@ -282,8 +282,8 @@ class RuntimeModel(Engine):
         holds, back on the host: a layer the compiled decoder leaves to this path (``layer_refusal``)."""
         backend, start = self.layers[i].dense.backend, cache.length
         with single_threaded_blas():
-            out = self._layer(i, self.layers[i], move(x, self.host, backend), cache, start,
-                              self._ropes(start, len(x))(i), step)
+            out = self._layer(i, self.layers[i], self.ffn_plans[self.mode][i], move(x, self.host, backend), cache,
+                              start, self._ropes(start, len(x))(i), step)
         return move(out, backend, self.host)
 
     def compiled_decoder(self):
@@ -343,13 +343,14 @@ class RuntimeModel(Engine):
 
         return execution_report(self)
 
-    def _layer(self, i: int, layer: RuntimeLayer, x, cache: KVCache, start: int, rope, step: TokenStats):
+    def _layer(self, i: int, layer: RuntimeLayer, plan: FFNPlan, x, cache: KVCache, start: int, rope,
+               step: TokenStats):
         d = layer.dense
 
         def ffn(h, residual):
-            if layer.experts:
-                return self._mixture(layer, h, residual, step)
-            out = self._ffn(layer, layer.partitions, d.predictor, h, residual, step)
+            if plan.experts:
+                return self._mixture(layer, plan, h, residual, step)
+            out = self._ffn(layer, plan, 0, layer.partitions, d.predictor, h, residual, step)
             return out + d.biases["down"] if "down" in d.biases else out
 
         post_norms = None if d.post_attn_norm is None else (partial(self._norm, d.post_attn_norm),
@@ -380,43 +381,55 @@ class RuntimeModel(Engine):
         out = d.backend.matmul(d.wo, out)
         return out + b["o"] if "o" in b else out
 
-    # -- FFN --------------------------------------------------------------------
+    # -- FFN: each layer's as its plan for the mode says (``ffn_plan``) ---------------------------------------
 
-    def _mixture(self, layer: RuntimeLayer, h, residual, step: TokenStats):
+    def _mixture(self, layer: RuntimeLayer, plan: FFNPlan, h, residual, step: TokenStats):
         """A mixture of experts (``models.layers.mix_experts``): each expert computes, as one FFN, the tokens
         the router sends it."""
 
         def expert_output(e: int, tokens):
             expert = layer.experts[e]
-            if self.mode is FFNMode.SPARSE:  # a routed expert's predictor is read; the others' are not
-                step.bytes_read += expert.predictor.nbytes
-            return self._ffn(layer, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
+            return self._ffn(layer, plan, e, expert.partitions, expert.predictor, h[tokens], residual[tokens], step)
 
         return mix_experts(h @ layer.router.T, self.spec.n_experts_used, len(layer.experts), expert_output, h)
 
-    def _select(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h,
-                residual, step: TokenStats):
-        """Which neurons to compute: (active global ids, per-token mask over them or None).
+    def _ffn(self, layer: RuntimeLayer, plan: FFNPlan, unit: int, partitions: list[FFNPartition],
+             predictor: Optional[Predictor], h, residual, step: TokenStats):
+        """One FFN (the layer's, or its expert ``unit``'s) over the tokens ``h``, its neurons split in
+        ``partitions``: the rules' (``thresholded_ffn``) or the neurons ``_select`` chooses; counts what it reads
+        (``FFNPlan.bytes_read``)."""
+        step.neurons_total += plan.d_ff * h.shape[0]
+        if plan.choice.thresholded:
+            meter = None
+            if self.firing_meter is not None:  # the whole gate's choice, metered as a predictor's would be
+                meter = partial(self.firing_meter.add, layer.index, fired=self._firing(layer, partitions, h))
+            out, rows, down_rows = _thresholded().ffn(self.spec.ffn, plan, partitions, h, layer.dense.backend,
+                                                      self.host, step, tokens_own_neurons, meter)
+        else:
+            active, mask = self._select(layer, plan, partitions, predictor, h, residual)
+            out, rows = self._compute(layer, partitions, h, active, mask, step)
+            down_rows = rows
+        step.bytes_read += plan.bytes_read(rows, down_rows, unit)
+        return out
+
+    def _select(self, layer: RuntimeLayer, plan: FFNPlan, partitions: list[FFNPartition],
+                predictor: Optional[Predictor], h, residual):
+        """Which neurons to compute, by the plan's choice (every one, the predictor's or, oracle, those that
+        fire): (active global ids, per-token mask over them or None).
 
         The predictor reads ``residual``, the stream entering the FFN block before its
         norm, as PowerInfer's runtime feeds it (``ffn_inp``).
         """
-        if self.mode is FFNMode.DENSE:
-            return np.arange(layer.d_ff), None
-        thresholds = layer.dense.thresholds
-        if self.mode is FFNMode.SPARSE and thresholds is not None:
-            chosen = _thresholded().cats_choice(self.spec.ffn, partitions, h, thresholds, layer.d_ff,
-                                                layer.dense.backend, self.host, step)
-            if chosen is None:  # TEAL alone: every neuron's gate and up (the down rows are thresholded)
-                return np.arange(layer.d_ff), None
-        elif self.mode is FFNMode.SPARSE:
+        if plan.choice is Choice.EVERY:
+            return np.arange(plan.d_ff), None
+        if plan.choice is Choice.PREDICTOR:
             if predictor is None:
                 raise RuntimeError("sparse mode needs predictors in the model file")
             chosen = move(predictor(residual), layer.dense.backend, self.host)
+            if self.firing_meter is not None:
+                self.firing_meter.add(layer.index, chosen, self._firing(layer, partitions, h))
         else:
             chosen = self._firing(layer, partitions, h)
-        if self.mode is FFNMode.SPARSE and self.firing_meter is not None:
-            self.firing_meter.add(layer.index, chosen, self._firing(layer, partitions, h))
         active = np.flatnonzero(chosen.any(axis=0))
         return active, chosen[:, active]
 
@@ -432,22 +445,12 @@ class RuntimeModel(Engine):
             fired[:, p.neurons] = act != 0
         return fired
 
-    def _ffn(self, layer: RuntimeLayer, partitions: list[FFNPartition], predictor: Optional[Predictor], h, residual,
-             step: TokenStats):
-        """One FFN (the layer's, or one expert's) over the tokens ``h``, its neurons split in ``partitions``."""
-        home = layer.dense.backend
-        thresholds = layer.dense.thresholds if self.mode is FFNMode.SPARSE else None
-        activation_filter = None
-        if thresholds is not None:
-            h = _thresholded().teal_input(h, thresholds)
-            if h.shape[0] > 1:
-                return _thresholded().block(self.spec.ffn, partitions, h, thresholds, layer.d_ff, home, step,
-                                            tokens_own_neurons)
-            activation_filter = _thresholded().teal_down(thresholds)
-        active, mask = self._select(layer, partitions, predictor, h, residual, step)
-        n_tokens = h.shape[0]
-        step.neurons_total += layer.d_ff * n_tokens
-        work = []
+    def _compute(self, layer: RuntimeLayer, partitions: list[FFNPartition], h, active: np.ndarray, mask,
+                 step: TokenStats):
+        """The FFN's output for the tokens ``h`` from the ``active`` neurons (``mask``: each token's of them, or
+        None: all for all), and how many neuron rows that read."""
+        home, n_tokens = layer.dense.backend, h.shape[0]
+        work, rows = [], 0
         for p in partitions:
             mine = np.isin(active, p.neurons, assume_unique=True)
             n_rows = int(mine.sum())
@@ -455,7 +458,7 @@ class RuntimeModel(Engine):
             computed = n_rows * n_tokens if mask is None else int(part_mask.sum())
             step.neurons_active += computed
             step.neurons_on_device += computed if p.backend.is_device else 0
-            step.bytes_read += p.bytes_read(n_rows)
+            rows += n_rows
             work.append((p, active[mine], part_mask))
 
         def run(p: FFNPartition, ids: np.ndarray, part_mask):
@@ -475,15 +478,15 @@ class RuntimeModel(Engine):
             xh = move(h, home, p.backend)
             if part_mask is not None:
                 part_mask = p.backend.xp.asarray(part_mask, dtype=np.float32)
-            return move(p.compute(self.spec.ffn, xh, ids, part_mask, activation_filter), p.backend, home)
+            return move(p.compute(self.spec.ffn, xh, ids, part_mask), p.backend, home)
 
         if len(work) == 1:
-            return run(*work[0])
+            return run(*work[0]), rows
         # The device partition runs in a worker thread while the host computes its own;
         # NumPy and CuPy release the GIL in their kernels, so the two overlap.
         on_device = self._pool.submit(run, *work[0])
         out = sum(run(*w) for w in work[1:])
-        return out + on_device.result()
+        return out + on_device.result(), rows
 
 
 def _thresholded():

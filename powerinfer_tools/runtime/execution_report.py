@@ -3,46 +3,37 @@ what ``pitools run --verbose`` prints, ``pitools bench`` records and ``LLM.descr
 
     kernels: compiled: numba loops + ggml vec_dot ..., 2 threads
     layers 0-5: compiled decoder | attention q4_0 interleaved, ggml gemv | FFN sparse, predicted (predictor
-        hidden size 16) | gate/up q4_0 rows, ggml vec_dot | down ffn_down_t q4_0, axpy of ours
+        hidden size 16) | gate/up q4_0 rows, ggml vec_dot | down ffn_down_t q4_0, axpy of ours | reads 6.25 KiB
+        + 0.3516 KiB a neuron
     output head: q8_0, ggml vec_dot
     prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons (kernels.batched)
         while they are under 30% of them, else their union
 
 A layer's line tells how a decoded token runs it: by the compiled decoder (``compiled_decode``) or, when
 that refuses the model, the step or this layer, by the general path (``RuntimeModel._layer``), and then
-which kernel each product takes. Every fact is read from the predicates the code chooses by (the decoder's
-``refusal``/``step_refusal`` and kernel choices, ``kernels.available``, ``numba_vnni.usable``,
+what its FFN's plan for the mode computes (``ffn_plan``: the FFN column and what a token reads) and which
+kernel each product takes. Every fact is read from the plan or the predicates the code chooses by (the
+decoder's ``refusal``/``step_refusal`` and kernel choices, ``kernels.available``, ``numba_vnni.usable``,
 ``numba_kernels.axpy_takes``, ``isinstance(m, InterleavedQ4)``), never from a copy of their rules.
 Consecutive layers alike but for their sizes (a predictor's hidden size, a calibrated threshold, a neuron
-cache's share) are one line, their sizes as ranges.
+cache's share, the bytes read) are one line, their sizes as ranges.
 """
 
 from __future__ import annotations
 
-import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gguf import MODEL_TENSOR
 
 from powerinfer_tools import kernels
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
-from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.runtime.engine import OWN_NEURONS_DENSITY, computes_tokens_own_neurons
-from powerinfer_tools.runtime.gate_choice import GATE_CHOOSES
+from powerinfer_tools.runtime.ffn_plan import Choice, Phrase, phrase_text
 
 REFERENCE = "NumPy reference"
 DOWN, DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.FFN_DOWN_T)
-
-
-@dataclass(frozen=True)
-class Phrase:
-    """Words whose numbers may differ between layers otherwise alike: ``text`` has one format field per entry
-    of ``numbers`` (each entry: this layer's values, several for a mixture's experts)."""
-
-    text: str
-    numbers: tuple[tuple[float, ...], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
@@ -51,14 +42,16 @@ class LayerExecution:
 
     path: str
     attention: str
-    ffn: tuple[Phrase, ...]
+    ffn: tuple[Phrase, ...]  # its plan's
     gate_up: str
     down: str
+    reads: Phrase  # its plan's
 
 
 def execution_report(model) -> list[str]:
     """The report's lines for ``model`` (a ``RuntimeModel``), as loaded and in its FFN mode."""
-    layers = [_layer_execution(model, layer, path) for layer, path in zip(model.layers, model.layer_paths())]
+    layers = [_layer_execution(layer, plan, path)
+              for layer, plan, path in zip(model.layers, model.ffn_plans[model.mode], model.layer_paths())]
     lines = [f"kernels: {kernels.describe()}"]
     first = 0
     for i in range(1, len(layers) + 1):
@@ -70,12 +63,12 @@ def execution_report(model) -> list[str]:
     return lines
 
 
-def _layer_execution(model, layer, path: str) -> LayerExecution:
+def _layer_execution(layer, plan, path: str) -> LayerExecution:
     if path == "compiled decoder":  # compiled_decode needs numba: imported where the decoder is in use
         from powerinfer_tools.runtime import compiled_decode
 
         attention = compiled_decode.attention_kernel(layer.dense)
-        gate_up, down = compiled_decode.ffn_kernels(layer)
+        gate_up, down = compiled_decode.ffn_kernels(layer, plan)
     else:
         d = layer.dense
         attention = _distinct(one_token_product(m, d.backend) for m in (d.wq, d.wk, d.wv, d.wo))
@@ -83,7 +76,7 @@ def _layer_execution(model, layer, path: str) -> LayerExecution:
         gate_up = _distinct(one_token_product(m, p.backend) for p in partitions for m in (p.gate, p.up)
                             if m is not None)
         down = _distinct(_down_product(p) for p in partitions)
-    return LayerExecution(path, attention, _ffn_variant(model, layer), gate_up, down)
+    return LayerExecution(path, attention, plan.phrases(), gate_up, down, plan.reads())
 
 
 def _group_line(first: int, group: list[LayerExecution]) -> str:
@@ -91,21 +84,9 @@ def _group_line(first: int, group: list[LayerExecution]) -> str:
     last = first + len(group) - 1
     label = f"layer {first}" if last == first else f"layers {first}-{last}"
     e = group[0]
-    ffn = ", ".join(_phrase_text([layer.ffn[k] for layer in group]) for k in range(len(e.ffn)))
-    return f"{label}: {e.path} | attention {e.attention} | FFN {ffn} | gate/up {e.gate_up} | down {e.down}"
-
-
-def _phrase_text(alike: list[Phrase]) -> str:
-    """The phrase of several layers, each number as its range over them (``16-64``) or its one value."""
-    pieces, k = [], 0
-    for literal, name, spec, _ in string.Formatter().parse(alike[0].text):
-        pieces.append(literal)
-        if name is not None:  # the k-th number
-            values = [v for phrase in alike for v in phrase.numbers[k]]
-            low, high = format(min(values), spec), format(max(values), spec)
-            pieces.append(low if low == high else f"{low}-{high}")
-            k += 1
-    return "".join(pieces)
+    ffn = ", ".join(phrase_text([layer.ffn[k] for layer in group]) for k in range(len(e.ffn)))
+    reads = phrase_text([layer.reads for layer in group])
+    return f"{label}: {e.path} | attention {e.attention} | FFN {ffn} | gate/up {e.gate_up} | down {e.down} | {reads}"
 
 
 def one_token_product(m, backend) -> str:
@@ -141,56 +122,15 @@ def _down_product(p) -> str:
     return f"{DOWN_T} {name}, {REFERENCE}"
 
 
-def _ffn_variant(model, layer) -> tuple[Phrase, ...]:
-    """What a layer's FFN computes in the model's mode, and where its neurons live."""
-    phrases = []
-    if layer.experts:
-        phrases.append(Phrase(f"mixture of {len(layer.experts)} experts, top-{model.spec.n_experts_used}"))
-    if model.mode is FFNMode.SPARSE:
-        phrases.append(_sparsity(layer))
-    elif model.mode is FFNMode.ORACLE:
-        phrases.append(Phrase("oracle (every neuron computed to find those that fire)"))
-    else:
-        phrases.append(Phrase(model.mode.value))
-    partitions = _partitions(layer, every_expert=True)
-    caches = [p.cache for p in partitions if p.cache is not None]
-    if caches:
-        phrases.append(Phrase("behind neuron caches (--ram: {:d} neurons pinned, {:d} slots)" if len(caches) > 1
-                              else "behind a neuron cache (--ram: {:d} neurons pinned, {:d} slots)",
-                              ((sum(c.n_pinned for c in caches),), (sum(c.capacity for c in caches),))))
-    on_device = [p for p in partitions if p.backend.is_device]
-    if on_device:
-        share = sum(len(p.neurons) for p in on_device) / (layer.d_ff * max(len(layer.experts), 1))
-        phrases.append(Phrase(f"{{:.0%}} of the neurons on {on_device[0].backend.name}", ((share,),)))
-    return tuple(phrases)
-
-
-def _sparsity(layer) -> Phrase:
-    """Sparse mode's choice of neurons: the whole gate's (a ReLU family's, ``gate_choice``), a SiLU model's
-    thresholds (CATS, TEAL or both), or predictors."""
-    t = layer.dense.thresholds
-    if t is GATE_CHOOSES:
-        return Phrase("sparse, the firing neurons from the whole gate (exact)")
-    if t is not None:
-        used = [(label, value) for label, value in (("CATS", t.cats), ("TEAL input", t.ffn_in),
-                                                     ("TEAL down", t.ffn_down)) if value is not None]
-        rule = "+".join(dict.fromkeys(label.split()[0] for label, _ in used))
-        return Phrase(f"sparse, {rule} (" + ", ".join(f"{label} threshold {{:.3g}}" for label, _ in used) + ")",
-                      tuple((value,) for _, value in used))
-    predictors = [e.predictor for e in layer.experts] if layer.experts else [layer.dense.predictor]
-    if any(p is None for p in predictors):
-        return Phrase("sparse, but without predictors (a step fails)")
-    return Phrase("sparse, predicted (predictor hidden size {:d})", (tuple(p.fc1.rows for p in predictors),))
-
-
 def _prompt_ffn(model) -> str:
     """How a block of tokens computes the FFNs: every neuron, a SiLU model's thresholded block, or each token's
     own predicted neurons (``kernels.batched``) where that applies (``computes_tokens_own_neurons``) and they are
-    few enough (``OWN_NEURONS_DENSITY``), else their union."""
-    if model.mode is FFNMode.DENSE:
+    few enough (``OWN_NEURONS_DENSITY``), else their union: as the layers' plans choose."""
+    plans = model.ffn_plans[model.mode]
+    if all(plan.choice is Choice.EVERY for plan in plans):
         return "FFN: every neuron"
-    if model.mode is FFNMode.SPARSE and all(layer.dense.thresholds is not None for layer in model.layers):
-        return _thresholded_prompt_ffn(model)
+    if all(plan.choice.thresholded for plan in plans):
+        return _thresholded_prompt_ffn(model, plans)
     cpu = [p for layer in model.layers for p in _partitions(layer, every_expert=True) if not p.backend.is_device]
     taking = sum(computes_tokens_own_neurons(p) for p in cpu)
     own = (f"each token's own chosen neurons (kernels.batched) while they are under {OWN_NEURONS_DENSITY:.0%} of "
@@ -241,15 +181,16 @@ def _by_way(matrices_and_ways) -> str:
     return " / ".join(f"{', '.join(names)}: {way}" for way, names in types.items())
 
 
-def _thresholded_prompt_ffn(model) -> str:
-    """``thresholded_ffn.block``: every neuron's gate, the mask of the rule (or of the gate's choice), then each
+def _thresholded_prompt_ffn(model, plans) -> str:
+    """``thresholded_ffn.ffn``: every neuron's gate, the mask of the rule (or of the gate's choice), then each
     token's kept neurons from up and ``ffn_down_t`` alone where that applies (a CPU partition that
     ``computes_tokens_own_neurons`` given the gate products, no TEAL on the down projection's input) and they
     are few enough, else every neuron's up."""
     mask = "the gate's choice" if model.spec.ffn.sparse else "the thresholds' mask"
-    cpu = [(layer, p) for layer in model.layers for p in _partitions(layer) if not p.backend.is_device]
-    taking = sum(layer.dense.thresholds.ffn_down is None and computes_tokens_own_neurons(p, gate_given=True)
-                 for layer, p in cpu)
+    cpu = [(plan, p) for layer, plan in zip(model.layers, plans) for p in _partitions(layer)
+           if not p.backend.is_device]
+    taking = sum(plan.thresholds.ffn_down is None and computes_tokens_own_neurons(p, gate_given=True)
+                 for plan, p in cpu)
     if taking == 0:
         return f"sparse FFN: every neuron's gate and up, then {mask}"
     where = "" if taking == len(cpu) else f" (in {taking} of {len(cpu)} CPU partitions; elsewhere every neuron's up)"

@@ -11,7 +11,7 @@ with those activations as weights. The partial outputs add up to the FFN output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -74,18 +74,6 @@ class FFNPartition:
     # changes as neurons come and go (``neuron_cache.compute_cached`` makes rows resident first).
     cache: Optional[NeuronCache] = None
 
-    @property
-    def bytes_per_neuron(self) -> int:
-        gate = self.gate.row_bytes if self.gate is not None else 0
-        down = self.down_t.row_bytes if self.down_t is not None else self.down.nbytes // self.down.cols
-        return gate + self.up.row_bytes + down
-
-    def bytes_read(self, n_rows: int) -> int:
-        """Bytes one token reads computing ``n_rows`` of these neurons: their rows, except a gate or up kept
-        interleaved, which is computed whole (a CATS gate; ``loader.WHOLE_UP_SHARE``)."""
-        whole = [m for m in (self.gate, self.up) if isinstance(m, InterleavedQ4)]
-        return n_rows * self.bytes_per_neuron + sum(m.nbytes - n_rows * m.row_bytes for m in whole)
-
     def activations(self, kind: FFNKind, x, neurons: np.ndarray):
         """Activated values ``[T, len(neurons)]`` of the given global neurons (all in this partition)."""
         return self._activations(kind, x, self.backend.xp.asarray(self.row_of[neurons]))
@@ -107,20 +95,17 @@ class FFNPartition:
     def _activations(self, kind: FFNKind, x, rows):
         return activate(kind, *self.pre_activations(x, rows))
 
-    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None, activation_filter: Optional[Callable] = None):
+    def compute(self, kind: FFNKind, x, active: np.ndarray, mask=None):
         """Partial FFN output ``[T, d_model]`` of the ``active`` global neurons (all in this partition).
 
         ``mask [T, len(active)]`` zeroes the neurons a token did not select; without
-        it every active neuron counts for every token. ``activation_filter(activated)`` may drop further
-        activations before the down projection (TEAL on its input: ``thresholded_ffn.teal_down``).
+        it every active neuron counts for every token.
         """
         rows = self.row_of[active]
         device_rows = self.backend.xp.asarray(rows)  # one upload for the products of gate, up and down
         activated = self._activations(kind, x, device_rows)
         if mask is not None:
             activated = activated * mask
-        if activation_filter is not None:
-            activated = activation_filter(activated)
         if self.down_t is None:
             if len(rows) != self.down.cols:
                 raise RuntimeError(

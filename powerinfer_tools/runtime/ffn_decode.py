@@ -1,12 +1,14 @@
-"""The compiled decoder's FFN for one token (``runtime/compiled_decode.py`` runs it as part of a layer's call):
-which neurons the predictor chooses (``predict``), their gate and up rows with the activation (``gate_up``), the
-down projection (``down``: an axpy over ``ffn_down_t``'s rows, or a dense file's matrix), and the FFN's variants
-built from those three: dense or sparse (``ffn``; CATS and TEAL through ``thresholded_decode``; gate and up each
-computed whole where the loader interleaved it: a dense file's, a CATS gate, the up of a layer that computes most
-of its neurons), one routed expert of a mixture (``expert_ffn``, weighted by
-``compiled_decode.Mixture``) and a layer whose rows are a neuron cache's (``cached_ffn``). A change to the
-arithmetic of one of them is made here; the general path's counterparts are ``runtime/ffn.py``,
-``runtime/thresholded_ffn.py`` and ``runtime/neuron_cache.py``.
+"""The compiled decoder's FFN for one token (``runtime/compiled_decode.py`` runs it as part of a layer's call), as
+the layer's plan for the mode says (``runtime/ffn_plan.py``; ``LayerWeights``' ``choice`` and ``gate_up``, numbered
+below, and its thresholds): which neurons it computes (``choose``: every one, the predictor's from ``predict``, or
+CATS's from every gate product, through ``thresholded_decode``), their gate and up products with the activation
+(``gate_up`` from their rows, or given where the plan computes gate, or gate and up, whole: ``whole_products``),
+the down projection (``down``: an axpy over ``ffn_down_t``'s rows, those TEAL keeps, or a dense file's matrix),
+and the variants built from those: a layer's FFN (``choose`` then ``ffn``), one routed expert of a mixture
+(``expert_ffn``, weighted by ``compiled_decode.Mixture``) and a layer whose rows are a neuron cache's
+(``cached_ffn``). A change to the arithmetic of one of them is made here; the general path's counterparts are
+``runtime/engine.py`` (``RuntimeModel._ffn``) with ``runtime/ffn.py``, ``runtime/thresholded_ffn.py`` and
+``runtime/neuron_cache.py``.
 
 ``w`` is a layer's ``compiled_decode.LayerWeights``, ``s`` the decoder's ``Scratch``, ``fns`` the from_float and
 vec_dot addresses by weight type.
@@ -24,12 +26,16 @@ from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.numba_kernels import (PREFETCH_ROWS, ggml_from_float, ggml_vec_dot, in_order,
                                                     prefetch_span)
 from powerinfer_tools.runtime.neuron_cache import NeuronCache, stream_in_order
-from powerinfer_tools.runtime.thresholded_decode import drop_small_down_inputs, whole_gate
+from powerinfer_tools.runtime.thresholded_decode import cats_choice, drop_small_down_inputs, teal_input
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
-# Added to an FFN kind (``compiled_decode``'s integers): its gate products are already computed for every neuron
-# (in the scratch's ``predicted``, by row), as CATS and the gate's choice compute them.
-GATE_GIVEN = 8
+# A layer's plan (``ffn_plan``) as numbers, in its ``LayerWeights`` (``compiled_decode`` maps the plan's enums):
+# which neurons it computes (``choice``: every one, TEAL alone's too; the predictor's; CATS's or the whole gate's,
+# from every gate product) ...
+CHOOSE_EVERY, CHOOSE_PREDICTED, CHOOSE_BY_GATE = 0, 1, 2
+# ... and how their gate and up products are made (``gate_up``): from their rows; the gate computed whole (its
+# products in the scratch's ``predicted``, by row), up from their rows; both computed whole (up's in ``up_out``).
+GATE_UP_ROWS, GATE_WHOLE, GATE_UP_WHOLE = 0, 1, 2
 _Q4_0_BLOCK_BYTES = WEIGHT_TYPES[nk.Q4_0].block_bytes
 # The predictor's rule as NumPy applies it to arrays (``formats.predictor_rule``), compiled for one value.
 _hidden_layer = njit(inline="always")(hidden_layer)
@@ -37,16 +43,14 @@ _chooses = njit(inline="always")(chooses)
 
 
 @njit(parallel=True, nogil=True, cache=True, **nk.FAST_FLOATS)
-def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, gate_out, up_out, act, gate_given, x_vnni):
+def _gate_up(vec_dot, gate, up, rows, at, x_encoded, cols, kind, given, gate_out, up_out, act, gate_given, x_vnni):
     """``act[at[i]]`` = the activated value of the neuron in row ``rows[i]`` from its gate and up rows, in
-    one loop (``at`` places the values: a cached layer computes its resident neurons first). With kind
-    ``GATE_GIVEN`` added the gate products are ``gate_given[row]`` and only the up rows are read. A
-    non-empty ``x_vnni`` (the input as ``numba_vnni.encode`` writes it) takes q4_0 rows through
-    ``numba_vnni.row_dot_q4_0`` instead of ggml's ``vec_dot``."""
+    one loop (``at`` places the values: a cached layer computes its resident neurons first). ``given``: the gate
+    products are ``gate_given[row]`` and only the up rows are read. A non-empty ``x_vnni`` (the input as
+    ``numba_vnni.encode`` writes it) takes q4_0 rows through ``numba_vnni.row_dot_q4_0`` instead of ggml's
+    ``vec_dot``."""
     # gate and up rows are alike, unless the gate is given (then it may be interleaved: never read here)
     n, row_bytes, xe = rows.shape[0], up.strides[0], x_encoded.ctypes.data
-    given = kind >= GATE_GIVEN
-    kind = kind - GATE_GIVEN if given else kind
     vnni_groups = cols // numba_vnni.GROUP_COLS if x_vnni.shape[0] else 0
     order = in_order(rows)
     for i in prange(n):
@@ -143,15 +147,15 @@ def rows_take_vnni(vnni, ffn_type, cols):
 
 
 @njit(nogil=True, cache=True)
-def gate_up(w, s, rows, at, kind, fns):
+def gate_up(w, s, rows, at, given, fns):
     """``s.act[at[i]]`` for the neurons in rows ``rows`` of the layer's gate and up (the input encoded
-    in ``s.x_encoded``)."""
+    in ``s.x_encoded``; ``given``: the gate's products computed whole, in ``s.predicted``)."""
     d_model = s.h.shape[0]
     rows_vnni = rows_take_vnni(w.vnni, w.ffn_type, d_model)
     x_vnni = s.x_vnni if rows_vnni else s.x_vnni[:0]
     if rows_vnni:
         numba_vnni.encode(nk.Q4_0, s.x_encoded, x_vnni, d_model)
-    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, d_model, kind, s.gate_out, s.up_out,
+    _gate_up(fns[w.ffn_type, 1], w.gate, w.up, rows, at, s.x_encoded, d_model, w.kind, given, s.gate_out, s.up_out,
              s.act, s.predicted, x_vnni)
 
 
@@ -172,47 +176,72 @@ def down(x, w, s, rows, fns, n_threads):
 
 
 @njit(nogil=True, cache=True)
-def expert_ffn(out, residual, w, s, kind, sparse, fns, n_threads):
-    """One routed expert of a mixture for one token (``w``: its FFN and predictor): its predicted neurons
-    (all, dense) from the normed input ``s.h``, the down projection added to ``out`` (zeros: the expert's
-    output, which ``Mixture`` weights). The predictor reads ``residual``, the stream entering the FFN block.
-    Returns the number of neurons computed."""
-    n = predict(residual, w, s, fns) if sparse else w.up.shape[0]
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, out.shape[0])
-    rows = s.active[:n] if sparse else s.all_rows[:n]
-    gate_up(w, s, rows, s.all_rows[:n], kind, fns)
-    down(out, w, s, rows, fns, n_threads)
+def choose(x, w, s, fns, n_threads):
+    """The neurons a layer's FFN computes for one token, as its plan says (``w.choice``): every one, the
+    predictor's (from the residual ``x``, the stream entering the FFN block, as PowerInfer's runtime feeds it) or
+    CATS's (from every gate product), into ``s.active``; returns their count. On the way, the normed input ``s.h``
+    (TEAL's rule applied, where the plan has it) is encoded in ``s.x_encoded``, and the products the plan computes
+    whole (``w.gate_up``) are made."""
+    d_model, n = s.h.shape[0], s.act.shape[0]  # (up may be interleaved: not its rows)
+    if w.choice == CHOOSE_PREDICTED:
+        n = predict(x, w, s, fns)  # before the input is encoded: it encodes x in the same buffer
+    if w.ffn_in >= 0:
+        teal_input(s.h, w.ffn_in)
+    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
+    if w.gate_up != GATE_UP_ROWS:
+        whole_products(w, s, d_model, fns, n_threads)
+    if w.choice == CHOOSE_BY_GATE:
+        n = cats_choice(w, s)
     return n
 
 
 @njit(nogil=True, cache=True)
-def ffn(x, w, s, n, kind, sparse, fns, n_threads):
-    """Add the FFN's output for the ``n`` neurons ``decode_attention`` chose to ``x``; returns the number of
-    neurons computed and of down rows read."""
-    rows = activations(w, s, n, kind, sparse, fns, n_threads)
-    return n, down_of_activations(x, w, s, rows, sparse, fns, n_threads)
+def whole_products(w, s, d_model, fns, n_threads):
+    """Every neuron's gate product into ``s.predicted`` from the encoded input; where the plan computes up whole
+    too (interleaved beside the gate: a layer that computes most neurons, or a dense file's), every up product
+    into ``s.up_out`` in the same parallel loop."""
+    if w.gate_up == GATE_UP_WHOLE:
+        numba_interleaved.gemv_fused(w.up_gemv, w.gate, w.up, numba_interleaved.NO_GROUPS, s.x_encoded, d_model,
+                                     s.predicted, s.up_out, s.o[:0], n_threads, w.vnni)
+    elif w.gate_gemv:
+        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
+    else:
+        nk.matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
 
 
 @njit(nogil=True, cache=True)
-def activations(w, s, n, kind, sparse, fns, n_threads):
-    """The activated values ``s.act[:n]`` of the ``n`` neurons ``decode_attention`` chose; returns their rows."""
-    rows = s.active[:n] if sparse else s.all_rows[:n]
-    gate_given = sparse and w.cats >= 0  # CATS computed every gate product to choose (``thresholded_input``)
-    if w.gate_gemv and not gate_given:  # an interleaved gate (a CATS file's in dense mode, a dense file's): whole
-        whole_gate(w, s, s.h.shape[0], fns, n_threads)
-        gate_given = True
-    if w.up_gemv:  # up computed whole beside the gate (``whole_gate``): the chosen neurons' activations from both
-        _given_activations(s, rows, kind)
+def ffn(x, w, s, n, fns, n_threads):
+    """Add the FFN's output for the ``n`` neurons ``choose`` chose to ``x``; returns the number of neurons
+    computed and of down rows read."""
+    rows = activations(w, s, n, fns)
+    return n, down_of_activations(x, w, s, rows, fns, n_threads)
+
+
+@njit(nogil=True, cache=True)
+def expert_ffn(out, residual, w, s, fns, n_threads):
+    """One routed expert of a mixture for one token (``w``: its FFN and predictor, and plan): its neurons from the
+    normed input ``s.h``, the down projection added to ``out`` (zeros: the expert's output, which ``Mixture``
+    weights). The predictor reads ``residual``, the stream entering the FFN block. Returns the number of neurons
+    computed."""
+    return ffn(out, w, s, choose(residual, w, s, fns, n_threads), fns, n_threads)[0]
+
+
+@njit(nogil=True, cache=True)
+def activations(w, s, n, fns):
+    """The activated values ``s.act[:n]`` of the ``n`` neurons ``choose`` chose; returns their rows."""
+    rows = s.all_rows[:n] if w.choice == CHOOSE_EVERY else s.active[:n]
+    if w.gate_up == GATE_UP_WHOLE:  # the chosen neurons' activations from every gate and up product
+        _given_activations(s, rows, w.kind)
     else:
-        gate_up(w, s, rows, s.all_rows[:rows.shape[0]], kind + GATE_GIVEN if gate_given else kind, fns)
+        gate_up(w, s, rows, s.all_rows[:n], w.gate_up == GATE_WHOLE, fns)
     return rows
 
 
 @njit(nogil=True, cache=True)
-def down_of_activations(x, w, s, rows, sparse, fns, n_threads):
+def down_of_activations(x, w, s, rows, fns, n_threads):
     """Add the down projection of the activations ``s.act`` of the neurons in ``rows`` to ``x`` (those TEAL keeps,
-    where the file has its rule on the down projection's input); returns the number of down rows read."""
-    if sparse and w.ffn_down >= 0:
+    where the plan has its rule on the down projection's input); returns the number of down rows read."""
+    if w.ffn_down >= 0:
         m = drop_small_down_inputs(s, rows, w.ffn_down)
         down(x, w, s, s.down_rows[:m], fns, n_threads)
         return m
@@ -228,37 +257,37 @@ def _given_activations(s, rows, kind):
         s.act[i] = nk.gated_activation(kind, s.predicted[rows[i]], s.up_out[rows[i]])
 
 
-def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, kind: int, fns, n_threads: int) -> None:
-    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons: gate and up of the
-    resident ones run while the misses are read, then the misses', then one down projection over all,
-    in neuron order. A step needing more misses than the cache has free slots streams them through it
-    (``stream_in_order``), range by range in neuron order, each range's down rows into the partial sums
-    of one down projection: either way the sum is the one computed without the cache."""
+def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, fns, n_threads: int) -> None:
+    """The FFN of a layer whose rows are a neuron cache's, for the ``active`` neurons (its plan: a predictor's
+    choice, gate and up from rows): gate and up of the resident ones run while the misses are read, then the
+    misses', then one down projection over all, in neuron order. A step needing more misses than the cache has
+    free slots streams them through it (``stream_in_order``), range by range in neuron order, each range's down
+    rows into the partial sums of one down projection: either way the sum is the one computed without the cache."""
     resident = cache.resident(active)
     missing = np.flatnonzero(~resident)
     if len(missing) > cache.capacity - np.count_nonzero(cache.row_of[active[resident]] >= cache.n_pinned):
         partial = nk.one_token_partials(len(active), x.shape[0], n_threads)
         for first, stop in stream_in_order(cache, active):
-            _range_ffn(w, s, cache.row_of[active[first:stop]], first, len(active), partial, kind, fns)
+            _range_ffn(w, s, cache.row_of[active[first:stop]], first, len(active), partial, fns)
         nk.add_partials(partial, x.reshape((1, -1)))
         return
     cache.new_step(active[resident])
     wait = cache.load(active[missing])
     present = np.flatnonzero(resident)
-    gate_up(w, s, cache.row_of[active[present]], present, kind, fns)
+    gate_up(w, s, cache.row_of[active[present]], present, False, fns)
     wait()
-    gate_up(w, s, cache.row_of[active[missing]], missing, kind, fns)
+    gate_up(w, s, cache.row_of[active[missing]], missing, False, fns)
     down(x, w, s, cache.row_of[active], fns, n_threads)
 
 
 @njit(nogil=True, cache=True)
-def _range_ffn(w, s, rows, first, total, partial, kind, fns):
+def _range_ffn(w, s, rows, first, total, partial, fns):
     """Gate, up and the down product of the neurons at positions ``first ..`` of ``total`` (their rows
     ``rows``), the down rows into the partial sums of the whole down projection (``ffn_down_t``: a
     neuron cache holds transposed rows)."""
     n = rows.shape[0]
     at = np.arange(first, first + n)
-    gate_up(w, s, rows, at, kind, fns)
+    gate_up(w, s, rows, at, False, fns)
     nk.axpy_rows_one_token_part(w.down_type, w.down, rows, s.act[first : first + n].reshape((1, n)), partial, first,
                                 total)
 

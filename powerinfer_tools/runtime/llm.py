@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime import sparse_verdict, warmup
+from powerinfer_tools.runtime import ffn_plan, sparse_verdict, warmup
 from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
@@ -139,7 +139,9 @@ class LLM:
         warm_up(model)
         tokenizer = GGUFTokenizer(model.metadata, source=str(path))
         chosen = _auto_mode(model, tokenizer, options, notice) if mode == AUTO else ""
-        where = f", split {model.split_path.name}{solved} on {model.device.name}" if model.device is not None else ""
+        where = f", {ffn_plan.gist(model.ffn_plans[model.mode])}"  # each layer's: execution_report()
+        if model.device is not None:
+            where += f", split {model.split_path.name}{solved} on {model.device.name}"
         where += f", --ram {format_size(ram)} ({cache_policy} cache)" if model.ram is not None else ""
         where += ", NumPy kernels" if compiled_kernels.reference_chosen() else ""
         where += f", tokens decoded by the {model.decode_path()}"  # the whole story: execution_report()

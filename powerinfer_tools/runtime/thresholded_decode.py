@@ -1,8 +1,8 @@
 """The compiled decoder's thresholded FFN for one token (``w``: its ``LayerWeights``, ``s``: its ``Scratch``):
-the loops of the rules ``thresholded_ffn`` computes on the general path (CATS, TEAL, and the gate's exact
-choice of a ReLU family's neurons: CATS at threshold 0 on relu), called by ``compiled_decode.decode_layer``.
-Apart from ``thresholded_ffn`` because this module imports numba, which a model on the NumPy reference kernels
-never loads.
+the loops of the rules ``thresholded_ffn.ffn`` computes on the general path (CATS, TEAL, and the gate's exact
+choice of a ReLU family's neurons: CATS at threshold 0 on relu), called by ``ffn_decode.choose`` and ``ffn`` where
+the layer's plan has them. Apart from ``thresholded_ffn`` because this module imports numba, which a model on the
+NumPy reference kernels never loads.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from numba import njit
 
 from powerinfer_tools.formats.activation_thresholds import clears
 from powerinfer_tools.formats.activations import DRELU, REGLU
-from powerinfer_tools.kernels import numba_interleaved
 from powerinfer_tools.kernels import numba_kernels as nk
-from powerinfer_tools.kernels.numba_kernels import ggml_from_float
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
@@ -36,40 +34,22 @@ def _cats_keeps(g, t, bounds, kind):
 
 
 @njit(nogil=True, cache=True)
-def thresholded_input(w, s, kind, fns, n_threads):
-    """A thresholded layer's FFN input, encoded in ``s.x_encoded``, and its neurons to compute in
-    ``s.active``; returns their count. TEAL (``ffn_in``) first drops the input's small entries; CATS
-    computes the gate product of every neuron (into ``s.predicted``, by row) and keeps those whose |gate
-    activation| (a ReLU family's relu: those that fire) exceeds the threshold; without CATS every neuron is computed."""
-    d_model, d_ff = s.h.shape[0], s.act.shape[0]  # (up may be interleaved: not its rows)
-    if w.ffn_in >= 0:
-        for i in range(d_model):
-            if not _clears(s.h[i], w.ffn_in):
-                s.h[i] = 0.0
-    ggml_from_float(fns[w.ffn_type, 0], s.h.ctypes.data, s.x_encoded.ctypes.data, d_model)
-    if w.cats < 0:
-        s.active[:d_ff] = s.all_rows[:d_ff]
-        return d_ff
-    whole_gate(w, s, d_model, fns, n_threads)
-    n = 0
-    for neuron in range(d_ff):  # written every time, kept by moving on: no branch on the choice
-        s.active[n] = neuron
-        n += _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds, kind)
-    return n
+def teal_input(h, threshold):
+    """TEAL on the FFN's input: the entries of ``h`` that do not clear ``threshold`` set to 0, in place."""
+    for i in range(h.shape[0]):
+        if not _clears(h[i], threshold):
+            h[i] = 0.0
 
 
 @njit(nogil=True, cache=True)
-def whole_gate(w, s, d_model, fns, n_threads):
-    """Every neuron's gate product into ``s.predicted`` from the encoded input; where up is interleaved too
-    (``up_gemv``: a layer that computes most neurons, or a dense file's), every up product into ``s.up_out``
-    in the same parallel loop."""
-    if w.up_gemv:
-        numba_interleaved.gemv_fused(w.up_gemv, w.gate, w.up, numba_interleaved.NO_GROUPS, s.x_encoded, d_model,
-                                     s.predicted, s.up_out, s.o[:0], n_threads, w.vnni)
-    elif w.gate_gemv:
-        numba_interleaved.gemv(w.gate_gemv, w.gate, s.x_encoded, d_model, s.predicted, n_threads, w.vnni)
-    else:
-        nk.matvec(fns[w.ffn_type, 1], w.gate, s.x_encoded, d_model, s.predicted)
+def cats_choice(w, s):
+    """CATS's neurons (a ReLU family's: those that fire) from every neuron's gate product (``s.predicted``, by
+    row): those whose |gate activation| exceeds the threshold, into ``s.active``; returns their count."""
+    n = 0
+    for neuron in range(s.act.shape[0]):  # written every time, kept by moving on: no branch on the choice
+        s.active[n] = neuron
+        n += _cats_keeps(s.predicted[neuron], w.cats, w.cats_bounds, w.kind)
+    return n
 
 
 @njit(nogil=True, cache=True)
@@ -77,7 +57,7 @@ def drop_small_down_inputs(s, rows, threshold):
     """TEAL on the down projection's input: the rows of ``rows`` whose activation in ``s.act`` exceeds
     ``threshold`` into ``s.down_rows``, their activations moved to the front of ``s.act``; returns their count."""
     m = 0
-    for i in range(rows.shape[0]):  # without a branch on the choice, as in ``thresholded_input``
+    for i in range(rows.shape[0]):  # without a branch on the choice, as in ``cats_choice``
         s.down_rows[m] = rows[i]
         s.act[m] = s.act[i]  # position m's own value was read at i = m <= this i
         m += _clears(s.act[m], threshold)

@@ -5,16 +5,14 @@ calibrated thresholds of a SiLU or GeGLU model: ``formats/activation_thresholds.
 as CATS at threshold 0 on relu(gate x): exactly the neurons that fire.
 
 The rules' one test, what a value must clear to be kept, is ``formats.activation_thresholds.clears``: NumPy applies
-it here (through ``kept``), the compiled decoder compiles it. Every place the runtime applies it is here or, for
-the compiled decoder, in ``thresholded_decode`` (whose numba loops a model on the NumPy reference kernels must not
-import):
+it here (through ``kept``), the compiled decoder compiles it. The runtime applies it in two places, one per engine,
+each for every layer whose plan's choice is thresholded (``ffn_plan.Choice.thresholded``):
 
-* a block of tokens (a prompt), general path: ``block``;
-* one token, general path: ``teal_input``, ``cats_choice`` (which neurons), ``teal_down`` (the down
-  projection's input, applied by ``FFNPartition.compute``);
-* one token, compiled decoder: ``thresholded_decode.thresholded_input`` and ``drop_small_down_inputs``,
-  called by ``compiled_decode.decode_layer``; ``cats_bounds`` (here) turns a CATS threshold into the gate values
-  it keeps.
+* the general path (NumPy, any backend; a prompt or one token): ``ffn``;
+* the compiled decoder (one token): ``thresholded_decode.teal_input``, ``cats_choice`` and
+  ``drop_small_down_inputs``, called by ``ffn_decode.choose`` and ``ffn``; ``cats_bounds`` (here) turns a CATS
+  threshold into the gate values it keeps (``thresholded_decode`` imports numba, which a model on the NumPy
+  reference kernels must not load).
 """
 
 from __future__ import annotations
@@ -23,84 +21,80 @@ import functools
 
 import numpy as np
 
-from powerinfer_tools.formats.activation_thresholds import LayerThresholds, clears, kept, only, thresholded
+from powerinfer_tools.formats.activation_thresholds import clears, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.models.layers import gate_activation, gated
 from powerinfer_tools.runtime.backends import move
+from powerinfer_tools.runtime.ffn_plan import Choice
 
 # --- the general path (NumPy, on any backend)
 
 
-def teal_input(h, t: LayerThresholds):
-    """TEAL on the FFN's input ``h``: entries of no larger magnitude than the threshold dropped."""
-    return thresholded(h, t.ffn_in)
-
-
-def teal_down(t: LayerThresholds):
-    """TEAL on the down projection's input: a function of the activations ``[T, n]`` dropping those of no larger
-    magnitude than the threshold (None without one), for ``FFNPartition.compute``."""
-    if t.ffn_down is None:
-        return None
-    return lambda activated: thresholded(activated, t.ffn_down)
-
-
-def cats_choice(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, host, step) -> np.ndarray | None:
-    """CATS's choice for the tokens ``h`` (on ``home``): the neurons ``[T, d_ff]`` whose |gate activation| exceeds
-    the layer's threshold, from every partition's full gate product (read here, and counted in ``step``);
-    None under TEAL alone, which computes every neuron's gate and up."""
-    if t.cats is None:
-        return None
-    chosen = np.zeros((h.shape[0], d_ff), dtype=bool)
-    for p in partitions:
-        gate_pre, _ = p.pre_activations(move(h, home, p.backend), p.backend.xp.asarray(p.row_of[p.neurons]), up=False)
-        chosen[:, p.neurons] = kept(gate_activation(kind)(move(gate_pre, p.backend, host)), t.cats)
-        step.bytes_read += len(p.neurons) * p.gate.row_bytes
-    return chosen
-
-
-def block(kind: FFNKind, partitions, h, t: LayerThresholds, d_ff: int, home, step, own_neurons):
-    """A block of tokens (a prompt; TEAL's input rule already applied): every neuron's gate product, the rules'
-    mask, then where the tokens keep few neurons each (a ReLU family's gate: a tenth) each token's own from their
-    up and ``ffn_down_t`` rows alone (``own_neurons``: the engine's ``tokens_own_neurons``, None where it does
-    not pay or apply), else every neuron's up and one down projection. At the densities the SiLU rules keep (half
-    the neurons per token) a prompt's tokens together need nearly every row: read once here."""
-    out = None
-    step.neurons_total += d_ff * h.shape[0]
-    for p in partitions:
-        xp, rows = p.backend.xp, p.backend.xp.asarray(p.row_of[p.neurons])
-        x = move(h, home, p.backend)
-        gate_pre, _ = p.pre_activations(x, rows, up=False)
-        gate = gate_activation(kind)(gate_pre)  # once, for the choice and (below) the activations
-        chosen = kept(gate, t.cats)
-        computed = int(xp.count_nonzero(chosen))
+def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter=None):
+    """The FFN of a thresholded layer (its ``ffn_plan.FFNPlan``) for the tokens ``h`` (on ``home``): TEAL's rule on
+    the input, every neuron's gate product, the rules' choice (told to ``meter``, on the host, where given), then
+    the kept neurons' up and down rows. One token reads only its kept neurons' rows (those of every neuron under
+    TEAL alone); a block of tokens (a prompt), where they keep few neurons each (a ReLU family's gate: a tenth),
+    each token's own from their up and ``ffn_down_t`` rows alone (``own_neurons``: the engine's
+    ``tokens_own_neurons``, None where it does not pay or apply), else every neuron's up and one down
+    projection: at the densities the SiLU rules keep (half the neurons per token) a prompt's tokens together
+    need nearly every row, read once here. Returns the output, then the neuron rows and the down rows read."""
+    t = plan.thresholds
+    h = thresholded(h, t.ffn_in)
+    gates = [_gate(kind, t, p, move(h, home, p.backend)) for p in partitions]
+    if meter is not None:
+        chosen = np.zeros((h.shape[0], plan.d_ff), dtype=bool)
+        for p, (_, _, _, kept_here) in zip(partitions, gates):
+            chosen[:, p.neurons] = move(kept_here, p.backend, host)
+        meter(chosen)
+    own_rows = h.shape[0] == 1 and plan.choice is not Choice.TEAL  # TEAL alone keeps every neuron
+    out, rows = None, 0
+    for p, (x, gate_pre, gate, chosen) in zip(partitions, gates):
+        computed = int(p.backend.xp.count_nonzero(chosen))
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
-        part = _own_neurons(kind, p, x, gate_pre, chosen, t, own_neurons, step)
+        part, n = (None, 0) if h.shape[0] == 1 else _own_neurons(kind, t, p, x, gate_pre, chosen, own_neurons)
         if part is None:
-            _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is above
-            activated = gated(kind, gate, up_pre)
-            activated = thresholded(only(activated, chosen), t.ffn_down)
-            step.bytes_read += len(p.neurons) * p.bytes_per_neuron
-            part = p.backend.row_sum(p.down_t, activated, rows)
+            part, n = _kept_rows(kind, t, p, x, gate, chosen, own_rows)
+        rows += n
         part = move(part, p.backend, home)
         out = part if out is None else out + part
-    return out
+    return out, rows, rows
 
 
-def _own_neurons(kind: FFNKind, p, x, gate_pre, chosen, t: LayerThresholds, own_neurons, step):
-    """``block``'s partition output from each token's own chosen neurons, their gate products given; None where
-    ``own_neurons`` declines (a device's partition, among others), or TEAL's rule on the down projection's input
-    is to be applied too."""
+def _gate(kind: FFNKind, t, p, x):
+    """Partition ``p``'s input ``x`` (on its backend), every neuron's gate product, its activation (once, for the
+    choice and the activations) and the rules' choice ``[T, len(p.neurons)]``."""
+    gate_pre, _ = p.pre_activations(x, p.backend.xp.asarray(p.row_of[p.neurons]), up=False)
+    gate = gate_activation(kind)(gate_pre)
+    return x, gate_pre, gate, kept(gate, t.cats)
+
+
+def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, own_rows: bool):
+    """Partition ``p``'s output from its gate activations and its rows' up products: of one token's kept neurons
+    (``own_rows``), else of every neuron, masked; and the number of rows read."""
+    rows = p.backend.xp.asarray(p.row_of[p.neurons])
+    if own_rows:
+        keep = p.backend.xp.flatnonzero(chosen[0])
+        rows, gate, chosen = rows[keep], gate[:, keep], None
+    _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
+    activated = gated(kind, gate, up_pre)
+    if chosen is not None:
+        activated = only(activated, chosen)
+    return p.backend.row_sum(p.down_t, thresholded(activated, t.ffn_down), rows), len(rows)
+
+
+def _own_neurons(kind: FFNKind, t, p, x, gate_pre, chosen, own_neurons):
+    """A block's partition output from each token's own kept neurons, their gate products given, and the rows
+    read (the union of theirs); None where ``own_neurons`` declines (a device's partition, among others), or
+    TEAL's rule on the down projection's input is to be applied too."""
     if t.ffn_down is not None or p.backend.is_device:
-        return None
+        return None, 0
     used = chosen.any(axis=0)
     # every neuron chosen by some token (a prompt at the rules' densities): views, not copies of the block
     union = slice(None) if used.all() else np.flatnonzero(used)
     ids = p.neurons[union]
-    out = own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union])
-    if out is not None:
-        step.bytes_read += len(p.neurons) * p.gate.row_bytes + len(ids) * (p.bytes_per_neuron - p.gate.row_bytes)
-    return out
+    return own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union]), len(ids)
 
 
 # --- the compiled decoder's thresholds (its loops: ``thresholded_decode``)
