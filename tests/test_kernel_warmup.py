@@ -14,7 +14,7 @@ import pytest
 from powerinfer_tools import kernels
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.kernels import numba_cache
-from powerinfer_tools.runtime import warmup
+from powerinfer_tools.runtime import kernel_handover, warmup
 from powerinfer_tools.runtime.warmup import LoadOptions, Policy
 from powerinfer_tools.runtime.llm import LLM, load_options
 
@@ -46,9 +46,104 @@ def test_background_starts_on_the_reference_and_leaves_the_compiling_to_another_
     assert kernels.reference_chosen() and not kernels.available()
     assert "NumPy kernels" in llm.description
     assert llm.engine.compiled_decoder() is None
-    assert len(lines) == 1 and "background" in lines[0]
+    assert len(lines) == 1 and "background" in lines[0] and "moves onto the compiled ones" in lines[0]
+    assert llm.kernels_build is not None and not llm.kernels_build.ready()
     assert [(p, o) for p, o, _ in background_starts] == [(path, LoadOptions(use_split=False, cache_policy="lfu"))]
     assert len("".join(llm.generate("def ", 4))) > 0
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_0"])  # q4_0: its layouts as loaded on the reference (not interleaved)
+def test_a_generation_begun_on_the_reference_moves_onto_the_compiled_kernels_once_they_are_built(
+        bundled_gguf, background_starts, outtype):
+    """The background build marks the kernels ready while a run generates on the reference: the run's next step
+    is compiled, the KV cache carried on, and its greedy text is the text of a run compiled throughout."""
+    path = bundled_gguf(outtype)
+    llm = _load(path, Policy.BACKGROUND)
+    assert kernels.reference_chosen()
+    ((_, _, key),) = background_starts
+    pieces = []
+    for piece in llm.generate("def ", 24):
+        pieces.append(piece)
+        if len(pieces) == 3:
+            warmup.mark_warm(key)  # as the build does when it is done
+    stats = llm.last_stats
+    assert 3 <= stats.handover.reference_steps < stats.generated_tokens and not stats.handover.waited
+    assert not kernels.reference_chosen() and llm.engine.compiled_decoder() is not None
+    assert llm.kernels_build is None
+    assert "NumPy kernels" not in llm.description and llm.description.endswith("tokens decoded by the compiled decoder")
+    compiled = _load(path, Policy.WAIT)
+    assert "".join(pieces) == "".join(compiled.generate("def ", 24))
+    assert compiled.last_stats.handover is None  # compiled throughout
+
+
+def test_a_generation_that_ends_before_the_build_stays_on_the_reference_and_the_next_one_moves(
+        bundled_gguf, background_starts):
+    llm = _load(bundled_gguf("q8_0"), Policy.BACKGROUND)
+    "".join(llm.generate("def ", 4))
+    assert llm.last_stats.handover is None and "NumPy kernels" in llm.description
+    ((_, _, key),) = background_starts
+    warmup.mark_warm(key)
+    "".join(llm.generate("def ", 4))
+    assert llm.last_stats.handover == kernel_handover.Handover(0, False)
+    assert "NumPy kernels" not in llm.description
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_after_a_slow_step_on_the_reference_the_generation_waits_for_the_build(bundled_gguf, monkeypatch, markers,
+                                                                               builds):
+    """Where a step on the reference takes longer than SLOW_STEP_SECONDS (here every step), the generation takes no
+    other while the build is under way: it waits, then moves; a build that ends without the kernels leaves it on
+    the reference."""
+    monkeypatch.setattr(kernel_handover, "SLOW_STEP_SECONDS", 0.0)
+    path = bundled_gguf("q8_0")
+    key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
+    markers.mkdir(parents=True)
+    marker = markers / f"pitools-warm-{key}.done"
+    build = f"import time, pathlib; time.sleep(1); {builds} and pathlib.Path({str(marker)!r}).touch()"
+    monkeypatch.setattr(warmup, "start_background",
+                        lambda *args: subprocess.Popen([sys.executable, "-c", build], start_new_session=True))
+    llm = _load(path, Policy.BACKGROUND)
+    text = "".join(llm.generate("def ", 8))
+    assert llm.last_stats.handover == (kernel_handover.Handover(1, True) if builds else None)
+    assert kernels.reference_chosen() is not builds
+    if builds:
+        assert text == "".join(_load(path, Policy.WAIT).generate("def ", 8))
+
+
+def test_pitools_run_says_it_starts_on_the_reference_and_how_many_tokens_it_computed_there(bundled_gguf,
+                                                                                            background_starts,
+                                                                                            monkeypatch):
+    from cli_checks import invoke
+
+    looks = []  # the build's marker looked at before each step: ready at the fourth
+    monkeypatch.setattr(warmup.BackgroundBuild, "ready", lambda self: looks.append(1) or len(looks) > 3)
+    result = invoke("run", bundled_gguf("q8_0"), "-p", "def ", "-n", "8", "--kernels", "background")
+    notice, summary = result.stderr.splitlines()
+    assert "this run starts on the slower NumPy kernels and moves onto the compiled ones" in notice
+    assert "| the first 3 tokens on the NumPy kernels, the rest on the compiled ones (built meanwhile) |" in summary
+    description = summary.rsplit(" | ", 1)[1]
+    assert description.endswith("tokens decoded by the compiled decoder") and "NumPy" not in description
+
+
+def test_background_waits_on_a_single_core_and_says_why(bundled_gguf, background_starts, monkeypatch):
+    """One core: the reference's steps would take the build's time from it, and the run would end later than
+    if it had waited."""
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 1)
+    lines = []
+    llm = _load(bundled_gguf("q8_0"), Policy.BACKGROUND, lines)
+    assert background_starts == [] and not kernels.reference_chosen() and llm.kernels_build is None
+    assert len(lines) == 1 and "compiling" in lines[0] and "one core" in lines[0]
+
+
+def test_the_build_imports_the_package_of_the_run_that_starts_it(tmp_path):
+    """Not one that lies in the run's working folder (``python -m`` puts that first on its path)."""
+    decoy = tmp_path / "powerinfer_tools"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("")
+    code = "import powerinfer_tools; print(powerinfer_tools.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env=warmup.build_environment()).stdout
+    assert Path(out.strip()) == numba_cache.PACKAGE / "__init__.py"
 
 
 def test_wait_compiles_in_process_and_marks_the_kind_warm(bundled_gguf, background_starts):

@@ -117,8 +117,9 @@ def runtime_options(f):
         click.option("--kernels", type=click.Choice([p.value for p in Policy]), default=None, envvar="PITOOLS_KERNELS",
                      help="When the compiled CPU kernels for this kind of model are not yet built on this machine "
                           "(once, about half a minute): wait for them; start at once on the slower NumPy kernels "
-                          "while a background process builds them; or use the NumPy reference only. Also "
-                          "PITOOLS_KERNELS [default: background for run, wait for serve]."),
+                          "while a background process builds them, and move onto them as soon as they are ready "
+                          "(on a single core: wait); or use the NumPy reference only. Also PITOOLS_KERNELS "
+                          "[default: background for run, wait for serve]."),
     ]
     f = neuron_choice_option(ram_options(f))  # listed last
     for option in reversed(options):
@@ -157,7 +158,8 @@ def _spin_only_on_idle_cores(threads: int):
     average) than there are threads, unless the user set the variable. libgomp reads it once, as it
     loads with ggml's CPU library; the variable is unset again after, so that no child process or
     later in-process caller inherits it. (Loading a model loads the kernels, unless it runs on the NumPy
-    reference: then they stay unloaded, and so does numba.)
+    reference: then numba stays unloaded, but ggml's CPU library is loaded all the same where the run moves onto
+    the compiled kernels once a background build has made them: ``kernels.load_cpu_library``.)
     """
     idle = (os.cpu_count() or 1) - os.getloadavg()[0]
     if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:

@@ -40,9 +40,12 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     default the bundled tiny ReLU LLaMA checkpoint. A summary line goes to
     stderr: prompt and generation speed, the mean fraction of FFN neurons
     computed, bytes of weights read per step, and the GPU's share of FFN work;
-    with --ram, the weights in memory, the neuron caches' hit rate and the
-    bytes read from disk per step; last, which path decodes tokens (the
-    compiled decoder, or the general path and why: --verbose says more).
+    where the run started on the NumPy kernels while the compiled ones were
+    built (the first run of a kind of model on a machine: --kernels), how many
+    tokens it computed before it moved onto them; with --ram, the weights in
+    memory, the neuron caches' hit rate and the bytes read from disk per step;
+    last, which path decodes tokens (the compiled decoder, or the general path
+    and why: --verbose says more).
 
     \b
     Examples:
@@ -74,6 +77,10 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
             f" | FFN density {s.ffn.density:.3f} | {s.ffn.bytes_per_step / 1e6:.2f} MB read/step"
             f" | GPU share {s.ffn.device_share:.2f}"
         )
+    if (moved := s.handover) is not None:
+        summary += (f" | the first {moved.reference_steps} tokens on the NumPy kernels, "
+                    + ("then a wait for the compiled ones (a token took too long on these)" if moved.waited
+                       else "the rest on the compiled ones (built meanwhile)"))
     ram_state = getattr(llm.engine, "ram", None)
     if ram_state is not None:
         summary += (f" | weights in memory {format_size(ram_state.resident_bytes)} of "

@@ -51,6 +51,17 @@ def use_reference(reason: str | None) -> None:
         _backend.cache_clear()
 
 
+def load_cpu_library() -> None:
+    """Load ggml's CPU library now, and with it the OpenMP runtime of the compiled kernels' parallel loops, which
+    reads its settings (``OMP_WAIT_POLICY``) once, as it loads: for a process that keeps to the reference for now,
+    within settings made for its load (``commands.options``), and turns to the compiled kernels later. Where the
+    library cannot load, nothing: ``unavailable_reason`` says why when the compiled kernels are asked for."""
+    try:
+        ggml_ops.load()
+    except ggml_ops.GgmlUnavailable:
+        pass
+
+
 def reference_chosen() -> bool:
     """Whether ``use_reference`` chose the NumPy reference for this process."""
     return _reference_reason is not None

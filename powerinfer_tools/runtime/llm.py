@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.runtime import ffn_plan, sparse_verdict, warmup
+from powerinfer_tools.runtime import ffn_plan, kernel_handover, sparse_verdict, warmup
 from powerinfer_tools.formats.gpu_split import default_split_path
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import Engine, FFNMode, Tokenizer
@@ -59,6 +59,9 @@ class GenerationStats:
     context_size: int = 0  # positions of the context window: prompt and generated tokens together
     stopped_at_window: bool = False  # generation ended because the window was full, not at max_tokens or EOS
     stopped_at_eos: bool = False  # the model produced its end-of-sequence token
+    # how the generation moved from the NumPy reference kernels onto the compiled ones, built meanwhile; None where
+    # it did not move
+    handover: kernel_handover.Handover | None = None
     ffn: TokenStats = field(default_factory=TokenStats)  # runtime only: neurons and bytes per step
 
     @property
@@ -77,13 +80,17 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 
 class LLM:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, description: str, context_size: int, source: str = ""):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, description: str, context_size: int, source: str = "",
+                 kernels_build: warmup.BackgroundBuild | None = None):
         self.engine = engine
         self.source = source  # the model's file or folder, named by errors about it
         self.tokenizer = tokenizer
         self.description = description
         self.context_size = context_size  # positions for prompt and generated tokens together
         self.last_stats = GenerationStats()
+        # Where the engine runs on the NumPy reference while a background process builds the compiled kernels, that
+        # build: a generation moves onto them once they are ready (runtime.kernel_handover); None once moved
+        self.kernels_build = kernels_build
 
     @classmethod
     def load(
@@ -115,7 +122,8 @@ class LLM:
 
         ``kernels``: when the compiled kernels this kind of model needs are not yet in numba's cache, ``wait``
         for them to compile (once per machine), start on the NumPy reference while a ``background`` process
-        compiles them, or keep to the ``reference`` (``runtime.warmup``); ``notice`` is told, in one line.
+        compiles them (a generation moves onto them as soon as they are ready: ``runtime.kernel_handover``), or
+        keep to the ``reference`` (``runtime.warmup``); ``notice`` is told, in one line.
         """
         path = Path(path)
         if path.is_dir():
@@ -136,16 +144,15 @@ class LLM:
                                    cache_policy=cache_policy, cpu_only=device == "cpu", neuron_choice=neuron_choice)
         asked = FFNMode.SPARSE if mode == AUTO else FFNMode(mode)  # sparse: dense where the file has no sparse mode
         model.mode = FFNMode.DENSE if asked is FFNMode.SPARSE and not model.can_run_sparse else asked
-        warm_up(model)
+        kernels_build = warm_up(model)
         tokenizer = GGUFTokenizer(model.metadata, source=str(path))
         chosen = _auto_mode(model, tokenizer, options, notice) if mode == AUTO else ""
         where = f", {ffn_plan.gist(model.ffn_plans[model.mode])}"  # each layer's: execution_report()
         if model.device is not None:
             where += f", split {model.split_path.name}{solved} on {model.device.name}"
         where += f", --ram {format_size(ram)} ({cache_policy} cache)" if model.ram is not None else ""
-        where += ", NumPy kernels" if compiled_kernels.reference_chosen() else ""
-        where += f", tokens decoded by the {model.decode_path()}"  # the whole story: execution_report()
-        return cls(model, tokenizer, f"runtime, {model.mode.value} FFN{chosen}{where}", model.context_size, str(path))
+        return cls(model, tokenizer, f"runtime, {model.mode.value} FFN{chosen}{where}{_kernel_words(model)}",
+                   model.context_size, str(path), kernels_build)
 
     def execution_report(self) -> list[str]:
         """Which path and kernels compute each part of the model (``RuntimeModel.execution_report``); a
@@ -175,7 +182,16 @@ class LLM:
         eos = self.engine.spec.eos_token_id
         if isinstance(self.engine, RuntimeModel):
             self.engine.stats = stats.ffn
-        tokens = generate(_timed(self.engine.step_fn(), stats), prompt_ids, max_tokens, Sampler(sampling),
+        step = self.engine.step_fn()
+        if self.kernels_build is not None:
+            words = _kernel_words(self.engine)  # the description's end on the reference
+
+            def moved(handover: kernel_handover.Handover) -> None:
+                self.description = self.description.removesuffix(words) + _kernel_words(self.engine)
+                self.kernels_build, stats.handover = None, handover
+
+            step = kernel_handover.handing_over(step, self.kernels_build, moved)
+        tokens = generate(_timed(step, stats), prompt_ids, max_tokens, Sampler(sampling),
                           [eos] if eos is not None else [], self.context_size)
         return self._stream(tokens, stats)
 
@@ -204,6 +220,13 @@ def load_options(device: str = "cpu", split: str | Path | None = None, use_split
     use_split = use_split and (device != "cpu" or ram is not None)
     return warmup.LoadOptions(device, None if split is None else str(split), use_split, ram, cache_policy,
                               str(NeuronChoice(neuron_choice).value))
+
+
+def _kernel_words(model: RuntimeModel) -> str:
+    """The end of a GGUF file's description: the NumPy kernels where they are in use, and the path that decodes a
+    token (the whole story: ``execution_report``)."""
+    words = ", NumPy kernels" if compiled_kernels.reference_chosen() else ""
+    return f"{words}, tokens decoded by the {model.decode_path()}"
 
 
 def _auto_mode(model: RuntimeModel, tokenizer, options: warmup.LoadOptions, notice) -> str:

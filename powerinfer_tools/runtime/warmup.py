@@ -24,10 +24,13 @@ A run whose marker is missing, by ``Policy``:
   ``pitools bench``, the Python API's default);
 * ``background``: starts at once, its process on the NumPy reference kernels (as if numba were
   missing: ``kernels.use_reference``), while a detached process (``python -m
-  powerinfer_tools.runtime.warmup``, at low priority) warms up; the runs after it find the kernels
-  ready (``pitools run``'s default); a run while a build is under way (its lock held) starts no other.
-  A warm-up that failed (or was killed) leaves ``.failed`` with its error, and later runs wait instead
-  (so the error surfaces where it can be read, and the build is not started again and again);
+  powerinfer_tools.runtime.warmup``) warms up; the generation moves onto the compiled kernels between
+  two steps once the build has marked them ready (``runtime.kernel_handover``), and the runs after it
+  find them ready (``pitools run``'s default); a run while a build is under way (its lock held) starts
+  no other. On a machine with a single core it waits instead, as ``wait`` does: there the NumPy steps
+  would take the build's core, and the run would end later than if it had waited. A warm-up that failed
+  (or was killed) leaves ``.failed`` with its error, and later runs wait instead (so the error surfaces
+  where it can be read, and the build is not started again and again);
 * ``reference``: the NumPy reference kernels only, never compiled.
 """
 
@@ -42,6 +45,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from importlib import metadata as package_metadata
 from pathlib import Path
@@ -52,6 +56,7 @@ from powerinfer_tools import kernels  # (numba is not imported by this: only onc
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.model_file import ModelFile, open_model_file
 from powerinfer_tools.kernels import numba_cache
+from powerinfer_tools.runtime import kernel_handover
 
 PROMPT_LENGTHS = (2, kernels.MAX_TOKENS + 8)  # one within the kernels' token limit, one beyond it (the reference)
 DECODED_TOKENS = 2  # the one-token path, and its second step (a KV cache that already holds a token)
@@ -162,14 +167,38 @@ def mark_warm(key: str) -> None:
     _marker(key, ".failed").unlink(missing_ok=True)
 
 
-def start_background(path: Path, options: LoadOptions, key: str) -> None:
+def start_background(path: Path, options: LoadOptions, key: str) -> subprocess.Popen:
     """Start a detached process that warms up ``path`` loaded with ``options``; it outlives this one (its own
     session: a Ctrl-C here does not stop it), and exits at once if another warm-up of ``key`` holds the lock."""
     folder = marker_folder()
     folder.mkdir(parents=True, exist_ok=True)
     with open(_marker(key, ".log"), "wb") as log:
-        subprocess.Popen(_build_command(path, options, key), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                         start_new_session=True, env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+        return subprocess.Popen(_build_command(path, options, key), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, env=build_environment())
+
+
+class BackgroundBuild:
+    """A build of ``key``'s kernels in another process, as a run on the reference watches it: ``process`` where
+    this run started it, None where another run's was under way."""
+
+    POLL_SECONDS = 0.1  # between two looks at a build waited for
+
+    def __init__(self, key: str, process: subprocess.Popen | None):
+        self.key, self.process = key, process
+
+    def ready(self) -> bool:
+        """Whether the build has made the kernels (its marker)."""
+        return is_warm(self.key)
+
+    def ended(self) -> bool:
+        """Whether the build is over, whether it made them or not."""
+        return self.process.poll() is not None if self.process is not None else not _build_under_way(self.key)
+
+    def wait(self) -> bool:
+        """Until the build is over; whether it made the kernels."""
+        while not self.ended():
+            time.sleep(self.POLL_SECONDS)
+        return self.ready()
 
 
 def build_elsewhere_and_wait(path: Path, options: LoadOptions) -> bool:
@@ -187,7 +216,7 @@ def build_elsewhere_and_wait(path: Path, options: LoadOptions) -> bool:
         return False
     with open(_marker(key, ".log"), "wb") as log:
         subprocess.run(_build_command(path, options, key), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                       env={**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value})
+                       env=build_environment())
     if not is_warm(key):
         raise PitoolsError(f"{path}: building the compiled kernels failed: {failure(key) or 'no error recorded'}")
     return True
@@ -197,8 +226,18 @@ def _build_command(path: Path, options: LoadOptions, key: str) -> list[str]:
     return [sys.executable, "-m", __name__, str(Path(path).resolve()), json.dumps(asdict(options)), key]
 
 
+def build_environment() -> dict[str, str]:
+    """The build's environment: this process's, with the package this process imported first on the path and the
+    working folder off it (``PYTHONSAFEPATH``). ``python -m`` would otherwise put the working folder first, and a
+    run started beside another checkout would have that one's sources compiled, under another key than the run's
+    (whose marker then read as a failed build)."""
+    path = os.pathsep.join(filter(None, [str(numba_cache.PACKAGE.parent), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PITOOLS_KERNELS": Policy.WAIT.value, "PYTHONSAFEPATH": "1", "PYTHONPATH": path}
+
+
 def _background_main(path: str, options_json: str, key: str) -> None:
-    """The detached warm-up: load the model as the run did, exercise it, mark it warm (or failed)."""
+    """The detached warm-up: load the model as the run did, exercise it, mark it warm (or failed). At the run's
+    priority, not below it: the run moves onto what this builds as soon as it is built."""
     folder = marker_folder()
     folder.mkdir(parents=True, exist_ok=True)
     with open(_marker(key, ".lock"), "w") as lock:
@@ -208,7 +247,6 @@ def _background_main(path: str, options_json: str, key: str) -> None:
             return  # another warm-up of this kind is under way
         if is_warm(key):
             return
-        os.nice(10)  # behind the run that started it, which is on the slower reference kernels meanwhile
         # Until it succeeds, a build that ends is a failed one, also when it is killed or crashes (mark_warm
         # removes this): the runs after it then compile in process instead of starting it again and again.
         _marker(key, ".failed").write_text(f"the background build did not finish; see {_marker(key, '.log')}\n")
@@ -228,7 +266,8 @@ def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, n
     """Before ``LLM.load`` loads ``model_file`` (``open_model_file``'s): choose this process's kernels by
     ``policy`` (the layouts a model is loaded in depend on it), and return what to call on the loaded engine:
     it starts the background build or warms the engine up, saying so in one line through ``notice`` (a
-    callable, or None). Nothing is said or started for a file that then fails to load."""
+    callable, or None), and returns, where this process starts on the reference while a build is under way, that
+    ``BackgroundBuild`` (else None). Nothing is said or started for a file that then fails to load."""
     policy = Policy(policy)
     say = notice or (lambda line: None)
     if policy is Policy.REFERENCE:
@@ -242,20 +281,26 @@ def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, n
         return _nothing
     building = _build_under_way(key)
     failed = None if building else failure(key)
-    if policy is Policy.BACKGROUND and failed is None:
+    single_core = (os.cpu_count() or 1) < 2
+    if policy is Policy.BACKGROUND and failed is None and not single_core:
         kernels.use_reference("the compiled kernels are being built in the background")
 
-        def build_elsewhere(engine) -> None:
-            if not building:
-                start_background(model_file.path, options, key)
+        def build_elsewhere(engine) -> BackgroundBuild:
+            process = None if building else start_background(model_file.path, options, key)
+            kernels.load_cpu_library()  # now, within the load's OpenMP settings: the move comes after the load
             say("the compiled kernels for this kind of model are being built in the background (once on this "
-                "machine, about half a minute); until they are ready, runs use the slower NumPy kernels")
+                "machine, about half a minute): this run starts on the slower NumPy kernels and moves onto the "
+                "compiled ones as soon as they are ready (it waits for them instead once a token on the NumPy "
+                f"kernels takes over {kernel_handover.SLOW_STEP_SECONDS:g} s)")
+            return BackgroundBuild(key, process)
 
         return build_elsewhere
 
     def build_here(engine) -> None:
-        say("compiling the kernels for this kind of model (once on this machine, about half a minute)"
-            + (f"; the background build had failed: {failed}" if failed else ""))
+        why = (f"; the background build had failed: {failed}" if failed
+               else "; waiting for them: on one core, the NumPy kernels beside a build would only slow it"
+               if policy is Policy.BACKGROUND else "")
+        say(f"compiling the kernels for this kind of model (once on this machine, about half a minute){why}")
         exercise(engine)
         mark_warm(key)
 

@@ -1,0 +1,62 @@
+"""A generation begun on the NumPy reference kernels, moved onto the compiled ones between two of its steps as soon
+as a background build has made them.
+
+The first ``pitools run`` of a kind of model on a machine starts at once on the reference while another process
+builds the compiled kernels (``runtime.warmup``, policy ``background``). On a real model a reference step is slow
+(it dequantizes every matrix it multiplies by, a vocabulary's output head included, at every token), so a run that
+kept to it would end long after the build. Instead, before each step the generation looks at the build's marker;
+the first time the kernels are ready, this process turns to them (``kernels.use_reference(None)``) and the next step
+is compiled. The model carries on as it is: its KV cache (float32 keys and values, whichever kernels computed them),
+and the layouts it was loaded in (a q4_0 matrix that a compiled load would have interleaved stays as stored, for
+this process). The tokens after the move are computed as a compiled run computes them, on the keys and values the
+reference computed, which agree with the compiled ones within the tolerance between the two paths; a greedy text
+can still part from a compiled run's where two tokens' logits lie closer than that.
+
+So the run ends about when the build does, late by at most the reference step under way at that moment. Where
+such a step takes longer than ``SLOW_STEP_SECONDS`` (a large model), the generation takes no other: it waits for
+the build, as the ``wait`` policy would have. Until the move the reference's own BLAS products run on one thread,
+leaving the other cores to the build, which compiles on one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from powerinfer_tools import kernels
+from powerinfer_tools.runtime.backends import single_threaded_blas
+
+SLOW_STEP_SECONDS = 2.0  # a reference step slower than this, and the generation waits for the build instead
+
+
+@dataclass(frozen=True)
+class Handover:
+    """How a generation came onto the compiled kernels."""
+
+    reference_steps: int  # steps computed on the reference before the move (the prompt's first)
+    waited: bool  # it stopped stepping on the reference (a slow step) and waited for the build
+
+
+def handing_over(step, build, moved: Callable[[Handover], None]):
+    """``step`` (a generation's ``generation.StepFn`` on a model that runs on the reference while ``build``, a
+    ``warmup.BackgroundBuild``, makes the compiled kernels), moved onto them before the first step that finds them
+    ready; ``moved`` is told how, once. A build that ends without them leaves the generation on the reference."""
+    taken, slow, on_reference = 0, False, True
+
+    def step_or_move(tokens):
+        nonlocal taken, slow, on_reference
+        if on_reference and (build.ready() or (slow and build.wait())):
+            kernels.use_reference(None)
+            on_reference = False
+            moved(Handover(taken, slow))
+        if not on_reference:
+            return step(tokens)
+        started = time.perf_counter()
+        with single_threaded_blas():
+            logits = step(tokens)
+        taken += 1
+        slow = time.perf_counter() - started > SLOW_STEP_SECONDS
+        return logits
+
+    return step_or_move
