@@ -91,9 +91,9 @@ def test_a_generation_that_ends_before_the_build_stays_on_the_reference_and_the_
 @pytest.mark.parametrize("builds", [True, False])
 def test_after_a_slow_step_on_the_reference_the_generation_waits_for_the_build(bundled_gguf, monkeypatch, markers,
                                                                                builds):
-    """Where a step on the reference takes longer than SLOW_STEP_SECONDS (here every step), the generation takes no
+    """Where a token on the reference takes longer than SLOW_STEP_SECONDS (here every one), the generation takes no
     other while the build is under way: it waits, then moves; a build that ends without the kernels leaves it on
-    the reference."""
+    the reference. The prompt's step is not judged (it pages the model in)."""
     monkeypatch.setattr(kernel_handover, "SLOW_STEP_SECONDS", 0.0)
     path = bundled_gguf("q8_0")
     key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
@@ -104,7 +104,7 @@ def test_after_a_slow_step_on_the_reference_the_generation_waits_for_the_build(b
                         lambda *args: subprocess.Popen([sys.executable, "-c", build], start_new_session=True))
     llm = _load(path, Policy.BACKGROUND)
     text = "".join(llm.generate("def ", 8))
-    assert llm.last_stats.handover == (kernel_handover.Handover(1, True) if builds else None)
+    assert llm.last_stats.handover == (kernel_handover.Handover(2, True) if builds else None)
     assert kernels.reference_chosen() is not builds
     if builds:
         assert text == "".join(_load(path, Policy.WAIT).generate("def ", 8))
@@ -125,14 +125,19 @@ def test_pitools_run_says_it_starts_on_the_reference_and_how_many_tokens_it_comp
     assert description.endswith("tokens decoded by the compiled decoder") and "NumPy" not in description
 
 
-def test_background_waits_on_a_single_core_and_says_why(bundled_gguf, background_starts, monkeypatch):
-    """One core: the reference's steps would take the build's time from it, and the run would end later than
-    if it had waited."""
-    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 1)
+@pytest.mark.parametrize("where, why", [("one core", "on one core"), ("a large model", "takes seconds a token")])
+def test_background_waits_where_the_reference_would_be_slower_and_says_why(bundled_gguf, background_starts,
+                                                                            monkeypatch, where, why):
+    """One core: the reference's steps would take the build's time from it; a large model: each of its steps on the
+    reference would take seconds, a prompt's more, and the run could end that much after the build."""
+    if where == "one core":
+        monkeypatch.setattr(kernel_handover.os, "cpu_count", lambda: 1)
+    else:
+        monkeypatch.setattr(kernel_handover, "REFERENCE_WEIGHT_BYTES", 1000)  # the bundled model's are more
     lines = []
     llm = _load(bundled_gguf("q8_0"), Policy.BACKGROUND, lines)
     assert background_starts == [] and not kernels.reference_chosen() and llm.kernels_build is None
-    assert len(lines) == 1 and "compiling" in lines[0] and "one core" in lines[0]
+    assert len(lines) == 1 and "compiling" in lines[0] and "waiting for them: " in lines[0] and why in lines[0]
 
 
 def test_the_build_imports_the_package_of_the_run_that_starts_it(tmp_path):

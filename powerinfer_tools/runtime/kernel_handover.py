@@ -13,21 +13,41 @@ reference computed, which agree with the compiled ones within the tolerance betw
 can still part from a compiled run's where two tokens' logits lie closer than that.
 
 So the run ends about when the build does, late by at most the reference step under way at that moment. Where
-such a step takes longer than ``SLOW_STEP_SECONDS`` (a large model), the generation takes no other: it waits for
-the build, as the ``wait`` policy would have. Until the move the reference's own BLAS products run on one thread,
-leaving the other cores to the build, which compiles on one.
+that would be long, the run waits for the build instead, as the ``wait`` policy does (``reason_to_wait``: a model
+whose weights pass ``REFERENCE_WEIGHT_BYTES``, whose every step on the reference takes seconds, or a single core,
+which the reference's steps would take from the build); and once a token on the reference has taken longer than
+``SLOW_STEP_SECONDS``, the generation takes no other: it waits for the build. (A prompt's step is not judged: it
+also pages the model in, and computes many tokens.) Until the move the reference's own BLAS products run on one
+thread, leaving the other cores to the build, which compiles on one.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from powerinfer_tools import kernels
+from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.runtime.backends import single_threaded_blas
+from powerinfer_tools.units import format_size
 
-SLOW_STEP_SECONDS = 2.0  # a reference step slower than this, and the generation waits for the build instead
+SLOW_STEP_SECONDS = 2.0  # a token slower than this on the reference, and the generation waits for the build instead
+# A model's weights beyond which a token on the reference takes about SLOW_STEP_SECONDS or more, as measured on
+# Gemma 3 and SmolLM2 (docs/kernels.md, "First-call cost"): such a model waits for the build from the start.
+REFERENCE_WEIGHT_BYTES = 2 * 10**9
+
+
+def reason_to_wait(model_file: ModelFile) -> str | None:
+    """Why a run of ``model_file`` should wait for the compiled kernels rather than start on the reference while
+    they are built, in a few words; None where starting pays."""
+    if (os.cpu_count() or 1) < 2:
+        return "on one core, the NumPy kernels beside a build would only slow it"
+    weights = sum(t.nbytes for t in model_file.tensors.values())
+    if weights > REFERENCE_WEIGHT_BYTES:
+        return f"a model of {format_size(weights)} takes seconds a token on the NumPy kernels"
+    return None
 
 
 @dataclass(frozen=True)
@@ -35,7 +55,7 @@ class Handover:
     """How a generation came onto the compiled kernels."""
 
     reference_steps: int  # steps computed on the reference before the move (the prompt's first)
-    waited: bool  # it stopped stepping on the reference (a slow step) and waited for the build
+    waited: bool  # it stopped stepping on the reference (a slow token) and waited for the build
 
 
 def handing_over(step, build, moved: Callable[[Handover], None]):
@@ -56,7 +76,7 @@ def handing_over(step, build, moved: Callable[[Handover], None]):
         with single_threaded_blas():
             logits = step(tokens)
         taken += 1
-        slow = time.perf_counter() - started > SLOW_STEP_SECONDS
+        slow = len(tokens) == 1 and time.perf_counter() - started > SLOW_STEP_SECONDS
         return logits
 
     return step_or_move

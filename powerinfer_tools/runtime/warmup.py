@@ -27,8 +27,8 @@ A run whose marker is missing, by ``Policy``:
   powerinfer_tools.runtime.warmup``) warms up; the generation moves onto the compiled kernels between
   two steps once the build has marked them ready (``runtime.kernel_handover``), and the runs after it
   find them ready (``pitools run``'s default); a run while a build is under way (its lock held) starts
-  no other. On a machine with a single core it waits instead, as ``wait`` does: there the NumPy steps
-  would take the build's core, and the run would end later than if it had waited. A warm-up that failed
+  no other. Where the NumPy kernels would be slower than waiting (a single core, a large model:
+  ``kernel_handover.reason_to_wait``) it waits instead, as ``wait`` does. A warm-up that failed
   (or was killed) leaves ``.failed`` with its error, and later runs wait instead (so the error surfaces
   where it can be read, and the build is not started again and again);
 * ``reference``: the NumPy reference kernels only, never compiled.
@@ -281,8 +281,8 @@ def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, n
         return _nothing
     building = _build_under_way(key)
     failed = None if building else failure(key)
-    single_core = (os.cpu_count() or 1) < 2
-    if policy is Policy.BACKGROUND and failed is None and not single_core:
+    wait_instead = kernel_handover.reason_to_wait(model_file) if policy is Policy.BACKGROUND else None
+    if policy is Policy.BACKGROUND and failed is None and wait_instead is None:
         kernels.use_reference("the compiled kernels are being built in the background")
 
         def build_elsewhere(engine) -> BackgroundBuild:
@@ -298,8 +298,7 @@ def prepare(model_file: ModelFile, options: LoadOptions, policy: Policy | str, n
 
     def build_here(engine) -> None:
         why = (f"; the background build had failed: {failed}" if failed
-               else "; waiting for them: on one core, the NumPy kernels beside a build would only slow it"
-               if policy is Policy.BACKGROUND else "")
+               else f"; waiting for them: {wait_instead}" if wait_instead else "")
         say(f"compiling the kernels for this kind of model (once on this machine, about half a minute){why}")
         exercise(engine)
         mark_warm(key)
