@@ -195,8 +195,9 @@ class BackgroundBuild:
         return self.process.poll() is not None if self.process is not None else not _build_under_way(self.key)
 
     def wait(self) -> bool:
-        """Until the build is over; whether it made the kernels."""
-        while not self.ended():
+        """Until the build has made the kernels or is over without them (its process goes on a while after its
+        marker: it finishes the load it warmed up in); whether it made them."""
+        while not self.ready() and not self.ended():
             time.sleep(self.POLL_SECONDS)
         return self.ready()
 
