@@ -36,7 +36,7 @@ from powerinfer_tools.units import format_size
 SLOW_STEP_SECONDS = 2.0  # a token slower than this on the reference, and the generation waits for the build instead
 # A model's weights beyond which a token on the reference takes about SLOW_STEP_SECONDS or more, as measured on
 # Gemma 3 and SmolLM2 (docs/kernels.md, "First-call cost"): such a model waits for the build from the start.
-REFERENCE_WEIGHT_BYTES = 2 * 10**9
+REFERENCE_WEIGHT_BYTES = 10**9
 
 
 def reason_to_wait(model_file: ModelFile) -> str | None:
