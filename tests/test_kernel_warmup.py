@@ -110,6 +110,21 @@ def test_after_a_slow_step_on_the_reference_the_generation_waits_for_the_build(b
         assert text == "".join(_load(path, Policy.WAIT).generate("def ", 8))
 
 
+def test_stepping_on_the_reference_pays_until_a_token_is_slow_or_the_tokens_wait_for_a_core():
+    tokens = kernel_handover.ReferenceTokens()
+    assert tokens.stepping_pays()
+    tokens.add(0.4, 0.1)  # waiting for a core, but too few tokens to judge
+    assert tokens.stepping_pays()
+    for _ in range(3):
+        tokens.add(0.4, 0.4)
+    assert tokens.stepping_pays()  # 1.6 s of wall time for 1.3 of CPU: within CONTENDED
+    tokens.add(0.4, 0.1)
+    assert not tokens.stepping_pays()  # 2.0 s for 1.4
+    slow = kernel_handover.ReferenceTokens()
+    slow.add(kernel_handover.SLOW_STEP_SECONDS + 0.1, kernel_handover.SLOW_STEP_SECONDS + 0.1)
+    assert not slow.stepping_pays()
+
+
 def test_pitools_run_says_it_starts_on_the_reference_and_how_many_tokens_it_computed_there(bundled_gguf,
                                                                                             background_starts,
                                                                                             monkeypatch):

@@ -12,13 +12,15 @@ this process). The tokens after the move are computed as a compiled run computes
 reference computed, which agree with the compiled ones within the tolerance between the two paths; a greedy text
 can still part from a compiled run's where two tokens' logits lie closer than that.
 
-So the run ends about when the build does, late by at most the reference step under way at that moment. Where
-that would be long, the run waits for the build instead, as the ``wait`` policy does (``reason_to_wait``: a model
-whose weights pass ``REFERENCE_WEIGHT_BYTES``, whose every step on the reference takes seconds, or a single core,
-which the reference's steps would take from the build); and once a token on the reference has taken longer than
-``SLOW_STEP_SECONDS``, the generation takes no other: it waits for the build. (A prompt's step is not judged: it
-also pages the model in, and computes many tokens.) Until the move the reference's own BLAS products run on one
-thread, leaving the other cores to the build, which compiles on one.
+So the run ends about when the build does, late by at most the reference step under way at that moment, provided
+its steps leave the build its core. Where they would not, the run waits for the build instead, as the ``wait``
+policy does: from the start where ``reason_to_wait`` says so (a model whose weights pass ``REFERENCE_WEIGHT_BYTES``,
+whose every step on the reference takes seconds; a single core, which the reference's steps would take from the
+build), else between two steps, once the reference's tokens show it (``stepping_pays``): a token that took longer
+than ``SLOW_STEP_SECONDS``, or tokens that spent their time waiting for a core more than computing
+(``CONTENDED``: on a busy machine every step on the reference delays the build it waits for). (A prompt's step is not
+judged: it also pages the model in, and computes many tokens.) Until the move the reference's own BLAS products run
+on one thread, leaving the other cores to the build, which compiles on one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from powerinfer_tools.runtime.backends import single_threaded_blas
 from powerinfer_tools.units import format_size
 
 SLOW_STEP_SECONDS = 2.0  # a token slower than this on the reference, and the generation waits for the build instead
+# The reference's tokens' wall time over their CPU time beyond which they are taken to wait for a core (judged once
+# they add up to JUDGED_AFTER_SECONDS): the build then waits for one too, and the generation waits for the build.
+CONTENDED = 1.25
+JUDGED_AFTER_SECONDS = 1.0
 # A model's weights beyond which a token on the reference takes about SLOW_STEP_SECONDS or more, as measured on
 # Gemma 3 and SmolLM2 (docs/kernels.md, "First-call cost"): such a model waits for the build from the start.
 REFERENCE_WEIGHT_BYTES = 10**9
@@ -55,28 +61,53 @@ class Handover:
     """How a generation came onto the compiled kernels."""
 
     reference_steps: int  # steps computed on the reference before the move (the prompt's first)
-    waited: bool  # it stopped stepping on the reference (a slow token) and waited for the build
+    waited: bool  # it stopped stepping on the reference (``stepping_pays``) and waited for the build
+
+
+@dataclass
+class ReferenceTokens:
+    """What the one-token steps on the reference took: the last one's wall time, and all of theirs, wall and CPU."""
+
+    last: float = 0.0
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def add(self, wall: float, cpu: float) -> None:
+        self.last = wall
+        self.wall += wall
+        self.cpu += cpu
+
+    def stepping_pays(self) -> bool:
+        """Whether another step on the reference beside the build can end the run sooner than waiting for it."""
+        if self.last > SLOW_STEP_SECONDS:
+            return False  # the build may end just after such a step begins
+        return self.wall < JUDGED_AFTER_SECONDS or self.wall <= CONTENDED * self.cpu
 
 
 def handing_over(step, build, moved: Callable[[Handover], None]):
     """``step`` (a generation's ``generation.StepFn`` on a model that runs on the reference while ``build``, a
     ``warmup.BackgroundBuild``, makes the compiled kernels), moved onto them before the first step that finds them
-    ready; ``moved`` is told how, once. A build that ends without them leaves the generation on the reference."""
-    taken, slow, on_reference = 0, False, True
+    ready, waiting for them instead of stepping once that no longer pays; ``moved`` is told how, once. A build that
+    ends without them leaves the generation on the reference."""
+    tokens_taken, taken, on_reference = ReferenceTokens(), 0, True
 
     def step_or_move(tokens):
-        nonlocal taken, slow, on_reference
-        if on_reference and (build.ready() or (slow and build.wait())):
-            kernels.use_reference(None)
-            on_reference = False
-            moved(Handover(taken, slow))
+        nonlocal taken, on_reference
+        if on_reference:
+            ready = build.ready()
+            waited = not ready and not tokens_taken.stepping_pays() and build.wait()
+            if ready or waited:
+                kernels.use_reference(None)
+                on_reference = False
+                moved(Handover(taken, waited))
         if not on_reference:
             return step(tokens)
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         with single_threaded_blas():
             logits = step(tokens)
         taken += 1
-        slow = len(tokens) == 1 and time.perf_counter() - started > SLOW_STEP_SECONDS
+        if len(tokens) == 1:
+            tokens_taken.add(time.perf_counter() - wall, time.process_time() - cpu)
         return logits
 
     return step_or_move
