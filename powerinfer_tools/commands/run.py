@@ -79,7 +79,7 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
         )
     if (moved := s.handover) is not None:
         summary += (f" | the first {moved.reference_steps} tokens on the NumPy kernels, "
-                    + ("then a wait for the compiled ones (a token took too long on these)" if moved.waited
+                    + ("then a wait for the compiled ones (more steps on these would have ended the run later)" if moved.waited
                        else "the rest on the compiled ones (built meanwhile)"))
     ram_state = getattr(llm.engine, "ram", None)
     if ram_state is not None:
