@@ -30,6 +30,8 @@ def markers(tmp_path, monkeypatch):
 
 @pytest.fixture
 def background_starts(monkeypatch):
+    """The background builds started (none is), on a machine with idle cores (where a run starts beside its build)."""
+    monkeypatch.setattr(kernels, "idle_cores", lambda: 4.0)
     started = []
     monkeypatch.setattr(warmup, "start_background", lambda path, options, key: started.append((path, options, key)))
     return started
@@ -95,6 +97,7 @@ def test_after_a_slow_step_on_the_reference_the_generation_waits_for_the_build(b
     other while the build is under way: it waits, then moves; a build that ends without the kernels leaves it on
     the reference. The prompt's step is not judged (it pages the model in)."""
     monkeypatch.setattr(kernel_handover, "SLOW_STEP_SECONDS", 0.0)
+    monkeypatch.setattr(kernels, "idle_cores", lambda: 4.0)
     path = bundled_gguf("q8_0")
     key = warmup.warm_key(warmup.model_kind(open_model_file(path)), LoadOptions(use_split=False, cache_policy="lfu"))
     markers.mkdir(parents=True)
@@ -140,13 +143,14 @@ def test_pitools_run_says_it_starts_on_the_reference_and_how_many_tokens_it_comp
     assert description.endswith("tokens decoded by the compiled decoder") and "NumPy" not in description
 
 
-@pytest.mark.parametrize("where, why", [("one core", "on one core"), ("a large model", "takes seconds a token")])
+@pytest.mark.parametrize("where, why", [("busy cores", "cores are idle"), ("a large model", "takes seconds a token")])
 def test_background_waits_where_the_reference_would_be_slower_and_says_why(bundled_gguf, background_starts,
                                                                             monkeypatch, where, why):
-    """One core: the reference's steps would take the build's time from it; a large model: each of its steps on the
-    reference would take seconds, a prompt's more, and the run could end that much after the build."""
-    if where == "one core":
-        monkeypatch.setattr(kernel_handover.os, "cpu_count", lambda: 1)
+    """Busy cores (or a single one): the reference's steps would take the build's time from it; a large model: each
+    of its steps on the reference would take seconds, a prompt's more, and the run could end that much after the
+    build."""
+    if where == "busy cores":
+        monkeypatch.setattr(kernels, "idle_cores", lambda: 1.2)
     else:
         monkeypatch.setattr(kernel_handover, "REFERENCE_WEIGHT_BYTES", 1000)  # the bundled model's are more
     lines = []
@@ -236,7 +240,9 @@ def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compile
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold")}
     monkeypatch.setattr(warmup, "marker_folder", lambda: tmp_path / "cold")
     env.pop("PITOOLS_KERNELS")
-    cli = "import sys; from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()"
+    # on an idle machine (the load average is this machine's: a busy one makes the first run wait instead)
+    cli = ("import os, sys; os.getloadavg = lambda: (0.0, 0.0, 0.0); from powerinfer_tools.commands.cli import main; "
+           "sys.argv[0] = 'pitools'; main()")
     run = [sys.executable, "-c", cli, "run", str(bundled_gguf("q8_0")), "-p", "def ", "-n", "4"]
     first = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "being built in the background" in first.stderr and "NumPy kernels" in first.stderr

@@ -161,8 +161,7 @@ def _spin_only_on_idle_cores(threads: int):
     reference: then numba stays unloaded, but ggml's CPU library is loaded all the same where the run moves onto
     the compiled kernels once a background build has made them: ``kernels.load_cpu_library``.)
     """
-    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
-    if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:
+    if "OMP_WAIT_POLICY" in os.environ or compiled_kernels.idle_cores() >= threads - 0.5:
         yield
         return
     os.environ["OMP_WAIT_POLICY"] = "passive"

@@ -107,6 +107,12 @@ def get_threads() -> int:
     return _threads
 
 
+def idle_cores() -> float:
+    """Cores that no process ran on over the last minute (the CPU count less the 1-minute load average): what other
+    work leaves this process, for choices that depend on whether it competes for a core."""
+    return (os.cpu_count() or 1) - os.getloadavg()[0]
+
+
 def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """``x [T, cols] @ W[rows].T`` as float32 ``[T, len(rows)]`` (all rows when ``rows`` is None)."""
     backend = _compiled_or_none(x.shape[0])

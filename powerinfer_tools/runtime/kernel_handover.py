@@ -14,13 +14,15 @@ can still part from a compiled run's where two tokens' logits lie closer than th
 
 So the run ends about when the build does, late by at most the reference step under way at that moment, provided
 its steps leave the build its core. Where they would not, the run waits for the build instead, as the ``wait``
-policy does: from the start where ``reason_to_wait`` says so (a model whose weights pass ``REFERENCE_WEIGHT_BYTES``,
-whose every step on the reference takes seconds; a single core, which the reference's steps would take from the
-build), else between two steps, once the reference's tokens show it (``stepping_pays``): a token that took longer
-than ``SLOW_STEP_SECONDS``, or tokens that spent their time waiting for a core more than computing
-(``CONTENDED``: on a busy machine every step on the reference delays the build it waits for). (A prompt's step is not
-judged: it also pages the model in, and computes many tokens.) Until the move the reference's own BLAS products run
-on one thread, leaving the other cores to the build, which compiles on one.
+policy does (in process, where no build is under way yet: a build in another process starts later and opens the
+model again). From the start where ``reason_to_wait`` says so: fewer than ``CORES_NEEDED`` idle cores (by the load
+average: the reference's steps would take the build's core), or a model whose weights pass
+``REFERENCE_WEIGHT_BYTES``, whose every step on the reference takes seconds. Else between two steps, once the
+reference's tokens show it (``stepping_pays``): a token that took longer than ``SLOW_STEP_SECONDS``, or tokens that
+spent their time waiting for a core more than computing (``CONTENDED``: a machine that became busy, where every
+step on the reference delays the build it waits for). (A prompt's step is not judged: it also pages the model in,
+and computes many tokens.) Until the move the reference's own BLAS products run on one thread, leaving the other
+cores to the build, which compiles on one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.runtime.backends import single_threaded_blas
 from powerinfer_tools.units import format_size
 
+CORES_NEEDED = 2  # idle, to start on the reference beside the build: one for the build, one for the run
 SLOW_STEP_SECONDS = 2.0  # a token slower than this on the reference, and the generation waits for the build instead
 # The reference's tokens' wall time over their CPU time beyond which they are taken to wait for a core (judged once
 # they add up to JUDGED_AFTER_SECONDS): the build then waits for one too, and the generation waits for the build.
@@ -48,8 +51,10 @@ REFERENCE_WEIGHT_BYTES = 10**9
 def reason_to_wait(model_file: ModelFile) -> str | None:
     """Why a run of ``model_file`` should wait for the compiled kernels rather than start on the reference while
     they are built, in a few words; None where starting pays."""
-    if (os.cpu_count() or 1) < 2:
-        return "on one core, the NumPy kernels beside a build would only slow it"
+    idle = kernels.idle_cores()
+    if idle < CORES_NEEDED - 0.5:  # (the slack of commands.options' choice of OpenMP's wait policy)
+        return (f"{max(idle, 0):.1f} of this machine's {os.cpu_count() or 1} cores are idle, and the NumPy kernels "
+                "beside the build would slow it")
     weights = sum(t.nbytes for t in model_file.tensors.values())
     if weights > REFERENCE_WEIGHT_BYTES:
         return f"a model of {format_size(weights)} takes seconds a token on the NumPy kernels"
