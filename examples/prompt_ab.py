@@ -5,7 +5,7 @@ Each round runs one process per checkout (``--before``, then this one), each loa
 ``--repeats`` prompts of ``--tokens`` token ids in process after two warm-up prompts (``RuntimeModel.forward``,
 the last token's logits only, as generation asks); the machine's drift between rounds falls on both alike.
 Prints each round's medians (with the page faults a prompt took: fresh memory the kernel zeroed, see
-docs/kernels.md, "Page faults in prompts"; and each process's peak RSS) and the median of the per-round ratios.
+docs/lab/kernels.md, "Page faults in prompts"; and each process's peak RSS) and the median of the per-round ratios.
 With ``--decode N``, what is timed is instead a decoded token: N one-token steps after the prompt, each feeding
 the likeliest token to the next (the time per step, the mean over the N).
 

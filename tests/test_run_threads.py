@@ -1,5 +1,5 @@
 """`pitools run` loads the compiled kernels with OpenMP's waiting threads asleep when the cores are busy:
-spinning threads there wait out a scheduler slice at every join (docs/benchmarks.md, "pitools run and the
+spinning threads there wait out a scheduler slice at every join (docs/lab/benchmarks.md, "pitools run and the
 bench's engine")."""
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def ram_options(f):
                           "`pitools bundle` reads each neuron in one request [default: the whole file, mapped]."),
         click.option("--cache-policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,
                      help="With --ram: which cached neuron to evict (lru: used longest ago; lfu: used least "
-                          "often, see docs/benchmarks.md for the comparison)."),
+                          "often, see docs/lab/benchmarks.md for the comparison)."),
     ]
     for option in reversed(options):
         f = option(f)

@@ -35,7 +35,7 @@ from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 
-MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
+MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/lab/kernels.md, "crossover")
 
 _threads = os.cpu_count() or 1
 _reference_reason: str | None = None  # set by use_reference: this process keeps to the NumPy reference

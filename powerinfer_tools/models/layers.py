@@ -160,7 +160,7 @@ def attention(
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     # The softmax in place, in the product's own array: a new array at each step made a 512-token prompt of the
-    # TinyLlama-shaped model 6% slower and its peak RSS 32 MiB larger (docs/real-models.md).
+    # TinyLlama-shaped model 6% slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
     scores *= scale
     scores += xp.where(visible, q.dtype.type(0), q.dtype.type(-np.inf))  # the positions a query may not see
     scores -= scores.max(axis=-1, keepdims=True)

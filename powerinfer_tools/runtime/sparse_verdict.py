@@ -4,7 +4,7 @@ where a decoded token takes less time sparse than dense, and dense otherwise, an
 Whether skipping neurons pays depends on the machine as much as on the file: a SiLU model's CATS reads
 every gate row to choose and then scattered rows of up and down, which on a small model or a CPU whose
 gather of rows is slow can cost more than the dense path's contiguous products (SmolLM2-135M at 50%:
-0.89x of dense, docs/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout.
+0.89x of dense, docs/lab/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout.
 So it is measured: the loaded model decodes a short English text greedily in both modes, alternating
 modes step by step so that other load on the machine falls on both alike, and the medians are compared:
 sparse runs where it is at least ``MIN_GAIN`` times as fast.
