@@ -91,8 +91,10 @@ class Sampler:
 
 def finite_logits(logits: np.ndarray) -> bool:
     """Whether a token can be sampled from each row of ``logits`` (one token's, or ``[T, vocab]``): no NaN, no
-    +infinity, and some finite logit. A -infinity logit is a token with probability 0."""
-    return not np.isnan(logits).any() and bool(np.isfinite(logits.max(axis=-1)).all())
+    +infinity, and some finite logit. A -infinity logit is a token with probability 0. One pass, no copy: a row's
+    maximum is NaN where any of its values is (NumPy's ``max`` propagates NaN), +infinity where one is, and
+    -infinity where all are."""
+    return bool(np.isfinite(logits.max(axis=-1)).all())
 
 
 def _likeliest(logits: np.ndarray, top_k: int) -> np.ndarray:
