@@ -17,6 +17,7 @@ from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools import kernels
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
+from powerinfer_tools.kernels.kernel_thread import runs_model_work
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
@@ -207,6 +208,7 @@ class RuntimeModel(Engine):
     def _norm(self, norm: Norm, x):
         return normalize(self.spec.norm, norm, x, self.spec.norm_eps)
 
+    @runs_model_work  # whichever thread asks: the kernels keep one team of threads (``kernel_thread``)
     def forward(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool = True) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold.
 
