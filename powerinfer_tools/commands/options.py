@@ -152,12 +152,11 @@ def _spin_only_on_idle_cores(threads: int):
 
     The kernels' parallel loops run on libgomp, whose threads spin a while as they wait, by default. That
     is the quickest hand-over on idle cores, but when another process holds a core the spinning thread
-    burns its time slice waiting for its preempted partner, at every one of a token's joins. Measured
-    (``pitools run`` SmolLM2-135M Q4_1 -n 64 --threads 2, 2-core EPYC, alternating): with other processes
-    running (1-minute load 8-9) 39 tok/s passive against 13-15 spinning; on idle cores 79-86 passive
-    against 176-207 spinning. So the cores are judged by what runs now (``_others_running``), not by the
-    1-minute load average: that average still counts the work of the minutes before (a previous run, a
-    build) for minutes after it ended, and chose passive, half speed, on idle cores. The user's setting
+    burns its time slice waiting for its preempted partner, at every one of a token's joins; on idle cores
+    passive waits halve the speed (docs/benchmarks.md, "pitools run and the bench's engine"). So the cores
+    are judged by what runs now (``_others_running``), not by the 1-minute load average: that average still
+    counts the work of the minutes before (a previous run, a build) for minutes after it ended, and chose
+    passive on idle cores. The user's setting
     wins. libgomp reads the variable once, as it loads with ggml's CPU library; the variable is unset again
     after, so that no child process or later in-process caller inherits it. (Loading a model loads the
     kernels, unless it runs on the NumPy reference: then they stay unloaded, and so does numba.)
