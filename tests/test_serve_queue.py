@@ -1,5 +1,5 @@
-"""The server's queue on a slowed model, in this process: one generation at a time, a bounded queue
-answering 503 with Retry-After, and clients that leave giving back the model (or their place) at once.
+"""The server's queue on a slowed model, in this process: one slot (--parallel 1), a bounded queue answering 503
+with Retry-After, and clients that leave giving back the model (or their place) at once.
 
 The model is the bundled one on the runtime with every forward pass slowed by ``serving.STEP_SECONDS`` and its
 end-of-sequence token never chosen, so a generation lasts as long as the test needs it to.
@@ -18,7 +18,7 @@ from powerinfer_tools.serving.app import ServeSettings, create_app
 @pytest.fixture(scope="module")
 def url(bundled_gguf):
     llm = slowed(LLM.load(bundled_gguf("q8_0")))
-    with running(create_app(llm, ServeSettings("tiny", max_queue=1))) as url:
+    with running(create_app(llm, ServeSettings("tiny", max_queue=1, parallel=1))) as url:
         yield url
 
 
@@ -85,12 +85,10 @@ def test_under_a_ram_budget_metrics_report_the_neuron_caches(bundled_gguf):
 def test_a_model_that_fails_is_a_500_or_an_error_event_without_a_traceback(bundled_gguf):
     llm = LLM.load(bundled_gguf("q8_0"))
 
-    def broken():
-        def step(tokens):
-            raise RuntimeError("a kernel fault")
-        return step
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel fault")
 
-    llm.engine.step_fn = broken
+    llm.engine.forward = llm.engine.forward_batch = broken
     with running(create_app(llm, ServeSettings("tiny"))) as url:
         whole = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
         assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"

@@ -1,0 +1,105 @@
+"""Continuous batching: the generations running at once decoded together, one forward pass per step.
+
+A server's requests each become a ``Sequence``: its prompt computed when it starts (beyond what the prompt
+cache holds of it: ``prompt_cache``), its first token sampled, then one token per ``step``, in which every
+running sequence's last token goes through one forward pass (``RuntimeModel.forward_batch``: each weight read
+once for all of them, each sequence attending over its own KV cache). Sequences join and leave between steps;
+each samples from its own logits with its own sampler, stop tokens and window, as ``Generation`` does for one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.generation import Generation, Sampler, SamplingConfig
+from powerinfer_tools.runtime.llm import LLM, GenerationStats
+from powerinfer_tools.runtime.prompt_cache import PromptCache
+
+DEFAULT_PARALLEL = 4  # generations a server decodes together (``pitools serve --parallel``), as llama.cpp's server
+
+
+@dataclass
+class Sequence:
+    """One generation in a batch: its prompt, what it sampled, its state in the model (``caches``)."""
+
+    prompt: list[int]
+    generation: Generation  # its sampler, stop tokens and window
+    caches: object  # the engine's cache(s) for it: what ``forward`` extends
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)  # sampled so far
+
+    @property
+    def finished(self) -> bool:
+        return self.generation.finished
+
+
+@dataclass
+class BatchCounters:
+    """What the steps of a ``BatchDecoder`` computed: steps, the sequences' tokens they decoded, their time."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class BatchDecoder:
+    """Starts sequences and steps them together on ``llm``'s model; ``prompt_cache``, where given (the runtime
+    only), keeps finished sequences' caches for later prompts."""
+
+    def __init__(self, llm: LLM, prompt_cache: PromptCache | None = None):
+        self.llm, self.engine = llm, llm.engine
+        self.batched = isinstance(llm.engine, RuntimeModel)  # the reference engine runs its sequences in turn
+        self.prompt_cache = prompt_cache if self.batched else None
+        self.counters = BatchCounters()
+
+    def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig) -> Sequence:
+        """A sequence of ``prompt`` (ids, checked as ``LLM.prompt_ids`` checks them), its prompt computed and its
+        first token sampled (none where ``max_tokens`` is 0 or the prompt fills the window)."""
+        eos = self.engine.spec.eos_token_id
+        generation = Generation(None, prompt, max_tokens, Sampler(sampling), [eos] if eos is not None else [],
+                                self.llm.context_size)
+        stats = GenerationStats(prompt_tokens=len(prompt), context_size=self.llm.context_size)
+        caches, reused = self.prompt_cache.reuse(prompt) if self.prompt_cache is not None else (None, 0)
+        sequence = Sequence(prompt, generation, self.engine.new_cache() if caches is None else caches, stats)
+        stats.prompt_reused = reused
+        start = time.perf_counter()
+        logits = self._last_logits(np.asarray(prompt[reused:], dtype=np.int64), sequence.caches)
+        stats.prompt_seconds = time.perf_counter() - start
+        if not generation.finished:
+            sequence.tokens.append(generation.next_token(logits))
+        return sequence
+
+    def step(self, sequences: list[Sequence]) -> None:
+        """Each of ``sequences`` (none finished) samples its next token, from one forward pass over their last."""
+        tokens = np.array([s.tokens[-1] for s in sequences], dtype=np.int64)
+        start = time.perf_counter()
+        if self.batched:
+            logits = self.engine.forward_batch(tokens, [s.caches for s in sequences])
+        else:
+            logits = [self._last_logits(tokens[i : i + 1], s.caches) for i, s in enumerate(sequences)]
+        elapsed = time.perf_counter() - start
+        self.counters.steps += 1
+        self.counters.tokens += len(sequences)
+        self.counters.seconds += elapsed
+        for sequence, row in zip(sequences, logits):
+            sequence.stats.decode_steps += 1
+            sequence.stats.generation_seconds += elapsed  # each waited for the whole step
+            sequence.tokens.append(sequence.generation.next_token(row))
+
+    def finish(self, sequence: Sequence) -> None:
+        """``sequence`` leaves the batch (finished, or given up): its statistics completed, its caches kept for a
+        later prompt that begins as its text does."""
+        g, stats = sequence.generation, sequence.stats
+        stats.generated_tokens = g.sampled
+        stats.stopped_at_window, stats.stopped_at_eos = g.stopped_at_window, g.stopped_at_token
+        if self.prompt_cache is not None:
+            self.prompt_cache.keep(sequence.prompt + sequence.tokens, sequence.caches)
+
+    def _last_logits(self, tokens: np.ndarray, caches) -> np.ndarray:
+        if self.batched:  # the output head for the last token only
+            return self.engine.forward(tokens, caches, all_logits=False)[-1]
+        return self.engine.forward(tokens, caches)[-1]
