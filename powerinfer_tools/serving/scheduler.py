@@ -102,6 +102,7 @@ class Scheduler:
         self._queue: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._stopped = False
+        self._running: list[_Running] = []  # the batch thread's; replaced, never changed in place (shut_down reads it)
         self._thread = threading.Thread(target=self._decode, name="pitools-batch", daemon=True)
         self._thread.start()
 
@@ -156,19 +157,19 @@ class Scheduler:
 
     def _decode(self) -> None:
         """The batch thread: start waiting jobs while slots are free, then step every running one, until closed."""
-        running: list[_Running] = []
         while True:
             with self._wake:
-                while not self._queue and not running and not self._stopped:
+                while not self._queue and not self._running and not self._stopped:
                     self._wake.wait()
                 if self._stopped:
                     break
-                starting = [self._queue.popleft() for _ in range(min(len(self._queue), self.parallel - len(running)))]
-            running += [r for r in map(self._start, starting) if r is not None]
-            running = [r for r in running if not self._ended(r)]
-            if running:
-                self._step(running)
-        for r in running:
+                free = self.parallel - len(self._running)
+                starting = [self._queue.popleft() for _ in range(min(len(self._queue), free))]
+            self._running = self._running + [r for r in map(self._start, starting) if r is not None]
+            self._running = [r for r in self._running if not self._ended(r)]
+            if self._running:
+                self._running = self._step(self._running)
+        for r in self._running:
             r.job.post(_Ended(ShuttingDown()))
 
     def _start(self, job: Job) -> Optional[_Running]:
@@ -188,17 +189,18 @@ class Scheduler:
         self._take(running)
         return None if self._ended(running) else running
 
-    def _step(self, running: list[_Running]) -> None:
+    def _step(self, running: list[_Running]) -> list[_Running]:
+        """One step of every running job; those still running after it (none where the model failed)."""
         try:
             self.decoder.step([r.sequence for r in running])
         except Exception as exc:  # every generation of the step fails alike
             for r in running:
                 r.job.cancelled.set()
                 r.job.post(_Ended(exc))
-            running.clear()
-            return
+            return []
         for r in running:
             self._take(r)
+        return running
 
     def _take(self, r: _Running) -> None:
         """The text of ``r``'s newest token (stop strings cut) to its request; at its end, what was held back."""
@@ -231,7 +233,7 @@ class Scheduler:
         rather than let them finish, and end those waiting before they start."""
         self.closing = True
         with self._wake:
-            for job in self._queue:
+            for job in [r.job for r in self._running] + list(self._queue):
                 job.cancelled.set()
             self._wake.notify()
 
