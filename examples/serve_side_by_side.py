@@ -44,7 +44,8 @@ def free_port() -> int:
 
 def commands(args, port: int) -> dict[str, list[str]]:
     """How each server is started on ``port``, serving the model as ``args.model_id``."""
-    ours = [sys.executable, "-m", "powerinfer_tools.commands.cli", "serve", str(args.model), "--host", "127.0.0.1",
+    ours = [sys.executable, "-c", "from powerinfer_tools.commands.cli import main; main()", "serve", str(args.model),
+            "--host", "127.0.0.1",
             "--port", str(port), "-t", str(args.threads), "--model-name", args.model_id, "--max-queue", "256",
             *(["--parallel", str(args.parallel)] if args.parallel else []), *args.ours_option]
     if args.llama_server:

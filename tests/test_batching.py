@@ -125,3 +125,17 @@ def test_the_prompt_cache_keeps_to_its_memory_bound(bundled_gguf):
     caches, reused = cache.reuse(list(np.arange(4, 9) * 11) + [3])
     assert reused == 5 and caches[0].length == 5
     assert PromptCache(max_bytes=size - 1).keep([1, 2, 3, 4, 5], one) is None  # too large to keep: not kept
+
+
+def test_a_step_takes_the_way_that_measured_faster_for_its_batch_size_and_tries_the_other_now_and_then():
+    from powerinfer_tools.runtime.batching import EXPLORE, _StepChoice
+
+    choice = _StepChoice()
+    first = choice.together(3)
+    choice.record(3, first, 0.3)
+    second = choice.together(3)
+    assert second is not first
+    choice.record(3, second, 0.9 if second else 0.1)  # one pass per sequence measured faster
+    ways = [choice.together(3) for _ in range(2 * EXPLORE)]
+    assert ways.count(True) == 2 and ways.count(False) == 2 * EXPLORE - 2  # the faster, the other tried again
+    assert choice.together(2) is True  # another batch size: measured apart, untried yet

@@ -3,12 +3,15 @@
 A server's requests each become a ``Sequence``: its prompt computed when it starts (beyond what the prompt
 cache holds of it: ``prompt_cache``), its first token sampled, then one token per ``step``, in which every
 running sequence's last token goes through one forward pass (``RuntimeModel.forward_batch``: each weight read
-once for all of them, each sequence attending over its own KV cache). Sequences join and leave between steps;
+once for all of them, each sequence attending over its own KV cache), or, where that measured slower on this
+model and machine, through one compiled pass each (``_StepChoice``). Sequences join and leave between steps;
 each samples from its own logits with its own sampler, stop tokens and window, as ``Generation`` does for one.
 """
 
 from __future__ import annotations
 
+import collections
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -39,11 +42,43 @@ class Sequence:
 
 @dataclass
 class BatchCounters:
-    """What the steps of a ``BatchDecoder`` computed: steps, the sequences' tokens they decoded, their time."""
+    """What the steps of a ``BatchDecoder`` computed: steps, the sequences' tokens they decoded, their time, and
+    the steps of more than one sequence computed in one forward pass (the others: one pass per sequence)."""
 
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    batched: int = 0
+
+
+# A batch of B sequences decodes a token each in one forward pass (``forward_batch``: each weight read once, the
+# general path's layers) or in B passes of the compiled one-token decoder, whichever took less time per token over
+# its last TIMED steps of that B on this model and machine; the other is tried again every EXPLORE steps. Where the
+# line falls depends on the model: a small one whose weights stay in cache gains little from reading them once, and
+# its products cost as much per token either way (``examples/batching_gain.py`` measures it).
+TIMED = 8
+EXPLORE = 32
+
+
+class _StepChoice:
+    """Per batch size, the seconds per token of its recent steps each way; which way the next step takes."""
+
+    def __init__(self):
+        self._seconds: dict[tuple[int, bool], collections.deque] = {}
+        self._steps = 0
+
+    def together(self, size: int) -> bool:
+        """Whether the next step of ``size`` sequences runs as one forward pass."""
+        self._steps += 1
+        timed = {way: self._seconds.setdefault((size, way), collections.deque(maxlen=TIMED)) for way in (True, False)}
+        untried = [way for way, seconds in timed.items() if not seconds]
+        if untried:
+            return untried[0]
+        faster = statistics.median(timed[True]) <= statistics.median(timed[False])
+        return faster if self._steps % EXPLORE else not faster
+
+    def record(self, size: int, together: bool, seconds: float) -> None:
+        self._seconds[size, together].append(seconds / size)
 
 
 class BatchDecoder:
@@ -55,6 +90,7 @@ class BatchDecoder:
         self.batched = isinstance(llm.engine, RuntimeModel)  # the reference engine runs its sequences in turn
         self.prompt_cache = prompt_cache if self.batched else None
         self.counters = BatchCounters()
+        self._choice = _StepChoice()
 
     def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig) -> Sequence:
         """A sequence of ``prompt`` (ids, checked as ``LLM.prompt_ids`` checks them), its prompt computed and its
@@ -76,15 +112,19 @@ class BatchDecoder:
     def step(self, sequences: list[Sequence]) -> None:
         """Each of ``sequences`` (none finished) samples its next token, from one forward pass over their last."""
         tokens = np.array([s.tokens[-1] for s in sequences], dtype=np.int64)
+        together = self.batched and len(sequences) > 1 and self._choice.together(len(sequences))
         start = time.perf_counter()
-        if self.batched:
+        if together:
             logits = self.engine.forward_batch(tokens, [s.caches for s in sequences])
         else:
             logits = [self._last_logits(tokens[i : i + 1], s.caches) for i, s in enumerate(sequences)]
         elapsed = time.perf_counter() - start
+        if self.batched and len(sequences) > 1:
+            self._choice.record(len(sequences), together, elapsed)
         self.counters.steps += 1
         self.counters.tokens += len(sequences)
         self.counters.seconds += elapsed
+        self.counters.batched += together
         for sequence, row in zip(sequences, logits):
             sequence.stats.decode_steps += 1
             sequence.stats.generation_seconds += elapsed  # each waited for the whole step

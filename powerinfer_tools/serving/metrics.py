@@ -80,6 +80,9 @@ class ServerMetrics:
         metric("batch_tokens_total", "counter", "Tokens those steps decoded (a step decodes one per generation).",
                [("", steps.tokens)])
         metric("batch_seconds_total", "counter", "Seconds spent in decoding steps.", [("", steps.seconds)])
+        metric("batch_steps_together_total", "counter", "Decoding steps of several generations computed as one "
+               "forward pass (the others: a compiled pass per generation, where that measured faster).",
+               [("", steps.batched)])
         metric("batch_size_mean", "gauge", "Generations decoded together per step, on average (NaN before any).",
                [("", steps.tokens / steps.steps if steps.steps else float("nan"))])
         metric("batch_tokens_per_second", "gauge", "Tokens per second the decoding steps produced, all generations "
