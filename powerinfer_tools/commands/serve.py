@@ -33,9 +33,10 @@ API_KEY_VARIABLE = "PITOOLS_API_KEY"
               help="Requests that may wait (their prompt being rendered and tokenized, or queued for a "
                    "slot) while --parallel generate; more are answered 503 with Retry-After. 0: none waiting.")
 @click.option("--parallel", "-np", type=click.IntRange(min=1), default=DEFAULT_PARALLEL, show_default=True,
-              help="Generations decoded together: each step computes the next token of every running one in one "
-                   "forward pass (continuous batching: each weight read once for all), requests joining and "
-                   "leaving between steps; more wait in the queue.")
+              help="Generations decoded together: each step computes the next token of every running one, in one "
+                   "forward pass (continuous batching: each weight read once for all) or, where that measures slower "
+                   "on this model, one compiled pass each; requests join and leave between steps, more wait in "
+                   "the queue.")
 @click.option("--prompt-cache", default="256MiB", show_default=True, metavar="SIZE",
               help="Memory for finished requests' KV caches, kept so that a prompt beginning with the same tokens "
                    "(a conversation's next turn, a shared system prompt) computes only the rest; 0B keeps none.")

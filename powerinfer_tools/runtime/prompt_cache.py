@@ -23,12 +23,9 @@ class PromptCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, tuple[np.ndarray, list[KVCache]]] = OrderedDict()  # oldest use first
         self._next_key = 0
+        self.nbytes = 0  # the entries' caches (an int: read from other threads, /metrics, while entries change)
         self.hits = 0  # prompts that reused a cached beginning
         self.reused_tokens = 0  # prompt tokens not computed for that
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_size(caches) for _, caches in self._entries.values())
 
     def keep(self, tokens: Sequence[int], caches: list[KVCache]) -> None:
         """Keep ``caches`` (one per layer, taken over: their owner is done with them) for the ``tokens`` they hold,
@@ -38,11 +35,15 @@ class PromptCache:
             return
         for key, (other, _) in list(self._entries.items()):
             if len(other) <= len(held) and np.array_equal(other, held[: len(other)]):
-                del self._entries[key]
+                self._drop(key)
         self._entries[self._next_key] = held, caches
+        self.nbytes += _size(caches)
         self._next_key += 1
         while self.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))  # the least recently used
+
+    def _drop(self, key: int) -> None:
+        self.nbytes -= _size(self._entries.pop(key)[1])
 
     def reuse(self, prompt: Sequence[int]) -> tuple[list[KVCache] | None, int]:
         """Caches of their own holding the longest beginning of ``prompt`` that an entry holds, at most all but its
