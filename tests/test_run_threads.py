@@ -59,3 +59,16 @@ def test_a_policy_the_user_set_is_kept(monkeypatch, policy_at_kernel_load, model
 
 def test_running_threads_are_counted_now_without_this_one():
     assert 0 <= runtime_options._others_running(samples=3, interval=0) < 10_000
+
+
+def test_run_loads_the_compiled_paths_before_it_times_tokens(monkeypatch, model_file):
+    from powerinfer_tools.commands import run as run_command
+    from powerinfer_tools.runtime.llm import LLM
+
+    order = []
+    monkeypatch.setattr(run_command, "load_compiled", lambda engine: order.append("warm"))
+    generate = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, *a, **k: order.append("timed") or generate(self, *a, **k))
+    result = CliRunner().invoke(cli, ["run", model_file, "-n", "2", "--kernels", "wait"])
+    assert result.exit_code == 0, result.output
+    assert order == (["warm", "timed"] if kernels.available() else ["timed"])
