@@ -218,6 +218,8 @@ class Scheduler:
         """Whether ``r`` has ended (finished, a stop string, its client gone): then its slot is given back, its
         ending posted."""
         job = r.job
+        if self.closing and not (r.sequence.finished or r.stops.stopped):  # (one starting when shut_down came)
+            job.cancelled.set()
         if not (r.sequence.finished or r.stops.stopped or job.cancelled.is_set()):
             return False
         self.decoder.finish(r.sequence)
