@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import click
@@ -147,20 +148,20 @@ def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads:
 @contextlib.contextmanager
 def _spin_only_on_idle_cores(threads: int):
     """Within: whatever loads the compiled kernels loads them with OpenMP's waiting threads asleep
-    (``OMP_WAIT_POLICY=passive``) when other work holds the cores.
+    (``OMP_WAIT_POLICY=passive``) when other work holds the cores now.
 
-    The kernels' parallel loops run on libgomp, whose threads spin while they wait, by default. That
-    is the quickest hand-over on idle cores, but when another process holds a core the spinning
-    thread burns its time slice waiting for its preempted partner, at every one of a token's ~110
-    joins: on the shared 2-core machine at a load of 9-12, a TinyLlama-shape token took 550-760 ms
-    spinning against 116-136 ms passive. So: passive when fewer cores are idle (by the 1-minute load
-    average) than there are threads, unless the user set the variable. libgomp reads it once, as it
-    loads with ggml's CPU library; the variable is unset again after, so that no child process or
-    later in-process caller inherits it. (Loading a model loads the kernels, unless it runs on the NumPy
-    reference: then they stay unloaded, and so does numba.)
+    The kernels' parallel loops run on libgomp, whose threads spin a while as they wait, by default. That
+    is the quickest hand-over on idle cores, but when another process holds a core the spinning thread
+    burns its time slice waiting for its preempted partner, at every one of a token's joins; on idle cores
+    passive waits halve the speed (docs/lab/benchmarks.md, "pitools run and the bench's engine"). So the cores
+    are judged by what runs now (``_others_running``), not by the 1-minute load average: that average still
+    counts the work of the minutes before (a previous run, a build) for minutes after it ended, and chose
+    passive on idle cores. The user's setting
+    wins. libgomp reads the variable once, as it loads with ggml's CPU library; the variable is unset again
+    after, so that no child process or later in-process caller inherits it. (Loading a model loads the
+    kernels, unless it runs on the NumPy reference: then they stay unloaded, and so does numba.)
     """
-    idle = (os.cpu_count() or 1) - os.getloadavg()[0]
-    if "OMP_WAIT_POLICY" in os.environ or idle >= threads - 0.5:
+    if "OMP_WAIT_POLICY" in os.environ or (os.cpu_count() or 1) - _others_running() >= threads - 0.5:
         yield
         return
     os.environ["OMP_WAIT_POLICY"] = "passive"
@@ -168,3 +169,17 @@ def _spin_only_on_idle_cores(threads: int):
         yield
     finally:
         del os.environ["OMP_WAIT_POLICY"]
+
+
+def _others_running(samples: int = 10, interval: float = 0.01) -> int:
+    """Threads of other processes running or ready to run now: the fewest that the kernel's count of
+    runnable threads (``/proc/loadavg``'s fourth field, this thread included) showed over ``samples``
+    looks (work that holds a core shows in every one); 0 where the count cannot be read."""
+    counts = []
+    for _ in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return 0
+        time.sleep(interval)
+    return max(0, min(counts))

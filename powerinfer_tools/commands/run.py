@@ -9,7 +9,9 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
-from powerinfer_tools.runtime.warmup import Policy
+from powerinfer_tools import kernels as compiled_kernels
+from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.warmup import Policy, load_compiled
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.units import format_size
 
@@ -54,6 +56,10 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     """
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
     llm = load_llm(model, default_kernels=Policy.BACKGROUND, **runtime)
+    if isinstance(llm.engine, RuntimeModel) and not compiled_kernels.reference_chosen():
+        # The compiled code brought in from numba's cache, and the weights' pages touched, before the clock starts
+        # (as the bench's warm-up rounds and `pitools serve` do): the summary's rates are the engine's per-token speed.
+        load_compiled(llm.engine)
     pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
     if verbose:
         click.echo("pitools: how this run computes:\n" + "\n".join(f"  {line}" for line in llm.execution_report()),

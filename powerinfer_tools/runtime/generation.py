@@ -155,21 +155,32 @@ class Generation:
         self.step, self.prompt, self.sampler, self.stop = step, list(prompt), sampler, set(stop_ids)
         self.count = min(max_new_tokens, room)
         self.cut_by_window = room < max_new_tokens  # the window, not max_new_tokens, sets count
-        self.stopped_at_window = self.stopped_at_token = False
+        self.stopped_at_token = False
+        self.stopped_at_window = self.cut_by_window and self.count == 0  # a prompt that fills the window
         self.sampled = 0
 
     def __iter__(self) -> Iterator[int]:
         logits = self.step(np.asarray(self.prompt, dtype=np.int64))
-        for _ in range(self.count):
-            token = self.sampler(logits)
-            self.sampled += 1
+        while not self.finished:
+            token = self.next_token(logits)
             yield token
-            if token in self.stop:
-                self.stopped_at_token = True
-                return
-            if self.sampled < self.count:  # the last token's forward pass would feed no one
+            if not self.finished:  # the last token's forward pass would feed no one
                 logits = self.step(np.asarray([token], dtype=np.int64))
-        self.stopped_at_window = self.cut_by_window
+
+    def next_token(self, logits: np.ndarray) -> int:
+        """The token sampled from ``logits`` (the last forward pass's), counted; ``finished`` says whether another
+        forward pass is wanted. A batch of generations calls it for each of its sequences (``runtime.batching``),
+        iterating calls it for one."""
+        token = self.sampler(logits)
+        self.sampled += 1
+        self.stopped_at_token = token in self.stop
+        self.stopped_at_window = self.cut_by_window and self.sampled >= self.count and not self.stopped_at_token
+        return token
+
+    @property
+    def finished(self) -> bool:
+        """Whether the generation has ended: a stop token sampled, or ``count`` tokens."""
+        return self.stopped_at_token or self.sampled >= self.count
 
 
 def generate(step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: Iterable[int] = (),
@@ -179,7 +190,17 @@ def generate(step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Samp
 
 
 def stream_text(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    """Turn a token stream into text pieces, holding back an incomplete UTF-8 character.
+    """Turn a token stream into text pieces, holding back an incomplete UTF-8 character (``TextPieces``)."""
+    pieces = TextPieces(decode)
+    for token in tokens:
+        if text := pieces.feed(token):
+            yield text
+    if text := pieces.flush():
+        yield text
+
+
+class TextPieces:
+    """Tokens in, text pieces out, one token at a time (``feed``, then ``flush`` at the end).
 
     Byte-level tokens can split one character across tokens; decoding such a prefix gives U+FFFD, so
     a piece is released only once it ends in a complete character. Each step decodes a short window,
@@ -188,15 +209,25 @@ def stream_text(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> It
     ``decode(ids[start:released])``, as text rather than as tokens keeps what a tokenizer does to a
     text's start (a SentencePiece decoder drops its leading space) out of the pieces.
     """
-    ids: list[int] = []
-    start = released = 0  # ids[start:released]: the tokens of the last piece released
-    for token in tokens:
-        ids.append(token)
-        before = decode(ids[start:released])
-        text = decode(ids[start:])
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.start = self.released = 0  # ids[start:released]: the tokens of the last piece released
+
+    def feed(self, token: int) -> str:
+        """The text ``token`` completes ("" while a character is incomplete)."""
+        self.ids.append(token)
+        before, text = self._window()
         if len(text) > len(before) and not text.endswith("\ufffd"):
-            yield text[len(before):]
-            start, released = released, len(ids)
-    before, text = decode(ids[start:released]), decode(ids[start:])
-    if len(text) > len(before):
-        yield text[len(before):]
+            self.start, self.released = self.released, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is held back once no token follows."""
+        before, text = self._window()
+        return text[len(before):] if len(text) > len(before) else ""
+
+    def _window(self) -> tuple[str, str]:
+        return self.decode(self.ids[self.start : self.released]), self.decode(self.ids[self.start :])

@@ -53,6 +53,7 @@ AUTO = "auto"  # LLM.load's mode: sparse where it pays on this machine (runtime.
 class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
+    prompt_reused: int = 0  # of the prompt tokens, those a prompt cache held (not computed: ``runtime.prompt_cache``)
     generated_tokens: int = 0  # tokens sampled, EOS included (an API's completion tokens)
     decode_steps: int = 0  # forward passes after the prompt's (one per generated token but the last)
     generation_seconds: float = 0.0  # their time
