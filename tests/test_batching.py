@@ -6,7 +6,6 @@ finished sequence's text reuses its keys and values (``runtime.prompt_cache``) t
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from gguf_fixtures import relative_error
 from powerinfer_tools.interfaces import FFNMode
