@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.errors import PitoolsError
@@ -18,6 +20,63 @@ from powerinfer_tools.runtime.llm import AUTO, LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
+
+
+def model_argument(default: Path | None = None, exists: bool = True, dir_okay: bool = True):
+    """MODEL as llama.cpp takes it too: the positional argument, or ``-m/--model`` (one of them), passed on as
+    ``model`` (``default`` when neither is given)."""
+    path = click.Path(path_type=Path, exists=exists, dir_okay=dir_okay)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def with_model(*args, model: Path | None, model_option: Path | None, **kwargs):
+            if model is not None and model_option is not None:
+                raise click.UsageError("give the model once: as MODEL or as -m/--model")
+            chosen = model if model is not None else model_option
+            return f(*args, model=chosen if chosen is not None else default, **kwargs)
+
+        with_model = click.option("-m", "--model", "model_option", type=path, default=None, metavar="MODEL",
+                                  help="The model, as llama.cpp's -m names it (instead of the MODEL argument).")(with_model)
+        return click.argument("model", type=path, default=None, required=False)(with_model)
+
+    return decorate
+
+
+def renamed(old: str, new: str, param: str):
+    """``old``, a spelling of the option ``new`` (the parameter ``param``) that commands once had: still taken,
+    hidden from the help, with a one-line note on stderr. Put it above the option it names."""
+    dest = f"old_{param}_{old.lstrip('-').replace('-', '_')}"
+
+    def decorate(f):
+        current = next(p for p in f.__click_params__ if p.name == param)
+
+        @functools.wraps(f)
+        def with_old_spelling(*args, **kwargs):
+            value = kwargs.pop(dest)
+            ctx = click.get_current_context()
+            if ctx.get_parameter_source(dest) is ParameterSource.COMMANDLINE:
+                if ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
+                    raise click.UsageError(f"{old} is the old spelling of {new}: give {new} alone")
+                click.echo(f"pitools: note: {old} is deprecated; use {new}", err=True)
+                kwargs[param] = value
+            return f(*args, **kwargs)
+
+        flag = {"is_flag": True} if current.is_flag else {"type": current.type, "multiple": current.multiple}
+        return click.option(old, dest, hidden=True, default=None, **flag)(with_old_spelling)
+
+    return decorate
+
+
+def kernels_option(default: Policy | None, default_words: str = ""):
+    """--kernels: what a command does when the compiled kernels this kind of model needs are not built yet
+    (``default``, or None with the defaults in ``default_words``: `run` and `serve` share the option)."""
+    return click.option(
+        "--kernels", type=click.Choice([p.value for p in Policy]), default=default and default.value,
+        show_default=default is not None, envvar="PITOOLS_KERNELS",
+        help="When the compiled CPU kernels for this kind of model are not yet built on this machine (once, about "
+             "half a minute): wait for them; start at once on the slower NumPy kernels while a background process "
+             "builds them; or use the NumPy reference only. Also PITOOLS_KERNELS"
+             + (f" [default: {default_words}]." if default_words else "."))
 
 
 def corpus_options(f):
@@ -114,11 +173,7 @@ def runtime_options(f):
                           "does."),
         click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
                      help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`."),
-        click.option("--kernels", type=click.Choice([p.value for p in Policy]), default=None, envvar="PITOOLS_KERNELS",
-                     help="When the compiled CPU kernels for this kind of model are not yet built on this machine "
-                          "(once, about half a minute): wait for them; start at once on the slower NumPy kernels "
-                          "while a background process builds them; or use the NumPy reference only. Also "
-                          "PITOOLS_KERNELS [default: background for run, wait for serve]."),
+        kernels_option(None, "background for run, wait for serve"),
     ]
     f = neuron_choice_option(ram_options(f))  # listed last
     for option in reversed(options):
