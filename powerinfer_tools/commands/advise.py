@@ -9,7 +9,8 @@ import click
 
 from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.bundled import BUNDLED_MODEL
-from powerinfer_tools.commands.options import kernels_option, model_argument
+from powerinfer_tools.commands.options import kernels_option
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.runtime.advice import SPARSE_READ_RATE, Advice, Budgets, advise as advice_for, mb
 from powerinfer_tools.runtime.sparse_verdict import MIN_GAIN
 from powerinfer_tools.runtime.warmup import Policy

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 
 from powerinfer_tools import kernels as compiled_kernels
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.commands.spellings import renamed
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
@@ -20,51 +19,6 @@ from powerinfer_tools.runtime.llm import AUTO, LLM
 from powerinfer_tools.runtime.neuron_cache import DEFAULT_POLICY, POLICIES
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
-
-
-def model_argument(default: Path | None = None, exists: bool = True, dir_okay: bool = True):
-    """MODEL as llama.cpp takes it too: the positional argument, or ``-m/--model`` (one of them), passed on as
-    ``model`` (``default`` when neither is given)."""
-    path = click.Path(path_type=Path, exists=exists, dir_okay=dir_okay)
-
-    def decorate(f):
-        @functools.wraps(f)
-        def with_model(*args, model: Path | None, model_option: Path | None, **kwargs):
-            if model is not None and model_option is not None:
-                raise click.UsageError("give the model once: as MODEL or as -m/--model")
-            chosen = model if model is not None else model_option
-            return f(*args, model=chosen if chosen is not None else default, **kwargs)
-
-        with_model = click.option("-m", "--model", "model_option", type=path, default=None, metavar="MODEL",
-                                  help="The model, as llama.cpp's -m names it (instead of the MODEL argument).")(with_model)
-        return click.argument("model", type=path, default=None, required=False)(with_model)
-
-    return decorate
-
-
-def renamed(old: str, new: str, param: str):
-    """``old``, a spelling of the option ``new`` (the parameter ``param``) that commands once had: still taken,
-    hidden from the help, with a one-line note on stderr. Put it above the option it names."""
-    dest = f"old_{param}_{old.lstrip('-').replace('-', '_')}"
-
-    def decorate(f):
-        current = next(p for p in f.__click_params__ if p.name == param)
-
-        @functools.wraps(f)
-        def with_old_spelling(*args, **kwargs):
-            value = kwargs.pop(dest)
-            ctx = click.get_current_context()
-            if ctx.get_parameter_source(dest) is ParameterSource.COMMANDLINE:
-                if ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE:
-                    raise click.UsageError(f"{old} is the old spelling of {new}: give {new} alone")
-                click.echo(f"pitools: note: {old} is deprecated; use {new}", err=True)
-                kwargs[param] = value
-            return f(*args, **kwargs)
-
-        flag = {"is_flag": True} if current.is_flag else {"type": current.type, "multiple": current.multiple}
-        return click.option(old, dest, hidden=True, default=None, **flag)(with_old_spelling)
-
-    return decorate
 
 
 def kernels_option(default: Policy | None, default_words: str = ""):
@@ -80,14 +34,15 @@ def kernels_option(default: Policy | None, default_words: str = ""):
 
 
 def corpus_options(f):
-    """--corpus/--dataset/--split/--text-field/--tokens/--seq-len/--skip-tokens, shared with `perplexity`."""
+    """--corpus/--dataset/--dataset-split/--text-field/--tokens/--seq-len/--skip-tokens, shared by `profile` and
+    `perplexity` (--split, the old spelling of --dataset-split, is run's GPU split file)."""
     options = [
         click.option("--corpus", "corpus", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
                      help="Text file (one document) or JSON-lines file (*.jsonl, one document per line). "
                           "Repeatable. Default: the model folder's heldout.txt."),
         click.option("--dataset", metavar="NAME[:CONFIG]", default=None,
                      help="A Hugging Face hub dataset instead (needs the optional `datasets` package)."),
-        click.option("--split", default="train", show_default=True, help="Split of --dataset."),
+        click.option("--dataset-split", default="train", show_default=True, help="Split of --dataset."),
         click.option("--text-field", default="text", show_default=True,
                      help="Field holding the text in JSON-lines records and --dataset records."),
         click.option("--tokens", "n_tokens", type=click.IntRange(min=2), default=100_000, show_default=True,
@@ -100,7 +55,7 @@ def corpus_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return renamed("--split", "--dataset-split", "dataset_split")(f)
 
 
 def ray_option(f):
@@ -111,8 +66,8 @@ def ray_option(f):
              "per expert of a mixture) on a Ray cluster: ADDRESS "
              "(host:port of its head) joins a running cluster; --ray alone joins $RAY_ADDRESS or the cluster "
              "`ray start` made on this machine, else starts Ray here. The same output as without it on one "
-             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs pip install "
-             "'powerinfer-tools[ray]'. Put --ray alone after the "
+             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs the ray extra, "
+             f"{install_hint('ray')}. Put --ray alone after the "
              "arguments, or it takes the next one for its ADDRESS.",
     )(f)
 
