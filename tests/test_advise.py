@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -175,6 +176,27 @@ def test_a_thresholded_file_runs_its_thresholds_where_they_pay(bundled_files):
     kept = np.mean([frequencies(cats, i).mean() for i in range(6)])
     assert loaded.computed == pytest.approx(kept)
     assert found.recommendation.verdict == "sparse"  # measured twice as fast (conftest)
+
+
+def test_a_recorded_quality_curve_is_priced_point_by_point(bundled_files, tmp_path):
+    """A file converted with --max-quality-loss records held-out perplexity by sparsity: each point is a row."""
+    from gguf import GGUFValueType
+    from gguf_fixtures import rewrite_gguf
+
+    curved = tmp_path / "curved.powerinfer.gguf"
+    shutil.copy(bundled_files["cats"], curved)
+    array = (GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    rewrite_gguf(curved, {"pitools.sparsity.max_quality_loss": (0.05, GGUFValueType.FLOAT32),
+                          "pitools.sparsity.perplexity": (10.4, GGUFValueType.FLOAT32),
+                          "pitools.sparsity.curve.sparsity": ([0.0, 0.25, 0.5], *array),
+                          "pitools.sparsity.curve.perplexity": ([10.0, 10.2, 11.0], *array)})
+    found = advice.advise(curved, measure=False, kernels="wait")
+    loaded, *curve = found.options
+    assert "+4.0% over dense, limit 5%" in loaded.quality
+    assert [(o.name, o.sparsity, o.runs_now) for o in curve] == [("CATS at 25%", 0.25, False),
+                                                                 ("CATS at 50%", 0.5, False)]
+    assert curve[0].quality == "held-out perplexity 10.2 (+2.0%)" and curve[1].quality.endswith("(+10.0%)")
+    assert curve[0].bytes.total > curve[1].bytes.total
 
 
 # --- a mixture of experts -------------------------------------------------------------------------------------

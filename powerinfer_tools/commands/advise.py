@@ -77,11 +77,14 @@ def text(advice: Advice) -> str:
     """The advice as a reader takes it: the model, its ways to run priced, the checks, the recommendation."""
     lines = [f"{advice.model}: {advice.about}"]
     if advice.options:
-        lines += ["", f"{'way to run the FFNs':40} {'computed':>8} {'reads':>10} {'promise':>8} {'predicted':>9}  quality"]
-        for o in advice.options:
-            name = o.name if o.runs_now else f"{o.name} (converted)"
-            lines.append(f"{name:40} {o.computed:8.1%} {mb(o.bytes.total):>10} {o.promise:7.2f}x {o.predicted:8.2f}x  "
-                         f"{o.quality}")
+        names = [f"{o.name} ({o.flags})" if o.flags else o.name if o.runs_now else f"{o.name} (converted)"
+                 for o in advice.options]
+        width = max(map(len, names))
+        lines += ["", f"{'way to run the FFNs':{width}} {'computed':>8} {'reads':>10} {'promise':>8} {'predicted':>9}  "
+                      "quality"]
+        for name, o in zip(names, advice.options):
+            lines.append(f"{name:{width}} {o.computed:8.1%} {mb(o.bytes.total):>10} {o.promise:7.2f}x "
+                         f"{o.predicted:8.2f}x  {o.quality}")
         lines.append(f"(promise: dense bytes over these; predicted: promise x {SPARSE_READ_RATE:.2f}, sparse decoding's "
                      f"read rate against dense's; sparse must gain {MIN_GAIN:.2f}x)")
     if advice.measured is not None:

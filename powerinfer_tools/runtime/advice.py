@@ -236,7 +236,7 @@ def _options(model, spec: ModelSpec, facts: Recorded, dense: TokenBytes, sweep: 
                           quality, False, sparsity)
         return
     quality = ("exact (what fires)" if sweep.rule.startswith("whole gate")
-               else "not recorded (convert --max-quality-loss records a curve)" if not spec.ffn.sparse
+               else "not recorded (convert --max-quality-loss records it)" if not spec.ffn.sparse
                else "not recorded")
     for sparsity in SPARSITIES:
         yield _option(f"{sweep.rule} at {sparsity:.0%}", model, sweep.way.at(1 - sparsity), facts, dense, quality,
@@ -333,7 +333,10 @@ def _cpu(advice: Advice, spec: ModelSpec, runs_sparse: bool, sweep: Sweep) -> Re
                                   (*why, _priced(paying[0]), "its quality is not recorded: measure it with pitools "
                                    "perplexity on the converted file, --mode sparse against --mode dense"))
         at_most = [o for o in advice.options if o.sparsity == MAX_THRESHOLD_SPARSITY]
-        return Recommendation("dense", f"pitools run {m}", (*why, *map(_priced, at_most), _floor(sweep, advice.dense)))
+        beyond = (f"; beyond the {MAX_THRESHOLD_SPARSITY:.0%} at which CATS and TEAL keep a model's quality "
+                  "(docs/sparsity.md)" if sweep.pays_below(advice.dense.total) > 0 else "")
+        return Recommendation("dense", f"pitools run {m}",
+                              (*why, *map(_priced, at_most), _floor(sweep, advice.dense) + beyond))
     if sweep.pays_below(advice.dense.total) > 0:
         return Recommendation("convert", f"pitools convert {m}", (
             *why, _floor(sweep, advice.dense), "converting profiles how many of its neurons fire and writes the "
