@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 
 from powerinfer_tools import kernels as compiled_kernels
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.commands.spellings import renamed
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
@@ -21,15 +22,28 @@ from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
 
 
+def kernels_option(default: Policy | None, default_words: str = ""):
+    """--kernels: what a command does when the compiled kernels this kind of model needs are not built yet
+    (``default``, or None with the defaults in ``default_words``: `run` and `serve` share the option)."""
+    return click.option(
+        "--kernels", type=click.Choice([p.value for p in Policy]), default=default and default.value,
+        show_default=default is not None, envvar="PITOOLS_KERNELS",
+        help="When the compiled CPU kernels for this kind of model are not yet built on this machine (once, about "
+             "half a minute): wait for them; start at once on the slower NumPy kernels while a background process "
+             "builds them; or use the NumPy reference only. Also PITOOLS_KERNELS"
+             + (f" [default: {default_words}]." if default_words else "."))
+
+
 def corpus_options(f):
-    """--corpus/--dataset/--split/--text-field/--tokens/--seq-len/--skip-tokens, shared with `perplexity`."""
+    """--corpus/--dataset/--dataset-split/--text-field/--tokens/--seq-len/--skip-tokens, shared by `profile` and
+    `perplexity` (--split, the old spelling of --dataset-split, is run's GPU split file)."""
     options = [
         click.option("--corpus", "corpus", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
                      help="Text file (one document) or JSON-lines file (*.jsonl, one document per line). "
                           "Repeatable. Default: the model folder's heldout.txt."),
         click.option("--dataset", metavar="NAME[:CONFIG]", default=None,
                      help="A Hugging Face hub dataset instead (needs the optional `datasets` package)."),
-        click.option("--split", default="train", show_default=True, help="Split of --dataset."),
+        click.option("--dataset-split", default="train", show_default=True, help="Split of --dataset."),
         click.option("--text-field", default="text", show_default=True,
                      help="Field holding the text in JSON-lines records and --dataset records."),
         click.option("--tokens", "n_tokens", type=click.IntRange(min=2), default=100_000, show_default=True,
@@ -42,7 +56,7 @@ def corpus_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return renamed("--split", "--dataset-split", "dataset_split")(f)
 
 
 def ray_option(f):
@@ -53,8 +67,8 @@ def ray_option(f):
              "per expert of a mixture) on a Ray cluster: ADDRESS "
              "(host:port of its head) joins a running cluster; --ray alone joins $RAY_ADDRESS or the cluster "
              "`ray start` made on this machine, else starts Ray here. The same output as without it on one "
-             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs pip install "
-             "'powerinfer-tools[ray]'. Put --ray alone after the "
+             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs the ray extra, "
+             f"{install_hint('ray')}. Put --ray alone after the "
              "arguments, or it takes the next one for its ADDRESS.",
     )(f)
 
@@ -115,11 +129,7 @@ def runtime_options(f):
                           "does."),
         click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
                      help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`."),
-        click.option("--kernels", type=click.Choice([p.value for p in Policy]), default=None, envvar="PITOOLS_KERNELS",
-                     help="When the compiled CPU kernels for this kind of model are not yet built on this machine "
-                          "(once, about half a minute): wait for them; start at once on the slower NumPy kernels "
-                          "while a background process builds them; or use the NumPy reference only. Also "
-                          "PITOOLS_KERNELS [default: background for run, wait for serve]."),
+        kernels_option(None, "background for run, wait for serve"),
     ]
     f = neuron_choice_option(ram_options(f))  # listed last
     for option in reversed(options):

@@ -10,17 +10,18 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.runtime.engine import RuntimeModel
 from powerinfer_tools.runtime.batching import DEFAULT_PARALLEL
 from powerinfer_tools.runtime.warmup import Policy, load_compiled
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.units import parse_size
 
 API_KEY_VARIABLE = "PITOOLS_API_KEY"
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
+@model_argument(default=BUNDLED_MODEL)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. The default answers this machine only; 0.0.0.0 answers every network "
                    "the machine is on (then give --api-key).")
@@ -64,8 +65,9 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
     an earlier request's text did reuses its keys and values (--prompt-cache).
     Chat prompts are rendered with the model's own chat template (from the
     GGUF file or the checkpoint's tokenizer_config.json). The model options
-    are those of `pitools run`. Needs the serve extra:
-    pip install 'powerinfer-tools[serve]'.
+    are those of `pitools run`. Needs the serve extra: pip install -e '.[serve]'
+    in the source checkout. Sampling takes OpenAI's defaults (temperature 1),
+    where `pitools run` and the Python API are greedy (temperature 0).
 
     \b
     Examples:
@@ -81,7 +83,7 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
         from powerinfer_tools.serving.uvicorn_server import http_server
     except ImportError as exc:
         raise PitoolsError(f"pitools serve needs the serve extra ({exc.name} is missing): "
-                           "pip install 'powerinfer-tools[serve]'") from None
+                           f"{install_hint('serve')}") from None
     if api_key is not None and not api_key.strip():
         raise PitoolsError("--api-key: empty (unset the variable or give a key)")
     settings = ServeSettings(model_id=model_name or model.name, api_key=api_key, max_queue=max_queue,

@@ -39,7 +39,7 @@ def _is_whole(value: Any) -> bool:
 class SamplingConfig:
     """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
 
-    temperature: float = 0.8
+    temperature: float = 0.0  # greedy: `pitools run --temp` and LLM.generate by default (the HTTP API: OpenAI's 1)
     top_k: int = 40
     top_p: float = 0.95
     seed: Optional[int] = None

@@ -160,7 +160,7 @@ class LLM:
         return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else FFNMode.DENSE.value
 
     def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
+        self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig()
     ) -> Iterator[str]:
         """Text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends.
 
