@@ -45,7 +45,7 @@ from powerinfer_tools.units import format_size, parse_size
 # How fast sparse decoding reads its bytes against dense decoding reading its own: a sparse token's rows are
 # scattered and read by more, smaller kernel calls, so it decodes at this share of the speed its bytes promise.
 # The median over `pitools bench` reports of the runtime as it decodes now (sparse_vs_dense_generation over the
-# reports' dense / sparse bytes per token; docs/bench: the realistic TinyLlama and 4- and 32-layer LLaMA-7B-shape
+# reports' dense / sparse bytes per token; docs/lab/bench: the realistic TinyLlama and 4- and 32-layer LLaMA-7B-shape
 # files with the whole gate choosing, SmolLM2 and Gemma 3 with CATS; 19 reports, quartiles 0.81 and 0.90, all
 # but two within 15% of it). examples/advise_calibration.py recomputes it from any set of bench reports.
 SPARSE_READ_RATE = 0.85
