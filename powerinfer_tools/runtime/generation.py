@@ -74,19 +74,42 @@ class Sampler:
         if c.temperature == 0:
             return int(np.argmax(logits))
         logits = logits.astype(np.float64)
-        order = _likeliest(logits, c.top_k)
-        # The differences from the largest logit are scaled, not the logits: divided by a subnormal
-        # temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN. A
-        # difference overflowing to -infinity is a probability of 0, as it should be.
-        with np.errstate(over="ignore"):
-            probs = np.exp((logits[order] - logits[order[0]]) / c.temperature)
-        probs /= probs.sum()
+        if not c.top_k and c.top_p >= 1:  # every token, as likely as its probability: no order needed
+            return self._draw(_scaled_exp(logits - logits.max(), c.temperature))
+        order = _likeliest(logits, c.top_k) if c.top_k else _nucleus(logits, c.top_p, c.temperature)
+        weights = _scaled_exp(logits[order] - logits[order[0]], c.temperature)
         if c.top_p < 1:
             # Keep the smallest head of the sorted distribution whose mass reaches top_p.
-            keep = int(np.searchsorted(np.cumsum(probs), c.top_p) + 1)
-            probs = probs[:keep] / probs[:keep].sum()
-            order = order[:keep]
-        return int(order[self.rng.choice(len(order), p=probs)])
+            keep = int(np.searchsorted(np.cumsum(weights), c.top_p * weights.sum()) + 1)
+            weights, order = weights[:keep], order[:keep]
+        return int(order[self._draw(weights)])
+
+    def _draw(self, weights: np.ndarray) -> int:
+        """An index drawn in proportion to ``weights`` (as ``Generator.choice`` with ``p``, without checking and
+        normalizing a vocabulary-sized ``p`` first)."""
+        cdf = np.cumsum(weights)
+        return int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+
+
+def _scaled_exp(differences: np.ndarray, temperature: float) -> np.ndarray:
+    """exp(differences / temperature) for differences from the largest logit. They are scaled, not the logits:
+    divided by a subnormal temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN.
+    A difference overflowing to -infinity is a probability of 0, as it should be."""
+    with np.errstate(over="ignore"):
+        return np.exp(differences / temperature)
+
+
+def _nucleus(logits: np.ndarray, top_p: float, temperature: float) -> np.ndarray:
+    """Token ids by falling logit (ties in id order), at least as many as hold ``top_p`` of the probability: the
+    head of a stable full sort, found without one (a full sort of a 49,152-token vocabulary costs several times a
+    small model's token), by sorting a growing head until it holds that mass."""
+    weights = _scaled_exp(logits - logits.max(), temperature)
+    total, head = weights.sum(), 64
+    while True:
+        order = _likeliest(logits, min(head, len(logits)))
+        if head >= len(logits) or weights[order].sum() >= top_p * total:
+            return order
+        head *= 8
 
 
 def finite_logits(logits: np.ndarray) -> bool:
@@ -99,8 +122,8 @@ def finite_logits(logits: np.ndarray) -> bool:
 
 def _likeliest(logits: np.ndarray, top_k: int) -> np.ndarray:
     """Token ids by falling logit, the ``top_k`` likeliest only (all when 0), ties in id order: what a
-    stable full sort gives, but a full sort of a 32,000-token vocabulary costs ~3 ms, a tenth of a token's
-    forward pass, so the top k are partitioned out first."""
+    stable full sort gives, but the top k are partitioned out first (a full sort is what a vocabulary's
+    size makes costly)."""
     if 0 < top_k < len(logits):
         kth = np.partition(logits, len(logits) - top_k)[len(logits) - top_k]  # the k-th largest logit
         above = np.flatnonzero(logits > kth)
