@@ -210,8 +210,10 @@ def load_options(device: str = "cpu", split: str | Path | None = None, use_split
 def _auto_mode(model: RuntimeModel, tokenizer, options: warmup.LoadOptions, notice) -> str:
     """``--mode auto`` on a loaded, warmed-up ``model`` in its sparse mode where it can run one: dense where
     sparse does not pay on this machine (``runtime.sparse_verdict``); the words that say why, or "" where
-    nothing was decided (no sparse mode to run, or the NumPy reference kernels in use)."""
-    if model.mode is not FFNMode.SPARSE or compiled_kernels.reference_chosen():
+    nothing was decided (no sparse mode to run, the NumPy reference kernels in use, or a context window too
+    small to time decoding in)."""
+    if (model.mode is not FFNMode.SPARSE or compiled_kernels.reference_chosen()
+            or not sparse_verdict.can_measure(model)):
         return ""
     found = sparse_verdict.verdict(model, tokenizer, options, compiled_kernels.get_threads(), notice)
     model.mode = FFNMode.SPARSE if found.pays else FFNMode.DENSE
