@@ -2,6 +2,7 @@
 
     python examples/serve_side_by_side.py MODEL.gguf --llama-server /path/to/llama-server --rounds 3 --out r.json
     python examples/serve_side_by_side.py MODEL.gguf                  # llama-cpp-python's server instead
+    python examples/serve_side_by_side.py M.powerinfer.gguf --llama-model M.gguf --llama-server ...   # a sparse file
 
 Each round starts every server alone on 127.0.0.1 (ours, then llama.cpp's; the order alternates between rounds),
 runs every workload against it with ``examples/serve_load_test.py`` (non-streamed /v1/completions, N clients each
@@ -48,12 +49,13 @@ def commands(args, port: int) -> dict[str, list[str]]:
             "--host", "127.0.0.1",
             "--port", str(port), "-t", str(args.threads), "--model-name", args.model_id, "--max-queue", "256",
             *(["--parallel", str(args.parallel)] if args.parallel else []), *args.ours_option]
+    theirs = str(args.llama_model or args.model)
     if args.llama_server:
-        llama = [args.llama_server, "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+        llama = [args.llama_server, "-m", theirs, "--host", "127.0.0.1", "--port", str(port),
                  "-t", str(args.threads), "-np", str(args.llama_parallel), "-c", str(args.llama_context),
                  "--alias", args.model_id]
     else:
-        llama = [sys.executable, str(EXAMPLES / "llama_cpp_server.py"), "--model", str(args.model), "--host",
+        llama = [sys.executable, str(EXAMPLES / "llama_cpp_server.py"), "--model", theirs, "--host",
                  "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads), "--model_alias", args.model_id,
                  "--interrupt_requests", "False"]
     return {"ours": ours, "llama.cpp": llama}
@@ -101,6 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("--llama-server", default=None, help="llama.cpp's native llama-server binary.")
+    parser.add_argument("--llama-model", type=Path, default=None,
+                        help="The file llama.cpp serves, where it is not MODEL: a PowerInfer file's dense twin.")
     parser.add_argument("--llama-parallel", type=int, default=4, help="Its slots (-np).")
     parser.add_argument("--llama-context", type=int, default=8192, help="Its context (-c), shared by its slots.")
     parser.add_argument("--parallel", type=int, default=None, help="Our --parallel [default: pitools serve's].")
