@@ -1,6 +1,6 @@
-"""Plot `pitools bench --json` reports: tokens/s by engine and model shape (docs/benchmarks.png).
+"""Plot `pitools bench --json` reports: tokens/s by engine and model shape (docs/lab/benchmarks.png).
 
-    python examples/bench_plot.py tinyllama-1.1b=tl.json llama-7b=l7.json -o docs/benchmarks.png
+    python examples/bench_plot.py tinyllama-1.1b=tl.json llama-7b=l7.json -o docs/lab/benchmarks.png
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _settings(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", metavar="SHAPE=REPORT.json")
-    parser.add_argument("-o", "--output", type=Path, default=Path("docs/benchmarks.png"))
+    parser.add_argument("-o", "--output", type=Path, default=Path("docs/lab/benchmarks.png"))
     args = parser.parse_args()
     reports = {}
     for item in args.reports:

@@ -6,7 +6,7 @@
 Firing probabilities follow a power law over a random permutation of each layer's neurons
 (probability ~ rank^-1, capped at 1), scaled to a density of 40% in layer 0 and 8-15%
 elsewhere, as profiles of ReLU LLaMAs look. Sizes follow the models' shapes; predictors are
-taken as rank-1024 f16 MLPs. Results are recorded in docs/solver-benchmark.md.
+taken as rank-1024 f16 MLPs. Results are recorded in docs/lab/solver-benchmark.md.
 """
 
 from __future__ import annotations

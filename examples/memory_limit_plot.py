@@ -1,7 +1,7 @@
 """Plot generation speed against a memory limit, one line per engine, from `pitools bench --json` reports.
 
     python examples/memory_limit_plot.py "llama-7b" 50=l7-50.json 75=l7-75.json 100=l7-100.json \\
-        none=l7-free.json -o docs/memory_limit.png
+        none=l7-free.json -o docs/lab/memory_limit.png
 
 Each ``PERCENT=REPORT`` is a report made with ``--memory-limit`` at that percentage of the model file
 (``none``: without a limit, drawn at the right edge). An engine missing from a report (it cannot start
@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("title")
     parser.add_argument("reports", nargs="+", metavar="PERCENT=REPORT.json")
-    parser.add_argument("-o", "--output", type=Path, default=Path("docs/memory_limit.png"))
+    parser.add_argument("-o", "--output", type=Path, default=Path("docs/lab/memory_limit.png"))
     args = parser.parse_args()
     points = {name: [] for name in ENGINES}
     limited = [int(r.split("=", 1)[0]) for r in args.reports if not r.startswith("none=")]

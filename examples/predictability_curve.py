@@ -9,7 +9,7 @@ training tokens' activations exceed (10%: what ReLU models fire). Predictors are
 trained on the residual stream entering each FFN, as ``pitools profile`` records it.
 
 Text: the Python Language Reference topics that ship with Python (``pydoc_data.topics``). The first
-30,000 characters (``english.txt`` of docs/real-models.md) are the **test** text, never trained or
+30,000 characters (``english.txt`` of docs/lab/real-models.md) are the **test** text, never trained or
 tuned on; the text after them is cut into training tokens and, after those, the held-out tokens whose
 first half steers the trainer's class weight (``LayerPairs``: its tuning split). Reported per width: the share of neurons computed at exactly
 95% recall on the test text (the cutoff moved there: what the width can do), and at the trained
@@ -38,7 +38,7 @@ from powerinfer_tools.predictors.fit import fit_predictor
 from powerinfer_tools.predictors.trainer import LayerPairs, TrainSettings
 from powerinfer_tools.progress import progress_bar
 
-TEST_CHARS = 30_000  # english.txt of docs/real-models.md
+TEST_CHARS = 30_000  # english.txt of docs/lab/real-models.md
 WINDOW = 512  # tokens per forward pass, each from an empty cache (as pitools profile's windows)
 
 

@@ -1,7 +1,7 @@
-"""Plot the sparsity sweeps of real models (``examples/real_model_sparsity.py --json``): docs/real-models.png.
+"""Plot the sparsity sweeps of real models (``examples/real_model_sparsity.py --json``): docs/lab/real-models.png.
 
-    python examples/real_model_plot.py SmolLM2=docs/bench/smollm2-cats-sweep.json \
-        "Gemma 3=docs/bench/gemma3-cats-sweep.json" -o docs/real-models.png
+    python examples/real_model_plot.py SmolLM2=docs/lab/bench/smollm2-cats-sweep.json \
+        "Gemma 3=docs/lab/bench/gemma3-cats-sweep.json" -o docs/lab/real-models.png
 
 Three panels against the share of FFN neurons a token computes (dense at 100%): held-out perplexity over the
 same weights run dense (the sparse file's dense mode, where the sweep measured it), sparse generation speed over
@@ -31,7 +31,7 @@ def _sweep(argument: str) -> tuple[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", metavar="NAME=SWEEP.json")
-    parser.add_argument("-o", "--output", type=Path, default=Path("docs/real-models.png"))
+    parser.add_argument("-o", "--output", type=Path, default=Path("docs/lab/real-models.png"))
     args = parser.parse_args()
     figure, (quality, versus_dense, versus_llamacpp) = plt.subplots(1, 3, figsize=(15, 4.4))
     for color, (name, sweep) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], map(_sweep, args.sweeps)):

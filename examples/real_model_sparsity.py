@@ -38,7 +38,7 @@ def pitools(*args) -> str:
 
 
 def perplexity(model: Path, mode: str, held_out: Path, args) -> dict:
-    report = json.loads(pitools("perplexity", model, "--sparse", mode, "--json", "-q", "--corpus", held_out,
+    report = json.loads(pitools("perplexity", model, "--mode", mode, "--json", "-q", "--corpus", held_out,
                                 "--tokens", args.eval_tokens, "--seq-len", args.seq_len))
     return {"perplexity": report["perplexity"]}
 

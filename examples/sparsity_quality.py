@@ -32,7 +32,7 @@ def pitools(*args) -> str:
 
 
 def perplexity(model: Path, mode: str, args) -> dict:
-    report = json.loads(pitools("perplexity", model, "--sparse", mode, "--json", "-q", "--corpus",
+    report = json.loads(pitools("perplexity", model, "--mode", mode, "--json", "-q", "--corpus",
                                 args.model / "heldout.txt", "--skip-tokens", args.calibration_tokens,
                                 "--tokens", args.eval_tokens))
     selection = report.get("selection") or {}

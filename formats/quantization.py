@@ -47,7 +47,7 @@ OUTTYPES = {t.name: OutType(t.name, t.qtype, t.file_type)
 
 # The types of the predictors (fc1, fc2) by the file's weight type. PowerInfer's quantizer stores both
 # as q4_0 in a q4_0 model and q5_0 otherwise; q8_0 keeps held-out recall within 0.1 points of float32
-# at 53% of f16's bytes, and has kernels of our own (q5_0 only ggml's vec_dot) (docs/kernels.md,
+# at 53% of f16's bytes, and has kernels of our own (q5_0 only ggml's vec_dot) (docs/lab/kernels.md,
 # "Predictors"). In a q4_0 file fc1 is q4_0 too, but fc2 stays q8_0: a q4_0 fc2 cost 0.5-1.0 points
 # of recall (below the training target, which is measured in float32), q8_0 0.1 at most, for 1.65x
 # the predictor bytes (~1% of a sparse token's). PowerInfer's runtime computes them with ggml_mul_mat,

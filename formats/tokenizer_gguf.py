@@ -269,6 +269,9 @@ def read_vocab(folder: str | Path, n_vocab: int) -> GGUFVocab:
     if model_type == "BPE":
         pre = _gpt2_byte_level_name(tokenizer) or _split_pre_tokenizer(tokenizer, path)
     if pre is not None:
+        if not merges:  # GGUF keeps no empty array: llama.cpp and our runtime would find no merges and refuse
+            raise PitoolsError(f"{path}: a byte-level BPE tokenizer without merges cannot be embedded (llama.cpp "
+                               "refuses a gpt2 vocabulary without tokenizer.ggml.merges)")
         tokens, types = _token_table(tokenizer, n_vocab, path, lambda text: TokenType.NORMAL)
         return GGUFVocab("gpt2", pre, tokens, types, [f"{a} {b}" for a, b in merges], None, None, special)
 

@@ -12,6 +12,11 @@ class PitoolsError(Exception):
     """
 
 
+def install_hint(extra: str) -> str:
+    """How to install an optional extra (serve, ray, cuda), as the README installs the toolkit: from its checkout."""
+    return f"pip install -e '.[{extra}]' in the source checkout"
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM, as one exception.
 

@@ -44,7 +44,7 @@ class FFNMode(str, enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> Optional[FFNMode]:
-        # `pitools perplexity --sparse predicted` (README, formats/README.md) predates this vocabulary.
+        # `pitools perplexity --sparse predicted` (its old spelling of --mode sparse) predates this vocabulary.
         return cls.SPARSE if value == "predicted" else None
 
 

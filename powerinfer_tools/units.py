@@ -1,12 +1,14 @@
 """Reading and printing byte sizes such as ``11GB``, ``11GiB`` or ``1.5g``.
 
-Rules (units are case-insensitive, so ``gb`` is ``GB``; a trailing ``b`` never means bits):
+One rule (units are case-insensitive, so ``gb`` is ``GB``; a trailing ``b`` never means bits): the letter
+K, M, G or T alone is decimal, with an ``i`` binary.
 
-* decimal SI units: ``kB MB GB TB`` are 10^3, 10^6, 10^9, 10^12 bytes;
-* binary IEC units: ``KiB MiB GiB TiB`` are 2^10, 2^20, 2^30, 2^40 bytes;
-* a bare letter ``K M G T`` (``1.5g``) is binary, as in PowerInfer's ``--vram-budget``
-  (GiB), llama.cpp and ``ls -h``;
+* ``K M G T``, with or without ``B`` (``kB MB GB TB``, ``1.5g``), are 10^3, 10^6, 10^9, 10^12 bytes (SI);
+* ``KiB MiB GiB TiB`` are 2^10, 2^20, 2^30, 2^40 bytes (IEC);
 * ``B`` is bytes. A number without a unit is rejected: ``11`` could mean GB or GiB.
+
+(A bare letter was binary before, as PowerInfer's ``--vram-budget`` counts GiB: ``1.5g`` is now 1.5 GB, the
+smaller budget.)
 
 Fractional results are rounded down to whole bytes. A size is at least 1 byte (0 where an option
 allows it, e.g. ``--reserve 0B``) and below 2^63 (8 EiB): sizes are stored as 64-bit integers.
@@ -24,14 +26,14 @@ _UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 }
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
 
 ACCEPTED_FORMS = (
-    "11GB or 11000MB (decimal: GB = 10^9 bytes), 11GiB or 11264MiB (binary: GiB = 2^30 bytes), "
-    "1.5g or 1.5G (a bare K/M/G/T is binary, like GiB); units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
+    "11GB or 11000MB (decimal: GB = 10^9 bytes, and so is a bare G), 11GiB or 11264MiB (binary: GiB = 2^30 "
+    "bytes); units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
 )
 
 

@@ -64,11 +64,15 @@ def uncaught(result: Result) -> str | None:
 
 
 def refusal_problems(result: Result, command: Command) -> list[str]:
-    """How a failed run breaks the contract: not exactly one ``pitools: error:`` line, or one naming none of
-    ``command.names``."""
+    """How a failed run breaks the contract: not exactly one ``pitools: error:`` line, the last, after nothing
+    but ``pitools:`` notices (a first run's "compiling the kernels" precedes a refusal that needs the model
+    loaded), or one naming none of ``command.names``."""
     lines = result.stderr.splitlines()
-    if len(lines) != 1 or not lines[0].startswith("pitools: error: "):
+    notices = lines[:-1]
+    if (not lines or not lines[-1].startswith("pitools: error: ")
+            or not all(line.startswith("pitools: ") and not line.startswith("pitools: error") for line in notices)):
         return [f"exit {result.exit_code} without exactly one 'pitools: error:' line; stderr: {result.stderr[-600:]!r}"]
+    lines = lines[-1:]
     if command.names and not any(name.lower() in lines[0].lower() for name in command.names):
         return [f"the error line names none of {list(command.names)}: {lines[0][:300]!r}"]
     return []

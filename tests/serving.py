@@ -80,21 +80,21 @@ SHORT = {"model": "tiny", "prompt": "def ", "max_tokens": 3, "temperature": 0}
 
 
 def slowed(llm: LLM) -> LLM:
-    """``llm`` with every forward pass slowed by ``STEP_SECONDS`` and its end-of-sequence token never chosen."""
-    make, eos = llm.engine.step_fn, llm.engine.spec.eos_token_id
+    """``llm`` with every forward pass (a prompt's, a step of one or more generations) slowed by ``STEP_SECONDS``
+    and its end-of-sequence token never chosen."""
+    engine, eos = llm.engine, llm.engine.spec.eos_token_id
+    forward, forward_batch = engine.forward, engine.forward_batch
 
-    def step_fn():
-        step = make()
-
-        def slow(tokens):
+    def slow(compute):
+        def slowed_pass(*args, **kwargs):
             time.sleep(STEP_SECONDS)
-            logits = np.array(step(tokens))
-            logits[eos] = -np.inf
+            logits = np.array(compute(*args, **kwargs))
+            logits[..., eos] = -np.inf
             return logits
 
-        return slow
+        return slowed_pass
 
-    llm.engine.step_fn = step_fn
+    engine.forward, engine.forward_batch = slow(forward), slow(forward_batch)
     return llm
 
 

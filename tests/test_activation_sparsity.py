@@ -139,7 +139,7 @@ def test_dense_mode_on_a_thresholded_file_is_the_dense_conversion(thresholded_fi
 
 
 def test_perplexity_reports_the_computed_density(thresholded_files, silu_model):
-    result = invoke("perplexity", thresholded_files[SparsityRule.CATS], "--sparse", "predicted", "--json",
+    result = invoke("perplexity", thresholded_files[SparsityRule.CATS], "--mode", "sparse", "--json",
                     "--corpus", silu_model / "heldout.txt", "--tokens", 1024)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

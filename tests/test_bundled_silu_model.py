@@ -83,7 +83,7 @@ def test_cats_at_40_percent_stays_within_the_quality_bound_of_the_model_card(tmp
                       sparsify=SparsifySettings(tokens=4096, target_sparsity=0.4))
     reports = {}
     for mode in ("dense", "sparse"):
-        result = invoke("perplexity", path, "--sparse", mode, "--json", "-q", "--corpus",
+        result = invoke("perplexity", path, "--mode", mode, "--json", "-q", "--corpus",
                         BUNDLED_SILU_MODEL / "heldout.txt", "--skip-tokens", 4096, "--tokens", 8192)
         assert result.exit_code == 0, result.output
         reports[mode] = json.loads(result.stdout)

@@ -12,7 +12,8 @@ from powerinfer_tools.commands.cli import cli
     (["run", "--temp", "abc"], "'abc' is not a valid float"),
     (["run", "--threads", "0"], "--threads"),
     (["run", "--no-such-option"], "No such option"),
-    (["solve", "--ctx", "0", "--vram", "1GB"], "--ctx"),
+    (["solve", "--ctx-size", "0", "--vram", "1GB"], "--ctx-size"),
+    (["solve", "--ctx", "0", "--vram", "1GB"], "--ctx"),  # the old spelling, checked as the new one is
     (["no-such-command"], "No such command"),
 ])
 def test_a_usage_error_is_one_line_with_exit_status_2(args, match):

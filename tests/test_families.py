@@ -12,7 +12,7 @@ import pytest
 from cli_checks import fails, invoke
 from family_checkpoints import FAMILIES
 from gguf import GGUFValueType
-from gguf_fixtures import rewrite_gguf
+from gguf_fixtures import EVAL_TOKENS, EVAL_SEQ_LEN, llama, llamacpp_perplexity, our_perplexity, rewrite_gguf, training_texts
 from oracle_decoding import (
     F32_ERROR,
     STEPS,
@@ -25,11 +25,13 @@ from oracle_decoding import (
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
+from powerinfer_tools.conversion.gguf_source import GGUFSource
 from powerinfer_tools.conversion.sparsify import SparsifySettings
 from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model
+from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
 from powerinfer_tools.runtime.loader import load_runtime_model
 
 ONE_AT_A_TIME = 8  # the prompt's last tokens, decoded one at a time after the rest as one block
@@ -75,6 +77,21 @@ def test_the_runtime_computes_llamacpps_file_as_llamacpp_does(llamacpp_gguf, nam
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_perplexity_on_llamacpps_file_is_llamacpps(tmp_path, llamacpp_gguf, name):
+    """``pitools perplexity`` on the file: the text tokenized as llama.cpp tokenizes it, and its perplexity over the
+    same windows within 0.1% of llama.cpp's (f32 on both sides)."""
+    path = llamacpp_gguf(name)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("\n".join(training_texts()))
+    model = load_runtime_model(path)
+    tokens = read_tokens(CorpusSource((corpus,)), GGUFSource(path).tokenizer(model.spec), EVAL_TOKENS)
+    add_bos = bool(tokens[0] == model.spec.bos_token_id)
+    assert tokens.tolist() == llama(path, vocab_only=True).tokenize(corpus.read_bytes(), add_bos=add_bos)[:EVAL_TOKENS]
+    ours, theirs = our_perplexity(path, corpus), llamacpp_perplexity(path, tokens, EVAL_SEQ_LEN)
+    assert abs(ours / theirs - 1) < 1e-3, (ours, theirs)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_our_dense_file_is_llamacpps(tmp_path, family_checkpoint, llamacpp_gguf, name):
     """``pitools convert --dense`` of the checkpoint writes what llama.cpp computes as transformers does (Llama 3.1's
     rope_freqs, Phi-3's fused tensors, Qwen3's q/k norms as its converter writes them), and converting llama.cpp's
@@ -110,6 +127,22 @@ def test_a_thresholded_file_computes_the_rule_as_the_reference(tmp_path, family_
     assert (np.abs(ours - theirs).max(axis=1) < 1e-3).mean() >= 0.75
     assert np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1)) >= 0.95
     assert 0.3 < model.stats.density < 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "phi3"])
+def test_a_quality_budget_chooses_each_layers_sparsity(tmp_path, family_checkpoint, name):
+    """``--max-quality-loss``: per-layer sparsity chosen on held-out perplexity; the file runs sparse."""
+    built = family_checkpoint(name)
+    corpus = tmp_path / "calibration.txt"
+    corpus.write_text("\n".join(training_texts()))
+    path, _ = convert(str(built.folder), tmp_path / "m.powerinfer.gguf", outtype="f32", progress=False,
+                      sparsify=SparsifySettings(corpus=(corpus,), tokens=4096, max_quality_loss=0.2))
+    model = load_runtime_model(path)
+    model.mode = FFNMode.SPARSE
+    model.forward(np.arange(1, 33), model.new_cache())
+    assert model.stats.density < 1.0
+    assert invoke("perplexity", path, "--corpus", corpus, "--tokens", 1024, "-q").exit_code == 0
 
 
 def test_a_tensor_the_family_does_not_apply_is_refused(tmp_path, llamacpp_gguf):

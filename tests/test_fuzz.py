@@ -403,7 +403,7 @@ def options_case(rng: random.Random, base: Base, tmp: Path) -> tuple[str, list[s
         command = run_command(model, *extra, names=tuple(option.lstrip("-") for option in chosen))
     elif command == "solve":
         command = solve_command(model, out, "--vram", rng.choice(SIZES), "--reserve", rng.choice(SIZES),
-                                "--ctx", rng.choice(["1", "32", str(2**40)]), names=("vram", "reserve", "ctx"))
+                                "--ctx-size", rng.choice(["1", "32", str(2**40)]), names=("vram", "reserve", "ctx"))
     else:
         profile = out / "hw.toml"
         args = ["probe", "-o", profile, "--size", rng.choice(SIZES), "--repeats", "1"]

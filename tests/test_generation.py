@@ -132,3 +132,30 @@ def test_a_logit_of_minus_infinity_is_a_token_never_sampled():
     assert drawn == {0, 2, 3, 4}
     with pytest.raises(NonFiniteLogits):
         Sampler(SamplingConfig(temperature=1))(np.full(5, -np.inf))
+
+
+def test_the_nucleus_is_the_head_of_a_stable_full_sort():
+    """Found from a growing head, it is what sorting every logit (ties in id order) would give, up to the mass."""
+    from powerinfer_tools.runtime.generation import _nucleus
+
+    rng = np.random.default_rng(3)
+    for vocab, top_p in [(10, 0.5), (1000, 0.9), (5000, 0.999), (300, 1.0)]:
+        logits = np.round(rng.normal(size=vocab) * 3, 1)  # rounded: many ties
+        full = np.argsort(-logits, kind="stable")
+        weights = np.exp((logits - logits.max()) / 0.7)
+        head = _nucleus(logits, top_p, 0.7)
+        assert head.tolist() == full[: len(head)].tolist()
+        assert weights[head].sum() >= top_p * weights.sum() * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.8), (3, 1.0)])
+def test_sampling_draws_tokens_as_often_as_their_probability(top_k, top_p):
+    logits = np.array([0.0, 1.0, 2.0, 3.0, 2.0], dtype=np.float32)
+    sampler = Sampler(SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p, seed=0))
+    drawn = np.bincount([sampler(logits) for _ in range(20000)], minlength=5) / 20000
+    probs = np.exp(logits - logits.max())
+    order = np.argsort(-logits, kind="stable")[: top_k or None]
+    keep = order[: int(np.searchsorted(np.cumsum(probs[order]) / probs[order].sum(), top_p) + 1)]
+    expected = np.zeros(5)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    np.testing.assert_allclose(drawn, expected, atol=0.015)

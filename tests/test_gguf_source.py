@@ -177,7 +177,7 @@ def test_a_powerinfer_conversion_from_a_gguf_source_is_the_checkpoints(tmp_path,
              for i, src in enumerate((small_checkpoint, dense))]
     assert tensors_and_metadata(paths[1]) == tensors_and_metadata(paths[0])
     result = invoke("perplexity", paths[1], "--corpus", tmp_path / "corpus.txt", "--tokens", 200, "--seq-len", 32,
-                    "--sparse", "predicted", "-q")
+                    "--mode", "sparse", "-q")
     assert result.exit_code == 0 and "computed" in result.stdout, result.output
 
 

@@ -94,6 +94,7 @@ def _edited(tmp_path: Path, edit) -> Path:
         (lambda s: s["model"].update(type="WordPiece"), "model WordPiece"),
         (lambda s: s.update(normalizer={"type": "NFKC"}), "normalizer NFKC"),
         (lambda s: s["added_tokens"].append(dict(s["added_tokens"][0], id=299, content="a")), "appears twice"),
+        (lambda s: s["model"].update(merges=[]), "a byte-level BPE tokenizer without merges cannot be embedded"),
     ],
 )
 def test_tokenizers_that_cannot_be_embedded(tmp_path, edit, message):

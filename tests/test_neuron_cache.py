@@ -292,7 +292,7 @@ def test_the_least_ram_the_error_names_is_enough(bundled_gguf):
 def test_perplexity_with_ram_matches(wide_model, tmp_path):
     corpus = tmp_path / "text.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    args = ["perplexity", wide_model[1], "--sparse", "sparse", "--corpus", corpus, "--tokens", "200", "--json", "-q"]
+    args = ["perplexity", wide_model[1], "--mode", "sparse", "--corpus", corpus, "--tokens", "200", "--json", "-q"]
     plain, limited = invoke(*args), invoke(*args, "--ram", f"{os.path.getsize(wide_model[0]) // 2}B")
     assert plain.exit_code == limited.exit_code == 0, limited.stderr
     assert json.loads(limited.stdout)["perplexity"] == pytest.approx(json.loads(plain.stdout)["perplexity"], rel=1e-4)
@@ -302,7 +302,7 @@ def test_a_split_solved_with_ram_decides_what_is_pinned(wide_model, tmp_path):
     path = tmp_path / "w.powerinfer.gguf"
     shutil.copy(wide_model[0], path)
     budget = os.path.getsize(path) * 3 // 5  # the solver's RAM holds the KV cache too: more than half the file
-    assert invoke("solve", path, "--ram", f"{budget}B", "--ctx", "64").exit_code == 0
+    assert invoke("solve", path, "--ram", f"{budget}B", "--ctx-size", "64").exit_code == 0
     split = read_gpu_split(default_split_path(path))
     model = LLM.load(path, ram=budget).engine
     for layer, pinned in enumerate(model.ram.plan.pinned):

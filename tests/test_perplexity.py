@@ -69,7 +69,7 @@ def sparse_accuracy(folder, calibration: tuple[int, int], evaluation: tuple[int,
     threshold, layers = load_predictors(work / "pred")
     return (perplexity(model, tokens, seq_len, progress=False),
             perplexity(model, tokens, seq_len, "oracle", oracle_chooser(), progress=False),
-            perplexity(model, tokens, seq_len, "predicted", predictor_chooser(threshold, layers),
+            perplexity(model, tokens, seq_len, "sparse", predictor_chooser(threshold, layers),
                        progress=False))
 
 
@@ -80,7 +80,7 @@ def test_predicted_perplexity_bound_on_the_tiny_model(sparse_tiny, tmp_path):
     assert predicted.selection["recall"] > 0.9  # on text the predictors never saw
     assert predicted.perplexity <= dense.perplexity * (1 + PREDICTED_BOUND)
 
-    cli = invoke("perplexity", str(sparse_tiny), "--sparse", "predicted", "--predictors", str(tmp_path / "pred"),
+    cli = invoke("perplexity", str(sparse_tiny), "--mode", "sparse", "--predictors", str(tmp_path / "pred"),
                  "--skip-tokens", "4000", "--tokens", "1000", "--seq-len", "128", "--json", "-q")
     assert cli.exit_code == 0, cli.stderr
     assert json.loads(cli.stdout) == json.loads(json.dumps(predicted.as_dict()))
@@ -105,12 +105,12 @@ def test_cli_dense_oracle_and_argument_errors(sparse_tiny):
     common = [str(sparse_tiny), "--tokens", "300", "--seq-len", "100", "--json", "-q"]
     dense = invoke("perplexity", *common)
     assert dense.exit_code == 0, dense.stderr
-    oracle = invoke("perplexity", *common, "--sparse", "oracle")
+    oracle = invoke("perplexity", *common, "--mode", "oracle")
     assert oracle.exit_code == 0, oracle.stderr
     dense, oracle = json.loads(dense.stdout), json.loads(oracle.stdout)
     assert dense["scored_tokens"] == 299 and dense["selection"] is None
     assert oracle["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-6)
     assert oracle["selection"]["recall"] == 1.0
 
-    missing = invoke("perplexity", *common, "--sparse", "predicted")
-    assert missing.exit_code == 1 and "--predictors PRED goes with --sparse predicted" in missing.stderr
+    missing = invoke("perplexity", *common, "--mode", "sparse")
+    assert missing.exit_code == 1 and "--predictors PRED goes with --mode sparse" in missing.stderr

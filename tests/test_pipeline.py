@@ -127,14 +127,14 @@ def test_perplexity_of_the_gguf_on_the_runtime_equals_the_reference_engine(pipel
     reference, dense = perplexity(str(folder)), perplexity(str(path))
     assert dense["scored_tokens"] == reference["scored_tokens"] == 299
     assert dense["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-5)
-    oracle = perplexity(str(path), "--sparse", "oracle")
-    predicted = perplexity(str(path), "--sparse", "predicted", "--neuron-choice", "predictor")
+    oracle = perplexity(str(path), "--mode", "oracle")
+    predicted = perplexity(str(path), "--mode", "sparse", "--neuron-choice", "predictor")
     assert oracle["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-5)
     assert 0 < predicted["selection"]["computed_density"] < 1 and np.isfinite(predicted["perplexity"])
     # The runtime counts the firing neurons its predictors miss as the reference engine counts them with the
     # same predictors (float32 both: the same choices, up to rounding near the threshold).
     predictors = path.parent / (path.name + ".work") / "predictors"
-    reference_predicted = perplexity(str(folder), "--sparse", "predicted", "--predictors", str(predictors))
+    reference_predicted = perplexity(str(folder), "--mode", "sparse", "--predictors", str(predictors))
     for key in ("recall", "computed_density", "fired_density"):
         assert predicted["selection"][key] == pytest.approx(reference_predicted["selection"][key], abs=2e-3), key
     assert predicted["perplexity"] == pytest.approx(reference_predicted["perplexity"], rel=1e-3)

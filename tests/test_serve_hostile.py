@@ -189,7 +189,7 @@ def test_a_template_stopped_once_renders_the_next_chat(slow_llm):
 
 
 def test_rendering_is_counted_against_the_queue_and_over_time_is_a_400(slow_llm):
-    with running(slow_llm, NESTED_LOOPS, max_queue=1, template_seconds=TEMPLATE_SECONDS) as url:
+    with running(slow_llm, NESTED_LOOPS, max_queue=1, parallel=1, template_seconds=TEMPLATE_SECONDS) as url:
         chats = [in_background(lambda: httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60))
                  for _ in range(2)]
         until(lambda: metric(url, "queue_length") == 2)  # both admitted while their templates run
@@ -206,7 +206,7 @@ def test_rendering_is_counted_against_the_queue_and_over_time_is_a_400(slow_llm)
 # -- 3. the server's edges ----------------------------------------------------------------------
 
 def test_max_queue_0_runs_one_request_and_refuses_a_second(slow_llm):
-    with running(slow_llm, max_queue=0) as url:
+    with running(slow_llm, max_queue=0, parallel=1) as url:
         assert httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60).status_code == 200
         with streaming(url, LONG):
             refused = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=10)
@@ -403,19 +403,17 @@ def hostile_body(rng: random.Random, path: str) -> bytes:
 def ends_at_once(llm: LLM) -> LLM:
     """The model choosing EOS over every other token by a wide margin: each generation is one step
     (yet with the model's own logits, at any temperature the request asks)."""
-    make, eos = llm.engine.step_fn, llm.engine.spec.eos_token_id
+    engine, eos = llm.engine, llm.engine.spec.eos_token_id
 
-    def step_fn():
-        step = make()
-
-        def to_eos(tokens):
-            logits = np.array(step(tokens))
-            logits[eos] = logits.max() + 50
+    def to_eos(compute):
+        def at_once(*args, **kwargs):
+            logits = np.array(compute(*args, **kwargs))
+            logits[..., eos] = logits.max(axis=-1) + 50
             return logits
 
-        return to_eos
+        return at_once
 
-    llm.engine.step_fn = step_fn
+    engine.forward, engine.forward_batch = to_eos(engine.forward), to_eos(engine.forward_batch)
     return llm
 
 

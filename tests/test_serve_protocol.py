@@ -93,4 +93,4 @@ def test_serve_refuses_bad_settings():
 
 def test_serve_without_its_extra_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
-    fails("serve", match="pip install 'powerinfer-tools[serve]'")
+    fails("serve", match="pip install -e '.[serve]'")

@@ -1,5 +1,5 @@
-"""The server's queue on a slowed model, in this process: one generation at a time, a bounded queue
-answering 503 with Retry-After, and clients that leave giving back the model (or their place) at once.
+"""The server's queue on a slowed model, in this process: one slot (--parallel 1), a bounded queue answering 503
+with Retry-After, and clients that leave giving back the model (or their place) at once.
 
 The model is the bundled one on the runtime with every forward pass slowed by ``serving.STEP_SECONDS`` and its
 end-of-sequence token never chosen, so a generation lasts as long as the test needs it to.
@@ -18,7 +18,7 @@ from powerinfer_tools.serving.app import ServeSettings, create_app
 @pytest.fixture(scope="module")
 def url(bundled_gguf):
     llm = slowed(LLM.load(bundled_gguf("q8_0")))
-    with running(create_app(llm, ServeSettings("tiny", max_queue=1))) as url:
+    with running(create_app(llm, ServeSettings("tiny", max_queue=1, parallel=1))) as url:
         yield url
 
 
@@ -85,12 +85,10 @@ def test_under_a_ram_budget_metrics_report_the_neuron_caches(bundled_gguf):
 def test_a_model_that_fails_is_a_500_or_an_error_event_without_a_traceback(bundled_gguf):
     llm = LLM.load(bundled_gguf("q8_0"))
 
-    def broken():
-        def step(tokens):
-            raise RuntimeError("a kernel fault")
-        return step
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel fault")
 
-    llm.engine.step_fn = broken
+    llm.engine.forward = llm.engine.forward_batch = broken
     with running(create_app(llm, ServeSettings("tiny"))) as url:
         whole = httpx.post(f"{url}/v1/completions", json=SHORT, timeout=60)
         assert whole.status_code == 500 and whole.json()["error"]["type"] == "server_error"
@@ -99,3 +97,25 @@ def test_a_model_that_fails_is_a_500_or_an_error_event_without_a_traceback(bundl
         assert streamed.status_code == 200 and "error" in events[-2] and events[-1] == "data: [DONE]"
         assert "Traceback" not in whole.text + streamed.text and "kernel fault" not in whole.text + streamed.text
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_concurrent_requests_are_decoded_together_and_a_repeated_beginning_is_reused(bundled_gguf):
+    llm = slowed(LLM.load(bundled_gguf("q8_0")))
+    prompts = ["import os\n", "def main():\n", "class A:\n"]
+    body = {**SHORT, "max_tokens": 24}
+    with running(create_app(llm, ServeSettings("tiny", parallel=4))) as url:
+        alone = [httpx.post(f"{url}/v1/completions", json={**body, "prompt": p}, timeout=60).json() for p in prompts]
+        steps, tokens = metric(url, "batch_steps_total"), metric(url, "batch_tokens_total")
+        assert tokens == steps  # one at a time: batches of one
+        together = [in_background(lambda p=p: httpx.post(f"{url}/v1/completions", json={**body, "prompt": p},
+                                                         timeout=60).json()) for p in prompts]
+        for request in together:
+            until(lambda: "response" in request, seconds=60)
+        steps, tokens = metric(url, "batch_steps_total") - steps, metric(url, "batch_tokens_total") - tokens
+        assert tokens / steps > 1.5, (tokens, steps)  # they ran together most of the time
+        assert metric(url, "batch_size_mean") > 1
+        # Greedy: the same text alone or in a batch (logits equal up to float32 sums: tests/test_batching.py).
+        assert [r["response"]["choices"][0]["text"] for r in together] == [a["choices"][0]["text"] for a in alone]
+        # Each prompt was sent before: all but its last token came from the prompt cache.
+        assert metric(url, "prompt_cache_hits_total") >= len(prompts)
+        assert metric(url, "prompt_tokens_reused_total") >= sum(a["usage"]["prompt_tokens"] - 1 for a in alone)

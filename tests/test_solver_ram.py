@@ -316,7 +316,7 @@ def stats_file(tmp_path):
 def test_solve_ram_with_and_without_vram_from_stats(stats_file, tmp_path):
     stats, hw = stats_file
     out = tmp_path / "m.gpuidx"
-    common = ["solve", "--stats", stats, "-o", out, "--hardware", hw, "--ctx", "64", "--force", "--batch", "16"]
+    common = ["solve", "--stats", stats, "-o", out, "--hardware", hw, "--ctx-size", "64", "--force", "--batch", "16"]
     result = invoke(*common, "--ram", "4MiB", "--vram", "600KiB", "--reserve", "1KB", "--json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)["placement"]

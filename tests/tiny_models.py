@@ -19,9 +19,11 @@ WORDS = "def class return import self value none true false for while if else la
 
 
 def write_byte_tokenizer(folder) -> None:
-    """A tokenizer.json with the 256 byte-level symbols and no merges: one token per byte."""
+    """A tokenizer.json with the 256 byte-level symbols and one merge (a byte-level BPE needs merges: llama.cpp
+    refuses a file without): one token per byte, but " t"."""
     vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab["\u0120t"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "t")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(folder / "tokenizer.json"))

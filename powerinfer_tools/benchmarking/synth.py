@@ -355,7 +355,7 @@ class Hardness:
 # of neurons of largest |activation| standing for firing), our trainer's predictors of hidden 128, 10% of
 # the FFN weights (more than PowerInfer's 6-9%), compute REAL_MODEL_COMPUTED of the neurons, mean of three
 # layers, at 95% recall on held-out text (`python examples/predictability_curve.py`; the curve is in
-# docs/benchmarks.md). At noise 0.85 even an ideal predictor of the latent space must compute as much
+# docs/lab/benchmarks.md). At noise 0.85 even an ideal predictor of the latent space must compute as much
 # (49.7% at the TinyLlama and 7B widths: tests/test_synth.py), so a trained one computes more. Its
 # precision floor sits just below that ideal's 19%, so the search climbs to predictors near the ideal's
 # 2(rank+1) units, PowerInfer's size: at 15% a TinyLlama-width layer took hidden 96 (2% of its FFN

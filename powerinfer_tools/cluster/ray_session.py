@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError, install_hint
 
 # A lost worker or node is retried this many times; a Python exception in a task is not (it would
 # raise again on the same input).
@@ -30,7 +30,7 @@ MAX_RETRIES = 3
 # tests/test_ray.py's model differ between one and two threads). One thread makes a task's result the same
 # on every node of a CPU type, and the same as the command run here with OMP_NUM_THREADS=1.
 ONE_THREAD = {"env_vars": {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
-INSTALL_HINT = "--ray needs Ray: pip install 'powerinfer-tools[ray]'"
+INSTALL_HINT = f"--ray needs Ray: {install_hint('ray')}"
 
 # While the driver waits for a task, the progress note is refreshed this often.
 PROGRESS_SECONDS = 1.0

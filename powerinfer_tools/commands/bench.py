@@ -22,6 +22,7 @@ from powerinfer_tools.benchmarking.bench import (
 )
 from powerinfer_tools.benchmarking.synth import dense_companion
 from powerinfer_tools.commands.options import neuron_choice_option
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.solver.hardware import load_profile
 from powerinfer_tools.units import parse_size
@@ -30,7 +31,7 @@ _DEFAULTS = BenchSettings()
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@model_argument(kind=click.Path(dir_okay=False, exists=True, path_type=Path), required=True)
 @click.option("--baseline", type=click.Choice([LLAMA_CPP, "none"]), default=LLAMA_CPP, show_default=True,
               help="Engine to compare against.")
 @click.option("--baseline-model", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,

@@ -6,15 +6,17 @@ from pathlib import Path
 
 import click
 
+from powerinfer_tools.commands.spellings import model_argument, renamed
 from powerinfer_tools.conversion.bundle import bundle_model, bundled_path
 from powerinfer_tools.units import format_size
 
 
 @click.command("bundle")
-@click.argument("model", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@model_argument(kind=click.Path(path_type=Path, dir_okay=False, exists=True), required=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Output file [default: MODEL with .bundled before .powerinfer.gguf].")
-@click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@renamed("-f", "--force", "force")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
 def bundle(model: Path, output: Path | None, force: bool, quiet: bool) -> None:
     """Write MODEL (a PowerInfer file) with each neuron's gate, up and ffn_down_t rows side by side.

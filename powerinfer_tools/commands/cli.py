@@ -17,6 +17,7 @@ from powerinfer_tools.errors import Interrupted, PitoolsError
 # its command runs (or --help lists them all): `pitools run` does not pay for the imports of bench and
 # synth (scipy, the reference engine's trainers), ~0.7 s of a warm start.
 COMMANDS = {
+    "advise": ("advise", "advise"),
     "pull": ("pull", "pull"),
     "convert": ("convert", "convert"),
     "bundle": ("bundle", "bundle"),
@@ -93,6 +94,7 @@ def cli() -> None:
 
     \b
     Typical pipeline:
+      pitools advise MODEL       will sparsity make it faster here? the numbers, and the command
       pitools pull ID            fetch a Hugging Face checkpoint
       pitools convert SRC        write a PowerInfer GGUF (profiling + predictors)
       pitools solve FILE --vram  write the GPU/CPU neuron split

@@ -8,6 +8,7 @@ import click
 
 from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import ray_option
+from powerinfer_tools.commands.spellings import renamed
 from powerinfer_tools.conversion.convert import ConversionPlan
 from powerinfer_tools.conversion.convert import convert as convert_checkpoint
 from powerinfer_tools.conversion.sparsify import SparsifySettings
@@ -102,7 +103,8 @@ def quality_loss(text: str) -> float:
               help="PowerInfer layout without profiling, predictors or reordering (our runtime runs it dense).")
 @click.option("--allow-nonfinite", is_flag=True,
               help="Write weights holding NaN or inf as they are instead of refusing them (not with profiling).")
-@click.option("-f", "--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+@renamed("-f", "--force", "force")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or messages on stderr.")
 @ray_option
 def convert(source: str, output: Path | None, outtype: str, dense: bool, predictors: Path | None, profile: Path | None,

@@ -10,6 +10,7 @@ import click
 import numpy as np
 from gguf import GGMLQuantizationType, Keys
 
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.ffn_bundle import BundleLayout
 from powerinfer_tools.formats.gguf_names import tensor_kind
@@ -137,23 +138,23 @@ def render(report: dict) -> str:
 
 
 @click.command("inspect", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("file", type=click.Path(path_type=Path))  # open_model_file says what is wrong with a path
+@model_argument(kind=click.Path(path_type=Path), required=True)  # open_model_file says what is wrong with a path
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def inspect(file: Path, as_json: bool) -> None:
-    """Show what FILE, a GGUF or PowerInfer model file, holds.
+def inspect(model: Path, as_json: bool) -> None:
+    """Show what MODEL, a GGUF or PowerInfer model file, holds.
 
     Prints the layout (dense GGUF, or PowerInfer's: PWRI magic, transposed
     ffn_down_t, predictors), the metadata (long arrays such as the vocabulary cut
     to their first items), every tensor's type, shape and size, and totals per
     kind: embedding, attention, ffn, predictor, output.
 
-    A file of a supported architecture (llama, bamboo, opt) whose hyperparameters
+    A file of a supported family (docs/supported-models.md) whose hyperparameters
     are missing or invalid, or whose predictors do not fit them, is reported as that
     one error, not shown: `pitools run` would refuse it.
     """
-    model = open_model_file(file)
-    if gguf_family(model) is not None:
+    opened = open_model_file(model)
+    if gguf_family(opened) is not None:
         # run's checks of the hyperparameters and predictors; a file missing other tensors is still shown
-        check_predictors(model, spec_from_model_file(model))
-    report = describe(model)
+        check_predictors(opened, spec_from_model_file(opened))
+    report = describe(opened)
     click.echo(json.dumps(report, indent=2) if as_json else render(report))

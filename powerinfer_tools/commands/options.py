@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from powerinfer_tools import kernels as compiled_kernels
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.commands.spellings import renamed
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.profiling.corpus import DEFAULT_SEQ_LEN
@@ -20,15 +21,29 @@ from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
 from powerinfer_tools.units import parse_size
 
 
+def kernels_option(default: Policy | None, default_words: str = ""):
+    """--kernels: what a command does when the compiled kernels this kind of model needs are not built yet
+    (``default``, or None with the defaults in ``default_words``: `run` and `serve` share the option)."""
+    return click.option(
+        "--kernels", type=click.Choice([p.value for p in Policy]), default=default and default.value,
+        show_default=default is not None, envvar="PITOOLS_KERNELS",
+        help="When the compiled CPU kernels for this kind of model are not yet built on this machine (once, about "
+             "half a minute): wait for them; start at once on the slower NumPy kernels while a background process "
+             "builds them, moving onto them as soon as they are ready (waiting instead where the NumPy kernels "
+             "would be slower: a busy machine, a large model); or use the NumPy reference only. Also PITOOLS_KERNELS"
+             + (f" [default: {default_words}]." if default_words else "."))
+
+
 def corpus_options(f):
-    """--corpus/--dataset/--split/--text-field/--tokens/--seq-len/--skip-tokens, shared with `perplexity`."""
+    """--corpus/--dataset/--dataset-split/--text-field/--tokens/--seq-len/--skip-tokens, shared by `profile` and
+    `perplexity` (--split, the old spelling of --dataset-split, is run's GPU split file)."""
     options = [
         click.option("--corpus", "corpus", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
                      help="Text file (one document) or JSON-lines file (*.jsonl, one document per line). "
                           "Repeatable. Default: the model folder's heldout.txt."),
         click.option("--dataset", metavar="NAME[:CONFIG]", default=None,
                      help="A Hugging Face hub dataset instead (needs the optional `datasets` package)."),
-        click.option("--split", default="train", show_default=True, help="Split of --dataset."),
+        click.option("--dataset-split", default="train", show_default=True, help="Split of --dataset."),
         click.option("--text-field", default="text", show_default=True,
                      help="Field holding the text in JSON-lines records and --dataset records."),
         click.option("--tokens", "n_tokens", type=click.IntRange(min=2), default=100_000, show_default=True,
@@ -41,7 +56,7 @@ def corpus_options(f):
     ]
     for option in reversed(options):
         f = option(f)
-    return f
+    return renamed("--split", "--dataset-split", "dataset_split")(f)
 
 
 def ray_option(f):
@@ -52,8 +67,8 @@ def ray_option(f):
              "per expert of a mixture) on a Ray cluster: ADDRESS "
              "(host:port of its head) joins a running cluster; --ray alone joins $RAY_ADDRESS or the cluster "
              "`ray start` made on this machine, else starts Ray here. The same output as without it on one "
-             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs pip install "
-             "'powerinfer-tools[ray]'. Put --ray alone after the "
+             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs the ray extra, "
+             f"{install_hint('ray')}. Put --ray alone after the "
              "arguments, or it takes the next one for its ADDRESS.",
     )(f)
 
@@ -70,7 +85,7 @@ def ram_options(f):
                           "`pitools bundle` reads each neuron in one request [default: the whole file, mapped]."),
         click.option("--cache-policy", type=click.Choice(POLICIES), default=DEFAULT_POLICY, show_default=True,
                      help="With --ram: which cached neuron to evict (lru: used longest ago; lfu: used least "
-                          "often, see docs/benchmarks.md for the comparison)."),
+                          "often, see docs/lab/benchmarks.md for the comparison)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -114,12 +129,7 @@ def runtime_options(f):
                           "does."),
         click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
                      help=f"With --vram: preset ({', '.join(PRESETS)}) or profile file from `pitools probe`."),
-        click.option("--kernels", type=click.Choice([p.value for p in Policy]), default=None, envvar="PITOOLS_KERNELS",
-                     help="When the compiled CPU kernels for this kind of model are not yet built on this machine "
-                          "(once, about half a minute): wait for them; start at once on the slower NumPy kernels "
-                          "while a background process builds them, and move onto them as soon as they are ready "
-                          "(on a single core: wait); or use the NumPy reference only. Also PITOOLS_KERNELS "
-                          "[default: background for run, wait for serve]."),
+        kernels_option(None, "background for run, wait for serve"),
     ]
     f = neuron_choice_option(ram_options(f))  # listed last
     for option in reversed(options):
@@ -148,18 +158,20 @@ def load_llm(model: Path, ctx_size: int | None, mode: str, device: str, threads:
 @contextlib.contextmanager
 def _spin_only_on_idle_cores(threads: int):
     """Within: whatever loads the compiled kernels loads them with OpenMP's waiting threads asleep
-    (``OMP_WAIT_POLICY=passive``) when other work holds the cores.
+    (``OMP_WAIT_POLICY=passive``) when other work holds the cores now.
 
-    The kernels' parallel loops run on libgomp, whose threads spin while they wait, by default. That
-    is the quickest hand-over on idle cores, but when another process holds a core the spinning
-    thread burns its time slice waiting for its preempted partner, at every one of a token's ~110
-    joins: on the shared 2-core machine at a load of 9-12, a TinyLlama-shape token took 550-760 ms
-    spinning against 116-136 ms passive. So: passive when fewer cores are idle (by the 1-minute load
-    average) than there are threads, unless the user set the variable. libgomp reads it once, as it
-    loads with ggml's CPU library; the variable is unset again after, so that no child process or
-    later in-process caller inherits it. (Loading a model loads the kernels, unless it runs on the NumPy
-    reference: then numba stays unloaded, but ggml's CPU library is loaded all the same where the run moves onto
-    the compiled kernels once a background build has made them: ``kernels.load_cpu_library``.)
+    The kernels' parallel loops run on libgomp, whose threads spin a while as they wait, by default. That
+    is the quickest hand-over on idle cores, but when another process holds a core the spinning thread
+    burns its time slice waiting for its preempted partner, at every one of a token's joins; on idle cores
+    passive waits halve the speed (docs/lab/benchmarks.md, "pitools run and the bench's engine"). So the cores
+    are judged by what runs now (``kernels.idle_cores``), not by the 1-minute load average: that average still
+    counts the work of the minutes before (a previous run, a build) for minutes after it ended, and chose
+    passive on idle cores. The user's setting
+    wins. libgomp reads the variable once, as it loads with ggml's CPU library; the variable is unset again
+    after, so that no child process or later in-process caller inherits it. (Loading a model loads the
+    kernels, unless it runs on the NumPy reference: then numba stays unloaded, but ggml's CPU library is loaded
+    all the same where the run moves onto the compiled kernels once a background build has made them:
+    ``kernels.load_cpu_library``.)
     """
     if "OMP_WAIT_POLICY" in os.environ or compiled_kernels.idle_cores() >= threads - 0.5:
         yield

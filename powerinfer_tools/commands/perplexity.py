@@ -9,6 +9,7 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import corpus_options, neuron_choice_option, ram_options
+from powerinfer_tools.commands.spellings import model_argument, renamed
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.predictor_folder import load_predictors
 from powerinfer_tools.interfaces import FFNMode
@@ -27,19 +28,21 @@ from powerinfer_tools.units import parse_size
 
 
 @click.command("perplexity", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", default=str(BUNDLED_MODEL), required=False)
+@model_argument(default=str(BUNDLED_MODEL), kind=click.STRING)
 @corpus_options
-# "predicted" is the spelling of sparse that this command documented before the modes were one vocabulary.
-@click.option("--sparse", "mode", type=click.Choice([m.value for m in FFNMode] + ["predicted"]), default="dense",
-              show_default=True, help="dense: every neuron; oracle: only the neurons that truly fire; "
-                   "sparse (or predicted): only those the predictors (or a SiLU model's thresholds) select.")
+# --sparse is this command's old spelling of run's --mode, and "predicted" its old spelling of sparse.
+@renamed("--sparse", "--mode", "mode")
+@click.option("--mode", type=click.Choice([m.value for m in FFNMode] + ["predicted"]), default="dense",
+              show_default=True, help="The FFN modes of `pitools run --mode`, and oracle. dense: every neuron; "
+                   "oracle: only the neurons that truly fire; sparse: only those the predictors (or a SiLU model's "
+                   "thresholds) select (predicted: its old spelling).")
 @click.option("--predictors", "predictor_dir", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              default=None, help="Predictor folder from `pitools train-predictors` (for --sparse predicted).")
+              default=None, help="Predictor folder from `pitools train-predictors` (for --mode sparse).")
 @ram_options
 @neuron_choice_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
-def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
+def perplexity(model, corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens, mode, predictor_dir,
                ram, cache_policy, neuron_choice, as_json, quiet) -> None:
     """Perplexity of MODEL on a corpus.
 
@@ -47,24 +50,24 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     run by the NumPy reference engine (default: the bundled tiny ReLU LLaMA, on
     its held-out text; a GGUF defaults to a heldout.txt beside it). The corpus
     is read in windows of --seq-len tokens, each with a fresh cache; every
-    token after the first is scored once. --sparse takes the FFN modes of
-    `pitools run --mode`, and oracle; predicted is another spelling of sparse.
-    With oracle or sparse, the fraction of FFN neurons computed is reported
-    too, and the recall (share of truly firing neurons computed; not for a
-    GGUF file under --ram or with thresholds). A GGUF file's --sparse
-    predicted uses its own predictors (or thresholds).
+    token after the first is scored once. --mode takes the FFN modes of
+    `pitools run --mode`, and oracle. With oracle or sparse, the fraction of
+    FFN neurons computed is reported too, and the recall (share of truly
+    firing neurons computed; not for a GGUF file under --ram or with
+    thresholds). A GGUF file's --mode sparse uses its own predictors (or
+    thresholds).
 
     \b
     Examples:
       pitools perplexity --tokens 20000
-      pitools perplexity --sparse predicted --predictors pred --skip-tokens 40000
-      pitools perplexity tiny.powerinfer.gguf --sparse predicted --corpus heldout.txt
+      pitools perplexity --mode sparse --predictors pred --skip-tokens 40000
+      pitools perplexity tiny.powerinfer.gguf --mode sparse --corpus heldout.txt
     """
     budget = parse_size(ram, "--ram") if ram is not None else None
     if Path(model).suffix == ".gguf":
         if predictor_dir is not None:
             raise PitoolsError(f"{model}: a GGUF file runs with its own predictors; --predictors is for checkpoints")
-        result = _gguf_perplexity(Path(model), corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
+        result = _gguf_perplexity(Path(model), corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens,
                                   mode, quiet, budget, cache_policy, neuron_choice)
         click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
         return
@@ -72,8 +75,8 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
         raise PitoolsError(f"{model}: --ram and --neuron-choice are for GGUF files on the runtime; a checkpoint runs "
                            "on the reference engine")
     if (FFNMode(mode) is FFNMode.SPARSE) != (predictor_dir is not None):
-        raise PitoolsError("--predictors PRED goes with --sparse predicted, and only with it")
-    loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens)
+        raise PitoolsError("--predictors PRED goes with --mode sparse, and only with it")
+    loaded = load_model_and_corpus(model, corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens)
     choose = None
     if FFNMode(mode) is FFNMode.ORACLE:
         choose = oracle_chooser()
@@ -88,14 +91,14 @@ def perplexity(model, corpus, dataset, split, text_field, n_tokens, seq_len, ski
     click.echo(json.dumps(result.as_dict(), indent=2) if as_json else format_result(result))
 
 
-def _gguf_perplexity(path: Path, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, mode,
+def _gguf_perplexity(path: Path, corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens, mode,
                      quiet, ram: int | None, cache_policy: str, neuron_choice: str) -> PerplexityResult:
     model = load_runtime_model(path, use_split=False, ram=ram, cache_policy=cache_policy, neuron_choice=neuron_choice)
     if FFNMode(mode) is FFNMode.SPARSE and not model.can_run_sparse:
-        raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --sparse predicted)")
+        raise PitoolsError(f"{path}: no predictors in the file (convert it with profiling for --mode sparse)")
     if not corpus and dataset is None and not (path.parent / HELDOUT_FILE).is_file():
         raise PitoolsError(f"{path}: no {HELDOUT_FILE} beside the model to default to; pass --corpus FILE or --dataset NAME")
-    source = resolve_source(corpus, dataset, path.parent, split, text_field)
+    source = resolve_source(corpus, dataset, path.parent, dataset_split, text_field)
     # Special-token spellings in the text (document separators) parse as the tokens, as the reference
     # engine's Hugging Face tokenizer parses them: both then score the same token stream.
     tokenizer = GGUFTokenizer(model.metadata, parse_special=True, source=str(path))

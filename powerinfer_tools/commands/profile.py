@@ -11,6 +11,7 @@ from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.cluster.ray_layer_ranges import layer_ranges as cut_into_ranges
 from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import corpus_options, ray_option
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.errors import Interrupted, PitoolsError
 from powerinfer_tools.fileio import check_output_folder
 from powerinfer_tools.formats.profile_folder import load_profile
@@ -20,7 +21,7 @@ from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
 
 
 @click.command("profile", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", default=str(BUNDLED_MODEL), required=False)
+@model_argument(default=str(BUNDLED_MODEL), kind=click.STRING)
 @corpus_options
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Profile folder to write (or resume).")
@@ -40,7 +41,7 @@ from powerinfer_tools.profiling.profiler import Profiler, ProfileSettings
                    "held by a Ray actor that reads only its layers from MODEL's folder, which must be at the "
                    "same path on every node; windows pass from range to range. Needs N CPUs on the cluster. "
                    "The same profile as without it.")
-def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens, output, pairs_mib, seed,
+def profile(model, corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens, output, pairs_mib, seed,
             force, report_dir, as_json, export_powerinfer, quiet, ray_address, layer_ranges) -> None:
     """Profile MODEL's FFN neurons on a calibration corpus.
 
@@ -72,7 +73,7 @@ def profile(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_t
             raise PitoolsError("--layer-ranges runs the ranges on a Ray cluster: give --ray too")
         check_output_folder(output)
         # With ranges of layers on the cluster, this process reads no layer: a model larger than its memory.
-        loaded = load_model_and_corpus(model, corpus, dataset, split, text_field, n_tokens, seq_len, skip_tokens,
+        loaded = load_model_and_corpus(model, corpus, dataset, dataset_split, text_field, n_tokens, seq_len, skip_tokens,
                                        layers=None if layer_ranges is None else range(0))
         settings = ProfileSettings(seq_len=loaded.seq_len, pairs_mib=pairs_mib, seed=seed)
         profiler = Profiler(loaded.model, str(loaded.folder), loaded.tokens, loaded.source.describe(), output,

@@ -9,20 +9,33 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
-from powerinfer_tools.runtime.warmup import Policy
+from powerinfer_tools import kernels as compiled_kernels
+from powerinfer_tools.commands.spellings import model_argument
+from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.warmup import Policy, load_compiled
 from powerinfer_tools.runtime.generation import SamplingConfig
 from powerinfer_tools.units import format_size
 
+DEFAULT_PROMPT = "def "
+
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
-@click.option("-p", "--prompt", default="def ", show_default=True,
+@model_argument(default=BUNDLED_MODEL)
+@click.option("-p", "--prompt", default=DEFAULT_PROMPT, show_default=True,
               help="Text to continue; it must be valid UTF-8 (other bytes are an error, not replaced).")
+@click.option("-f", "--file", "prompt_file", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Read the prompt from FILE instead (UTF-8 text; one newline at its end is dropped, as llama.cpp's "
+                   "-f does).")
 @click.option("-n", "--n-tokens", default=64, show_default=True,
               help="Most tokens to generate (0 or more); fewer when the context window fills up.")
-@click.option("--temp", default=0.0, show_default=True, help="Sampling temperature (>= 0); 0 is greedy.")
-@click.option("--top-k", default=40, show_default=True, help="Sample among the K likeliest tokens (0: all).")
-@click.option("--top-p", default=0.95, show_default=True,
+# The sampling defaults are SamplingConfig's, the Python API's (LLM.generate) too.
+@click.option("--temp", default=SamplingConfig.temperature, show_default=True,
+              help="Sampling temperature (>= 0); 0 is greedy, the default here and in the Python API. The HTTP API "
+                   "of `pitools serve` takes OpenAI's default instead, 1.")
+@click.option("--top-k", default=SamplingConfig.top_k, show_default=True,
+              help="Sample among the K likeliest tokens (0: all).")
+@click.option("--top-p", default=SamplingConfig.top_p, show_default=True,
               help="Sample from the smallest set with this much mass, in (0, 1].")
 @click.option("--seed", type=int, default=None, help="Random seed (0 to 2^64 - 1) for reproducible sampling.")
 @click.option("-v", "--verbose", is_flag=True,
@@ -31,8 +44,8 @@ from powerinfer_tools.units import format_size
                    "the kernel of attention, gate/up and down, the FFN's variant; then the output head's kernel "
                    "and the prompt's path.")
 @runtime_options
-def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p: float, seed: int | None,
-        verbose: bool, **runtime) -> None:
+def run(model: Path, prompt: str, prompt_file: Path | None, n_tokens: int, temp: float, top_k: int, top_p: float,
+        seed: int | None, verbose: bool, **runtime) -> None:
     """Generate a continuation of PROMPT with MODEL, streaming it to stdout.
 
     MODEL is a GGUF file (dense or PowerInfer, run by the sparse runtime) or a
@@ -50,13 +63,20 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
     \b
     Examples:
       pitools run -p "import os" -n 48
+      pitools run -m model.gguf -f prompt.txt
       pitools run model.powerinfer.gguf --mode sparse --device cuda -p "def "
       pitools run model.powerinfer.gguf --device cuda --vram 8GB -p "def "
       pitools run model.powerinfer.gguf --ram 2GB -p "def "
       pitools run model.powerinfer.gguf --verbose -p "def "
     """
+    if prompt_file is not None:
+        prompt = _prompt_from(prompt_file, prompt)
     sampling = SamplingConfig(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)  # checked before loading
     llm = load_llm(model, default_kernels=Policy.BACKGROUND, **runtime)
+    if isinstance(llm.engine, RuntimeModel) and not compiled_kernels.reference_chosen():
+        # The compiled code brought in from numba's cache, and the weights' pages touched, before the clock starts
+        # (as the bench's warm-up rounds and `pitools serve` do): the summary's rates are the engine's per-token speed.
+        load_compiled(llm.engine)
     pieces = llm.generate(prompt, n_tokens, sampling)  # checks the prompt before any of it is echoed
     if verbose:
         click.echo("pitools: how this run computes:\n" + "\n".join(f"  {line}" for line in llm.execution_report()),
@@ -88,6 +108,19 @@ def run(model: Path, prompt: str, n_tokens: int, temp: float, top_k: int, top_p:
                     f" | cache hit rate {_hit_rate(s.ffn)} | {s.ffn.disk_bytes / max(s.ffn.steps, 1) / 1e6:.2f} MB "
                     "from disk/step")
     click.echo(f"{summary} | {llm.description}", err=True)
+
+
+def _prompt_from(path: Path, prompt: str) -> str:
+    """The prompt in the file ``path`` (-f), which -p must not also give."""
+    if click.get_current_context().get_parameter_source("prompt") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("give the prompt once: -p TEXT or -f FILE")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PitoolsError(f"{path}: the prompt file is not UTF-8 text (at byte {exc.start})") from None
+    except OSError as exc:
+        raise PitoolsError(f"{path}: cannot read the prompt file: {exc.strerror}") from None
+    return text.removesuffix("\n")  # the newline that ends a text file's last line is not part of the prompt
 
 
 def _hit_rate(ffn) -> str:

@@ -10,16 +10,18 @@ import click
 
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import load_llm, runtime_options
+from powerinfer_tools.commands.spellings import model_argument
 from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.batching import DEFAULT_PARALLEL
 from powerinfer_tools.runtime.warmup import Policy, load_compiled
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.units import parse_size
 
 API_KEY_VARIABLE = "PITOOLS_API_KEY"
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path, exists=True), default=BUNDLED_MODEL, required=False)
+@model_argument(default=BUNDLED_MODEL)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. The default answers this machine only; 0.0.0.0 answers every network "
                    "the machine is on (then give --api-key).")
@@ -29,9 +31,16 @@ API_KEY_VARIABLE = "PITOOLS_API_KEY"
               help="Require 'Authorization: Bearer KEY' on every route but /health. Prefer the variable: "
                    "other users of the machine can read a command line.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait (their prompt being rendered and tokenized, or queued for the "
-                   "model) while one generates; more are answered 503 with Retry-After. 0: one request at a "
-                   "time, none waiting.")
+              help="Requests that may wait (their prompt being rendered and tokenized, or queued for a "
+                   "slot) while --parallel generate; more are answered 503 with Retry-After. 0: none waiting.")
+@click.option("--parallel", "-np", type=click.IntRange(min=1), default=DEFAULT_PARALLEL, show_default=True,
+              help="Generations decoded together: each step computes the next token of every running one, in one "
+                   "forward pass (continuous batching: each weight read once for all) or, where that measures slower "
+                   "on this model, one compiled pass each; requests join and leave between steps, more wait in "
+                   "the queue.")
+@click.option("--prompt-cache", default="256MiB", show_default=True, metavar="SIZE",
+              help="Memory for finished requests' KV caches, kept so that a prompt beginning with the same tokens "
+                   "(a conversation's next turn, a shared system prompt) computes only the rest; 0B keeps none.")
 @click.option("--max-body", default="1MiB", show_default=True, help="Largest request body accepted (413 above it).")
 @click.option("--template-timeout", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               metavar="SECONDS", help="Longest a chat template may take to render one request's messages "
@@ -45,17 +54,20 @@ API_KEY_VARIABLE = "PITOOLS_API_KEY"
 @click.option("--model-name", default=None,
               help="The model's id in the API (the 'model' clients send) [default: MODEL's file or folder name].")
 @runtime_options
-def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int, max_body: str,
-          template_timeout: float, header_timeout: float, body_timeout: float, model_name: str | None,
+def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int, parallel: int, prompt_cache: str,
+          max_body: str, template_timeout: float, header_timeout: float, body_timeout: float, model_name: str | None,
           **runtime) -> None:
     """Serve MODEL over OpenAI's HTTP API: /v1/completions, /v1/chat/completions
     (streaming too), /v1/models, /health and /metrics (Prometheus).
 
-    One generation runs at a time; others wait in a queue of --max-queue.
+    Up to --parallel generations are decoded together, one forward pass per
+    token; others wait in a queue of --max-queue. A prompt that begins as
+    an earlier request's text did reuses its keys and values (--prompt-cache).
     Chat prompts are rendered with the model's own chat template (from the
     GGUF file or the checkpoint's tokenizer_config.json). The model options
-    are those of `pitools run`. Needs the serve extra:
-    pip install 'powerinfer-tools[serve]'.
+    are those of `pitools run`. Needs the serve extra: pip install -e '.[serve]'
+    in the source checkout. Sampling takes OpenAI's defaults (temperature 1),
+    where `pitools run` and the Python API are greedy (temperature 0).
 
     \b
     Examples:
@@ -71,10 +83,11 @@ def serve(model: Path, host: str, port: int, api_key: str | None, max_queue: int
         from powerinfer_tools.serving.uvicorn_server import http_server
     except ImportError as exc:
         raise PitoolsError(f"pitools serve needs the serve extra ({exc.name} is missing): "
-                           "pip install 'powerinfer-tools[serve]'") from None
+                           f"{install_hint('serve')}") from None
     if api_key is not None and not api_key.strip():
         raise PitoolsError("--api-key: empty (unset the variable or give a key)")
     settings = ServeSettings(model_id=model_name or model.name, api_key=api_key, max_queue=max_queue,
+                             parallel=parallel, prompt_cache_bytes=parse_size(prompt_cache, "--prompt-cache", minimum=0),
                              max_body_bytes=parse_size(max_body, "--max-body"), template_seconds=template_timeout,
                              header_timeout=header_timeout, body_timeout=body_timeout)
     listener = _listen(host, port)  # before loading: a port in use is found out at once

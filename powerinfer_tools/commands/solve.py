@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from powerinfer_tools.commands.spellings import model_argument, renamed
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.fileio import check_writable_output
 from powerinfer_tools.formats.fingerprint import model_fingerprint
@@ -59,9 +60,9 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
 
 
 @click.command("solve", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("model", type=click.Path(dir_okay=False, path_type=Path), required=False)
+@model_argument(kind=click.Path(dir_okay=False, path_type=Path))
 @click.option("--vram",
-              help="GPU memory budget: 11GB, 11000MB (GB = 10^9 bytes), 11GiB (2^30 bytes), 1.5g (bare g = GiB).")
+              help="GPU memory budget: 11GB, 11000MB (GB or G = 10^9 bytes), 11GiB (2^30 bytes).")
 @click.option("--ram",
               help="Host memory budget: plan three tiers, each neuron on the GPU, resident in RAM, or on disk behind "
                    "its layer's neuron cache. It holds the token embeddings, the attention blocks and KV caches of "
@@ -72,7 +73,8 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
               help="Per-layer firing probabilities and sizes (.npz) instead of the model file: the arrays listed above.")
 @click.option("--hardware", default=DEFAULT_PRESET, show_default=True,
               help=f"Preset ({', '.join(PRESETS)}) or profile file (.toml/.json) from `pitools probe`.")
-@click.option("--ctx", type=click.IntRange(1, 2**31 - 1), default=2048, show_default=True,
+@renamed("--ctx", "--ctx-size", "ctx_size")
+@click.option("-c", "--ctx-size", type=click.IntRange(1, 2**31 - 1), default=2048, show_default=True,
               help="Context length the KV cache is sized for (llama.cpp's n_ctx, a 32-bit integer).")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="latency: minimise predicted time per token; activations: maximise activation mass on the "
@@ -95,7 +97,7 @@ def read_stats_file(path: Path) -> dict[str, np.ndarray]:
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def solve(model: Path | None, vram: str | None, ram: str | None, ram_reserve: str, stats: Path | None, hardware: str,
-          ctx: int, objective: str, reserve: str, min_share: float | None, batch: int, solver: str, gap: float,
+          ctx_size: int, objective: str, reserve: str, min_share: float | None, batch: int, solver: str, gap: float,
           time_limit: float, output: Path | None, force: bool, as_json: bool) -> None:
     """Choose which FFN neurons (and which attention blocks) live on the GPU, and write the split
     file PowerInfer's runtime reads, MODEL.generated.gpuidx. With --ram, also which neurons stay
@@ -109,7 +111,7 @@ def solve(model: Path | None, vram: str | None, ram: str | None, ram_reserve: st
       neuron_bytes        one neuron's rows of gate, up and down, as stored
       dense_bytes         attention weights and norms of a layer
       predictor_bytes     the neuron predictor of a layer (fc1 and fc2)
-      kv_bytes_per_token  K and V of one token in a layer (times --ctx)
+      kv_bytes_per_token  K and V of one token in a layer (times --ctx-size)
       head_bytes          output norm and output matrix
       hidden_bytes        one activation vector (n_embd x 4 for float32)
       embedding_bytes     optional, for --ram: the token embedding matrix [default: 0]
@@ -134,7 +136,7 @@ def solve(model: Path | None, vram: str | None, ram: str | None, ram_reserve: st
     embedding = {key: arrays.pop(key) for key in EMBEDDING_STATS_KEYS if key in arrays}
     problem = problem_from_stats(
         **arrays,
-        n_ctx=ctx,
+        n_ctx=ctx_size,
         budget_bytes=budget_bytes,
         hardware=load_profile(hardware),
         reserve_bytes=reserve_bytes,

@@ -23,6 +23,7 @@ from powerinfer_tools.benchmarking.synth import (
 )
 from powerinfer_tools.cluster.workers import ray_workers
 from powerinfer_tools.commands.options import ray_option
+from powerinfer_tools.commands.spellings import renamed
 from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import SparsityRule
 from powerinfer_tools.formats.quantization import OUTTYPES
@@ -83,7 +84,8 @@ SILU_ONLY = ("target_sparsity", "sparsity_rule")
 @click.option("--work", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the f16 checkpoint, profile and predictors [default: OUTPUT.work].")
 @click.option("--keep-work", is_flag=True, help="Keep the work folder instead of deleting it at the end.")
-@click.option("-f", "--force", is_flag=True, help="Overwrite the outputs if they exist.")
+@renamed("-f", "--force", "force")
+@click.option("--force", is_flag=True, help="Overwrite the outputs if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @ray_option

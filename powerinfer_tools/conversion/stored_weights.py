@@ -4,7 +4,7 @@ and measures ``--max-quality-loss``: each weight rounded through its type in the
 neuron, the dense layout's ``ffn_down`` across neurons), so that the loss measured is that of the file's
 weights, sparse against dense, not of the source's. Rounding and sparsity compound: Gemma 3 270M converted from
 its Q4_K_M file to q4_0 at the thresholds chosen for 5% on the source's weights lost 11.6% on held-out text
-(docs/real-models.md).
+(docs/lab/real-models.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 
@@ -35,7 +37,7 @@ from powerinfer_tools.kernels import ggml_ops
 from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interleave, interleave
 from powerinfer_tools.kernels.quant import QuantMatrix
 
-MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/kernels.md, "crossover")
+MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/lab/kernels.md, "crossover")
 
 _threads = os.cpu_count() or 1
 _reference_reason: str | None = None  # set by use_reference: this process keeps to the NumPy reference
@@ -108,9 +110,25 @@ def get_threads() -> int:
 
 
 def idle_cores() -> float:
-    """Cores that no process ran on over the last minute (the CPU count less the 1-minute load average): what other
-    work leaves this process, for choices that depend on whether it competes for a core."""
-    return (os.cpu_count() or 1) - os.getloadavg()[0]
+    """Cores that other work leaves this process now: the CPU count less the threads of other processes running
+    or ready to run (``others_running``), for choices that depend on whether it competes for a core. Not the
+    1-minute load average: that still counts the work of the minutes before (a previous run, a build) for
+    minutes after it ended."""
+    return (os.cpu_count() or 1) - others_running()
+
+
+def others_running(samples: int = 10, interval: float = 0.01) -> int:
+    """Threads of other processes running or ready to run now: the fewest that the kernel's count of
+    runnable threads (``/proc/loadavg``'s fourth field, this thread included) showed over ``samples``
+    looks (work that holds a core shows in every one); 0 where the count cannot be read."""
+    counts = []
+    for _ in range(samples):
+        try:
+            counts.append(int(Path("/proc/loadavg").read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, IndexError, ValueError):
+            return 0
+        time.sleep(interval)
+    return max(0, min(counts))
 
 
 def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:

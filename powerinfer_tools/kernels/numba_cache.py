@@ -26,7 +26,7 @@ their entries after ``rtsys.initialize`` alone; a function that is not in the ca
 import and first link leave ~69 MiB of its code resident in the process: a tenth of a warm run's peak RSS at the
 TinyLlama shape, never used again unless something compiles. After each load, ``release_compiler_pages`` drops
 those pages from the process (``madvise(MADV_DONTNEED)``, as the loader does to file pages it has copied): they
-stay in the page cache, and the next load or compilation faults back the ~10 MiB it uses (docs/kernels.md).
+stay in the page cache, and the next load or compilation faults back the ~10 MiB it uses (docs/lab/kernels.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ an output head, and (below) matrices interleaved eight rows at a time.
 Reading the active rows is not what bounds a sparse FFN here: two threads of a 2-core VM read
 scattered 1152-byte q4_0 rows at 11-13 GB/s, but ggml's ``vec_dot_q4_0_q8_0`` (one block of 32
 weights per step, 256-bit) computes them at 6-9 GB/s; ``row_dot`` at 13-15
-(``examples/bench_kernels.py --only-vnni``; docs/kernels.md).
+(``examples/bench_kernels.py --only-vnni``; docs/lab/kernels.md).
 ``row_dot`` takes a row a group of blocks at a time (four q4_0 blocks, 72 bytes; two q8_0 blocks, 68
 bytes): two 64-byte loads and one byte permute gather the group's 64 bytes of quants, one word
 permute its f16 scales, and ``vpdpbusd`` multiplies the weights, as unsigned bytes, with the input's

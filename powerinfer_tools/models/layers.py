@@ -123,6 +123,20 @@ class KVCache:
     def advance(self, n_tokens: int) -> None:
         self.length += n_tokens
 
+    def prefix(self, n_tokens: int) -> "KVCache":
+        """A cache of its own holding this one's first ``n_tokens`` positions (a copy: the two go on apart)."""
+        xp = array_namespace(self.keys)
+        copy = KVCache(self.keys.shape[0], *self.keys.shape[2:], self.keys.dtype, capacity=max(2 * n_tokens, 64), xp=xp)
+        copy.keys[:, :n_tokens] = self.keys[:, :n_tokens]
+        copy.values[:, :n_tokens] = self.values[:, :n_tokens]
+        copy.length = n_tokens
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        """The memory its keys and values take, room to grow included."""
+        return self.keys.nbytes + self.values.nbytes
+
     def _grow(self, needed: int) -> None:
         # The stored positions alone are copied (np.pad copied every row and filled the rest in Python; each
         # layer's cache grows from 64 to 128 positions in a 128-token prompt: SmolLM2's 1.02x as fast without it).
@@ -160,7 +174,7 @@ def attention(
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     # The softmax in place, in the product's own array: a new array at each step made a 512-token prompt of the
-    # TinyLlama-shaped model 6% slower and its peak RSS 32 MiB larger (docs/real-models.md).
+    # TinyLlama-shaped model 6% slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
     scores *= scale
     scores += xp.where(visible, q.dtype.type(0), q.dtype.type(-np.inf))  # the positions a query may not see
     scores -= scores.max(axis=-1, keepdims=True)

@@ -16,7 +16,7 @@ from types import ModuleType
 import numpy as np
 
 from powerinfer_tools import kernels
-from powerinfer_tools.errors import PitoolsError
+from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.runtime.host_memory import keep_freed_memory
@@ -223,12 +223,12 @@ def require_cupy() -> ModuleType:
     """CuPy, when it sees a CUDA device; else the error ``--device cuda`` reports."""
     cupy = cupy_or_none()
     if cupy is None:
-        raise PitoolsError("--device cuda: CuPy with a CUDA device is not available (pip install 'powerinfer-tools[cuda]')")
+        raise PitoolsError(f"--device cuda: CuPy with a CUDA device is not available ({install_hint('cuda')})")
     return cupy
 
 
 class CudaDevice(DeviceBackend):
-    """A CUDA GPU through CuPy (``pip install 'powerinfer-tools[cuda]'``)."""
+    """A CUDA GPU through CuPy (the ``cuda`` extra)."""
 
     name = "cuda"
 

@@ -3,7 +3,7 @@
 The runtime's one specialization of the layer math that both engines share (``models.layers``): the
 general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel calls: for
 a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development machine, against
-0.7 ms (one thread) for this path (docs/benchmarks-history.md, "Per-token overhead"). For the common
+0.7 ms (one thread) for this path (docs/lab/benchmarks-history.md, "Per-token overhead"). For the common
 case -- one token, every layer on the CPU, a LLaMA-family or Gemma 3 block (RMSNorm, and Gemma's per
 head on q/k and after each block; RoPE in either pair order, with each layer's base and window; gated FFN;
 no biases but q/k/v's) in dense, predicted or thresholded sparse mode -- ``CompiledDecoder`` runs each

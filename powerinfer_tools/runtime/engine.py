@@ -17,6 +17,7 @@ from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.interfaces import Engine, FFNMode
 from powerinfer_tools import kernels
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
+from powerinfer_tools.kernels.kernel_thread import runs_model_work
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
@@ -37,6 +38,16 @@ from powerinfer_tools.runtime.generation import context_window, finite_logits
 from powerinfer_tools.runtime.selection_meter import SelectionMeter
 
 _UNBUILT = object()  # RuntimeModel._decoder before its first use
+
+
+@dataclass(frozen=True)
+class _Span:
+    """The rows of a forward pass's tokens that continue one sequence: ``rows`` of them, after the ``start``
+    positions its ``caches`` (one per layer) hold."""
+
+    rows: slice
+    caches: list[KVCache]
+    start: int
 
 
 @dataclass
@@ -207,6 +218,7 @@ class RuntimeModel(Engine):
     def _norm(self, norm: Norm, x):
         return normalize(self.spec.norm, norm, x, self.spec.norm_eps)
 
+    @runs_model_work  # whichever thread asks: the kernels keep one team of threads (``kernel_thread``)
     def forward(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool = True) -> np.ndarray:
         """Logits ``[T, vocab]`` (float32, on the host) for tokens following what ``caches`` hold.
 
@@ -214,40 +226,75 @@ class RuntimeModel(Engine):
         and the output projection of a whole prompt costs as much as a layer. Logits that are not finite are
         refused, naming the file's damaged tensor (``_refuse_damaged_file``).
         """
+        return self._checked(lambda: self._logits(tokens, caches, all_logits))
+
+    @runs_model_work
+    def forward_batch(self, tokens: np.ndarray, caches: list[list[KVCache]]) -> np.ndarray:
+        """Logits ``[B, vocab]`` of B sequences' next tokens in one forward pass: ``tokens[b]`` follows what
+        ``caches[b]`` hold. Every product multiplies the B rows at once, so each weight is read once for all of
+        them, and each layer's FFN computes them as its plan computes a block of tokens (dense: whole; sparse: the
+        union of their neurons, or each its own while they choose few: ``tokens_own_neurons``); attention is each
+        sequence's over its own cache. A batch of one is ``forward``'s step (the compiled decoder's)."""
+        if len(tokens) == 1:
+            return self._checked(lambda: self._logits(np.asarray(tokens), caches[0], all_logits=False))
+        spans = [_Span(slice(b, b + 1), cache, cache[0].length) for b, cache in enumerate(caches)]
+        return self._checked(lambda: self._general_logits(np.asarray(tokens), spans, all_logits=True))
+
+    def _checked(self, compute) -> np.ndarray:
+        """``compute()``'s logits, refused when they are not finite."""
         # A NaN or an infinity on the way shows in the logits, whichever path computed them: NumPy's warnings of
         # it (the compiled decoder gives none) would only be lines before the error.
         with np.errstate(all="ignore"):
-            logits = self._logits(tokens, caches, all_logits)
+            logits = compute()
         if self.checks_logits and not finite_logits(logits):
             self._refuse_damaged_file()
         return logits
 
     def _logits(self, tokens: np.ndarray, caches: list[KVCache], all_logits: bool) -> np.ndarray:
+        span = _Span(slice(0, len(tokens)), caches, caches[0].length)
+        decoder = self.compiled_decoder()
+        if decoder is None or self.firing_meter is not None or not decoder.usable(self.mode, len(tokens), caches):
+            return self._general_logits(np.asarray(tokens), [span], all_logits)
+        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
+        x = decoder.forward(self._embedded(tokens, [span]), caches, self.mode, step)  # computes its own rotations
+        return self._head(x if all_logits else x[-1:], self.host, step)
+
+    def _general_logits(self, tokens: np.ndarray, spans: list["_Span"], all_logits: bool) -> np.ndarray:
+        """The general path: layer by layer, the rows of every span at once (one sequence's block of tokens, or
+        one token of each sequence of a batch)."""
+        x, where = self._embedded(tokens, spans), self.host
+        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
+        ropes = [self._ropes(span.start, span.rows.stop - span.rows.start) for span in spans]
+        with single_threaded_blas():
+            for i, (layer, plan) in enumerate(zip(self.layers, self.ffn_plans[self.mode])):
+                backend = layer.dense.backend
+                x = move(x, where, backend)
+                where = backend
+                sequences = [(span.rows, span.caches[i], span.start, rope_of(i)) for span, rope_of in zip(spans, ropes)]
+                x = self._layer(i, layer, plan, x, sequences, step)
+        return self._head(x if all_logits else x[-1:], where, step)
+
+    def _embedded(self, tokens: np.ndarray, spans: list["_Span"]) -> np.ndarray:
+        """The tokens' embeddings ``[T, d_model]``, each span's rows at its positions; refused before anything is
+        allocated for them where a span does not fit the context window."""
         s = self.spec
-        start = caches[0].length
-        if start + len(tokens) > self.context_size:  # before anything is allocated for them
-            raise PitoolsError(f"{self.path}: {len(tokens)} tokens after {start} do not fit the context window "
-                               f"of {self.context_size} positions")
+        for span in spans:
+            n = span.rows.stop - span.rows.start
+            if span.start + n > self.context_size:
+                raise PitoolsError(f"{self.path}: {n} tokens after {span.start} do not fit the context window "
+                                   f"of {self.context_size} positions")
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
         if (scale := embedding_scale(s)) is not None:
             x = x * np.float32(scale)
         if self.positions is not None:
-            x = x + self.positions[start + s.position_offset : start + s.position_offset + len(tokens)]
-        where = self.host
-        step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
-        decoder = self.compiled_decoder()
-        if decoder is not None and self.firing_meter is None and decoder.usable(self.mode, len(tokens), caches):
-            x = decoder.forward(x, caches, self.mode, step)  # computes its own rotations
-        else:
-            rope_of = self._ropes(start, len(tokens))
-            with single_threaded_blas():
-                for i, (layer, plan, cache) in enumerate(zip(self.layers, self.ffn_plans[self.mode], caches)):
-                    backend = layer.dense.backend
-                    x = move(x, where, backend)
-                    where = backend
-                    x = self._layer(i, layer, plan, x, cache, start, rope_of(i), step)
+            at = np.concatenate([np.arange(span.start, span.start + span.rows.stop - span.rows.start) for span in spans])
+            x = x + self.positions[at + s.position_offset]
+        return x
+
+    def _head(self, x, where, step: TokenStats) -> np.ndarray:
+        """The logits of the rows ``x`` (on ``where``), on the host; ``step`` is counted."""
         head = self.head_backend
-        x = move(x if all_logits else x[-1:], where, head)
+        x = move(x, where, head)
         if self.output_norm is not None:
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
@@ -282,8 +329,8 @@ class RuntimeModel(Engine):
         holds, back on the host: a layer the compiled decoder leaves to this path (``layer_refusal``)."""
         backend, start = self.layers[i].dense.backend, cache.length
         with single_threaded_blas():
-            out = self._layer(i, self.layers[i], self.ffn_plans[self.mode][i], move(x, self.host, backend), cache,
-                              start, self._ropes(start, len(x))(i), step)
+            out = self._layer(i, self.layers[i], self.ffn_plans[self.mode][i], move(x, self.host, backend),
+                              [(slice(0, len(x)), cache, start, self._ropes(start, len(x))(i))], step)
         return move(out, backend, self.host)
 
     def compiled_decoder(self):
@@ -343,8 +390,9 @@ class RuntimeModel(Engine):
 
         return execution_report(self)
 
-    def _layer(self, i: int, layer: RuntimeLayer, plan: FFNPlan, x, cache: KVCache, start: int, rope,
-               step: TokenStats):
+    def _layer(self, i: int, layer: RuntimeLayer, plan: FFNPlan, x, sequences: list[tuple], step: TokenStats):
+        """Layer ``i`` for the rows ``x``; ``sequences``: (their rows, the layer's cache they follow, its length,
+        their rotations) of each sequence the rows belong to (``_attention``)."""
         d = layer.dense
 
         def ffn(h, residual):
@@ -355,30 +403,34 @@ class RuntimeModel(Engine):
 
         post_norms = None if d.post_attn_norm is None else (partial(self._norm, d.post_attn_norm),
                                                             partial(self._norm, d.post_ffn_norm))
-        return decoder_layer(x, lambda h: self._attention(i, d, h, cache, start, rope), ffn,
+        return decoder_layer(x, lambda h: self._attention(i, d, h, sequences), ffn,
                              partial(self._norm, d.attn_norm), partial(self._norm, d.ffn_norm), self.spec.pre_norm,
                              post_norms)
 
-    def _attention(self, i: int, d: DenseBlock, h, cache: KVCache, start: int, rope):
+    def _attention(self, i: int, d: DenseBlock, h, sequences: list[tuple]):
+        """Attention of the rows ``h``: the projections of every row at once, each sequence's rows (``rows``, a
+        slice) attending over its own ``cache`` from position ``start``, rotated by ``rope``."""
         b = d.biases
 
         def project(w: QuantMatrix | InterleavedQ4, key: str):
             y = d.backend.matmul(w, h)
             return y + b[key] if key in b else y
 
-        def store(k, v):
-            keys_values = cache.store(0, k, v)
-            cache.advance(k.shape[0])
-            return keys_values
-
-        rotate = None
-        if rope is not None:
-            rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
-                             sin=d.backend.xp.asarray(rope[1]))
+        q, k, v = project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v")
         qk_norms = None if d.q_norm is None else (partial(self._norm, d.q_norm), partial(self._norm, d.k_norm))
-        out = self_attention(self.spec, i, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), store, start,
-                             rotate, qk_norms)
-        out = d.backend.matmul(d.wo, out)
+        outs = []
+        for rows, cache, start, rope in sequences:
+            def store(keys, values, cache=cache):
+                keys_values = cache.store(0, keys, values)
+                cache.advance(keys.shape[0])
+                return keys_values
+
+            rotate = None
+            if rope is not None:
+                rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
+                                 sin=d.backend.xp.asarray(rope[1]))
+            outs.append(self_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, rotate, qk_norms))
+        out = d.backend.matmul(d.wo, outs[0] if len(outs) == 1 else d.backend.xp.concatenate(outs))
         return out + b["o"] if "o" in b else out
 
     # -- FFN: each layer's as its plan for the mode says (``ffn_plan``) ---------------------------------------

@@ -5,7 +5,7 @@ and ``ffn_down_t`` rows of the firing neurons only, computes the layer exactly a
 of its FFN bytes (``g, u, d``: the three matrices' bytes, ``f``: the share that fires); the gate is read whole,
 at the interleaved kernels' dense speed. A predictor reads its own bytes and ``p * (g + u + d)`` for the share
 ``p`` it computes, at a recall below 1. Where firing depends on context, a predictor computes half the neurons
-for 95% recall (the realistic synthetic models, docs/benchmarks.md) and the gate both reads less and misses
+for 95% recall (the realistic synthetic models, docs/lab/benchmarks.md) and the gate both reads less and misses
 nothing; where firing is easy to predict (``p`` near ``f``) the predictor reads less.
 
 ``auto`` compares the two per layer from what the file records: the share each predictor computed on

@@ -39,7 +39,7 @@ def _is_whole(value: Any) -> bool:
 class SamplingConfig:
     """``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
 
-    temperature: float = 0.8
+    temperature: float = 0.0  # greedy: `pitools run --temp` and LLM.generate by default (the HTTP API: OpenAI's 1)
     top_k: int = 40
     top_p: float = 0.95
     seed: Optional[int] = None
@@ -74,31 +74,56 @@ class Sampler:
         if c.temperature == 0:
             return int(np.argmax(logits))
         logits = logits.astype(np.float64)
-        order = _likeliest(logits, c.top_k)
-        # The differences from the largest logit are scaled, not the logits: divided by a subnormal
-        # temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN. A
-        # difference overflowing to -infinity is a probability of 0, as it should be.
-        with np.errstate(over="ignore"):
-            probs = np.exp((logits[order] - logits[order[0]]) / c.temperature)
-        probs /= probs.sum()
+        if not c.top_k and c.top_p >= 1:  # every token, as likely as its probability: no order needed
+            return self._draw(_scaled_exp(logits - logits.max(), c.temperature))
+        order = _likeliest(logits, c.top_k) if c.top_k else _nucleus(logits, c.top_p, c.temperature)
+        weights = _scaled_exp(logits[order] - logits[order[0]], c.temperature)
         if c.top_p < 1:
             # Keep the smallest head of the sorted distribution whose mass reaches top_p.
-            keep = int(np.searchsorted(np.cumsum(probs), c.top_p) + 1)
-            probs = probs[:keep] / probs[:keep].sum()
-            order = order[:keep]
-        return int(order[self.rng.choice(len(order), p=probs)])
+            keep = int(np.searchsorted(np.cumsum(weights), c.top_p * weights.sum()) + 1)
+            weights, order = weights[:keep], order[:keep]
+        return int(order[self._draw(weights)])
+
+    def _draw(self, weights: np.ndarray) -> int:
+        """An index drawn in proportion to ``weights`` (as ``Generator.choice`` with ``p``, without checking and
+        normalizing a vocabulary-sized ``p`` first)."""
+        cdf = np.cumsum(weights)
+        return int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+
+
+def _scaled_exp(differences: np.ndarray, temperature: float) -> np.ndarray:
+    """exp(differences / temperature) for differences from the largest logit. They are scaled, not the logits:
+    divided by a subnormal temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN.
+    A difference overflowing to -infinity is a probability of 0, as it should be."""
+    with np.errstate(over="ignore"):
+        return np.exp(differences / temperature)
+
+
+def _nucleus(logits: np.ndarray, top_p: float, temperature: float) -> np.ndarray:
+    """Token ids by falling logit (ties in id order), at least as many as hold ``top_p`` of the probability: the
+    head of a stable full sort, found without one (a full sort of a 49,152-token vocabulary costs several times a
+    small model's token), by sorting a growing head until it holds that mass."""
+    weights = _scaled_exp(logits - logits.max(), temperature)
+    total, head = weights.sum(), 64
+    while True:
+        order = _likeliest(logits, min(head, len(logits)))
+        if head >= len(logits) or weights[order].sum() >= top_p * total:
+            return order
+        head *= 8
 
 
 def finite_logits(logits: np.ndarray) -> bool:
     """Whether a token can be sampled from each row of ``logits`` (one token's, or ``[T, vocab]``): no NaN, no
-    +infinity, and some finite logit. A -infinity logit is a token with probability 0."""
-    return not np.isnan(logits).any() and bool(np.isfinite(logits.max(axis=-1)).all())
+    +infinity, and some finite logit. A -infinity logit is a token with probability 0. One pass, no copy: a row's
+    maximum is NaN where any of its values is (NumPy's ``max`` propagates NaN), +infinity where one is, and
+    -infinity where all are."""
+    return bool(np.isfinite(logits.max(axis=-1)).all())
 
 
 def _likeliest(logits: np.ndarray, top_k: int) -> np.ndarray:
     """Token ids by falling logit, the ``top_k`` likeliest only (all when 0), ties in id order: what a
-    stable full sort gives, but a full sort of a 32,000-token vocabulary costs ~3 ms, a tenth of a token's
-    forward pass, so the top k are partitioned out first."""
+    stable full sort gives, but the top k are partitioned out first (a full sort is what a vocabulary's
+    size makes costly)."""
     if 0 < top_k < len(logits):
         kth = np.partition(logits, len(logits) - top_k)[len(logits) - top_k]  # the k-th largest logit
         above = np.flatnonzero(logits > kth)
@@ -153,21 +178,32 @@ class Generation:
         self.step, self.prompt, self.sampler, self.stop = step, list(prompt), sampler, set(stop_ids)
         self.count = min(max_new_tokens, room)
         self.cut_by_window = room < max_new_tokens  # the window, not max_new_tokens, sets count
-        self.stopped_at_window = self.stopped_at_token = False
+        self.stopped_at_token = False
+        self.stopped_at_window = self.cut_by_window and self.count == 0  # a prompt that fills the window
         self.sampled = 0
 
     def __iter__(self) -> Iterator[int]:
         logits = self.step(np.asarray(self.prompt, dtype=np.int64))
-        for _ in range(self.count):
-            token = self.sampler(logits)
-            self.sampled += 1
+        while not self.finished:
+            token = self.next_token(logits)
             yield token
-            if token in self.stop:
-                self.stopped_at_token = True
-                return
-            if self.sampled < self.count:  # the last token's forward pass would feed no one
+            if not self.finished:  # the last token's forward pass would feed no one
                 logits = self.step(np.asarray([token], dtype=np.int64))
-        self.stopped_at_window = self.cut_by_window
+
+    def next_token(self, logits: np.ndarray) -> int:
+        """The token sampled from ``logits`` (the last forward pass's), counted; ``finished`` says whether another
+        forward pass is wanted. A batch of generations calls it for each of its sequences (``runtime.batching``),
+        iterating calls it for one."""
+        token = self.sampler(logits)
+        self.sampled += 1
+        self.stopped_at_token = token in self.stop
+        self.stopped_at_window = self.cut_by_window and self.sampled >= self.count and not self.stopped_at_token
+        return token
+
+    @property
+    def finished(self) -> bool:
+        """Whether the generation has ended: a stop token sampled, or ``count`` tokens."""
+        return self.stopped_at_token or self.sampled >= self.count
 
 
 def generate(step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Sampler, stop_ids: Iterable[int] = (),
@@ -177,7 +213,17 @@ def generate(step: StepFn, prompt: list[int], max_new_tokens: int, sampler: Samp
 
 
 def stream_text(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:
-    """Turn a token stream into text pieces, holding back an incomplete UTF-8 character.
+    """Turn a token stream into text pieces, holding back an incomplete UTF-8 character (``TextPieces``)."""
+    pieces = TextPieces(decode)
+    for token in tokens:
+        if text := pieces.feed(token):
+            yield text
+    if text := pieces.flush():
+        yield text
+
+
+class TextPieces:
+    """Tokens in, text pieces out, one token at a time (``feed``, then ``flush`` at the end).
 
     Byte-level tokens can split one character across tokens; decoding such a prefix gives U+FFFD, so
     a piece is released only once it ends in a complete character. Each step decodes a short window,
@@ -186,15 +232,25 @@ def stream_text(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> It
     ``decode(ids[start:released])``, as text rather than as tokens keeps what a tokenizer does to a
     text's start (a SentencePiece decoder drops its leading space) out of the pieces.
     """
-    ids: list[int] = []
-    start = released = 0  # ids[start:released]: the tokens of the last piece released
-    for token in tokens:
-        ids.append(token)
-        before = decode(ids[start:released])
-        text = decode(ids[start:])
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.start = self.released = 0  # ids[start:released]: the tokens of the last piece released
+
+    def feed(self, token: int) -> str:
+        """The text ``token`` completes ("" while a character is incomplete)."""
+        self.ids.append(token)
+        before, text = self._window()
         if len(text) > len(before) and not text.endswith("\ufffd"):
-            yield text[len(before):]
-            start, released = released, len(ids)
-    before, text = decode(ids[start:released]), decode(ids[start:])
-    if len(text) > len(before):
-        yield text[len(before):]
+            self.start, self.released = self.released, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """What is held back once no token follows."""
+        before, text = self._window()
+        return text[len(before):] if len(text) > len(before) else ""
+
+    def _window(self) -> tuple[str, str]:
+        return self.decode(self.ids[self.start : self.released]), self.decode(self.ids[self.start :])

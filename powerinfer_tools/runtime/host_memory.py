@@ -7,7 +7,7 @@ that threshold is free there, so the next layer's arrays are fresh pages that th
 A 128-token prompt of SmolLM2-135M's CATS file took ~30,000 page faults that way, a TinyLlama-shaped model's
 ~60,000 (none with the settings below, which make those prompts 1.13x and 1.19x as fast); Gemma 3 never met it:
 its 262k-entry logits raise the threshold past every layer's arrays early on.
-(``docs/kernels.md``, "Page faults in prompts".)
+(``docs/lab/kernels.md``, "Page faults in prompts".)
 
 So the runtime fixes the threshold at glibc's largest (arrays up to 32 MiB come from the heap) and keeps up
 to ``KEPT_FREE`` at the heap's top. The peak RSS does not change (what a prompt allocates it uses, at its peak,

@@ -15,8 +15,8 @@ can still part from a compiled run's where two tokens' logits lie closer than th
 So the run ends about when the build does, late by at most the reference step under way at that moment, provided
 its steps leave the build its core. Where they would not, the run waits for the build instead, as the ``wait``
 policy does (in process, where no build is under way yet: a build in another process starts later and opens the
-model again). From the start where ``reason_to_wait`` says so: fewer than ``CORES_NEEDED`` idle cores (by the load
-average: the reference's steps would take the build's core), or a model whose weights pass
+model again). From the start where ``reason_to_wait`` says so: fewer than ``CORES_NEEDED`` idle cores (by the threads
+running now: the reference's steps would take the build's core), or a model whose weights pass
 ``REFERENCE_WEIGHT_BYTES``, whose every step on the reference takes seconds. Else between two steps, once the
 reference's tokens show it (``stepping_pays``): a token that took longer than ``SLOW_STEP_SECONDS``, or tokens that
 spent their time waiting for a core more than computing (``CONTENDED``: a machine that became busy, where every
@@ -44,7 +44,7 @@ SLOW_STEP_SECONDS = 2.0  # a token slower than this on the reference, and the ge
 CONTENDED = 1.25
 JUDGED_AFTER_SECONDS = 1.0
 # A model's weights beyond which a token on the reference takes about SLOW_STEP_SECONDS or more, as measured on
-# Gemma 3 and SmolLM2 (docs/kernels.md, "First-call cost"): such a model waits for the build from the start.
+# Gemma 3 and SmolLM2 (docs/lab/kernels.md, "First-call cost"): such a model waits for the build from the start.
 REFERENCE_WEIGHT_BYTES = 10**9
 
 

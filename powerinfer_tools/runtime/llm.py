@@ -53,6 +53,7 @@ AUTO = "auto"  # LLM.load's mode: sparse where it pays on this machine (runtime.
 class GenerationStats:
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
+    prompt_reused: int = 0  # of the prompt tokens, those a prompt cache held (not computed: ``runtime.prompt_cache``)
     generated_tokens: int = 0  # tokens sampled, EOS included (an API's completion tokens)
     decode_steps: int = 0  # forward passes after the prompt's (one per generated token but the last)
     generation_seconds: float = 0.0  # their time
@@ -166,7 +167,7 @@ class LLM:
         return self.engine.mode.value if isinstance(self.engine, RuntimeModel) else FFNMode.DENSE.value
 
     def generate(
-        self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig(temperature=0)
+        self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingConfig = SamplingConfig()
     ) -> Iterator[str]:
         """Text pieces as tokens are produced; ``last_stats`` is complete when the iterator ends.
 
@@ -232,8 +233,10 @@ def _kernel_words(model: RuntimeModel) -> str:
 def _auto_mode(model: RuntimeModel, tokenizer, options: warmup.LoadOptions, notice) -> str:
     """``--mode auto`` on a loaded, warmed-up ``model`` in its sparse mode where it can run one: dense where
     sparse does not pay on this machine (``runtime.sparse_verdict``); the words that say why, or "" where
-    nothing was decided (no sparse mode to run, or the NumPy reference kernels in use)."""
-    if model.mode is not FFNMode.SPARSE or compiled_kernels.reference_chosen():
+    nothing was decided (no sparse mode to run, the NumPy reference kernels in use, or a context window too
+    small to time decoding in)."""
+    if (model.mode is not FFNMode.SPARSE or compiled_kernels.reference_chosen()
+            or not sparse_verdict.can_measure(model)):
         return ""
     found = sparse_verdict.verdict(model, tokenizer, options, compiled_kernels.get_threads(), notice)
     model.mode = FFNMode.SPARSE if found.pays else FFNMode.DENSE

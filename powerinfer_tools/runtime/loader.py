@@ -34,6 +34,7 @@ from powerinfer_tools.formats.model_file import ModelFile, StoredTensor, open_mo
 from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.quantization import decode, storage_shape
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
+from powerinfer_tools.kernels.kernel_thread import runs_model_work
 from powerinfer_tools.kernels.quant import SUPPORTED_TYPES, QuantMatrix
 from powerinfer_tools.models import spec_from_model_file
 from powerinfer_tools.models.base import EXTRA_NORMS
@@ -507,6 +508,7 @@ def _open_split(split_path: Path, model: ModelFile, n_layers: int, layer_neurons
     return gpu_split, CudaDevice(budget) if device == "cuda" else EmulatedDevice(budget)
 
 
+@runs_model_work  # its copies into other layouts run the kernels' parallel loops (``kernel_thread``)
 def load_runtime_model(
     path: str | Path | ModelFile,
     split: str | Path | None = None,

@@ -4,7 +4,7 @@ where a decoded token takes less time sparse than dense, and dense otherwise, an
 Whether skipping neurons pays depends on the machine as much as on the file: a SiLU model's CATS reads
 every gate row to choose and then scattered rows of up and down, which on a small model or a CPU whose
 gather of rows is slow can cost more than the dense path's contiguous products (SmolLM2-135M at 50%:
-0.89x of dense, docs/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout.
+0.89x of dense, docs/lab/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout.
 So it is measured: the loaded model decodes a short English text greedily in both modes, alternating
 modes step by step so that other load on the machine falls on both alike, and the medians are compared:
 sparse runs where it is at least ``MIN_GAIN`` times as fast.
@@ -29,6 +29,8 @@ from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.engine import TokenStats
 
 STEPS = 8  # decoded tokens timed in each mode
+# A prompt token, then the timed steps, each adding one position: a smaller context window cannot be measured.
+MIN_CONTEXT = STEPS + 1
 # Sparse runs only where it decodes at least this much faster: a smaller gain is within the measurement's
 # noise on a shared machine, and not worth sparsity's quality cost.
 MIN_GAIN = 1.05
@@ -50,9 +52,15 @@ class Verdict:
         return f"sparse {self.dense_step_s / self.sparse_step_s:.2f}x dense's decoding speed here"
 
 
+def can_measure(model) -> bool:
+    """Whether ``model``'s context window leaves room for ``measure``'s steps."""
+    return model.context_size >= MIN_CONTEXT
+
+
 def verdict(model, tokenizer, options: warmup.LoadOptions, threads: int, notice=None) -> Verdict:
-    """The verdict for ``model`` (a loaded ``RuntimeModel`` that can run sparse) as loaded with ``options`` on
-    ``threads`` threads: kept from an earlier run, or measured now (saying so through ``notice``) and kept."""
+    """The verdict for ``model`` (a loaded ``RuntimeModel`` that can run sparse, ``can_measure``) as loaded with
+    ``options`` on ``threads`` threads: kept from an earlier run, or measured now (saying so through
+    ``notice``) and kept."""
     key = warmup.warm_key({"file": model.fingerprint, "threads": threads}, options)
     kept = warmup.marker_folder() / f"pitools-sparse-{key}.json"
     try:

@@ -140,14 +140,16 @@ def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTH
     if modes is None:
         modes = [FFNMode.DENSE] + ([FFNMode.SPARSE] if engine.can_run_sparse else [])
     vocab = engine.spec.vocab_size
+    # Within the context window, however small: a prompt of at least one token, then what room is left.
+    decoded = min(DECODED_TOKENS, engine.context_size - 1)
     try:
         for mode in modes:
             engine.mode = mode
             for length in prompt_lengths:
-                length = min(length, engine.context_size - DECODED_TOKENS)
+                length = max(1, min(length, engine.context_size - decoded))
                 step = engine.step_fn()
                 step(np.arange(1, length + 1) % vocab)
-                for token in range(DECODED_TOKENS):
+                for token in range(decoded):
                     step(np.array([token + 1]) % vocab)
     finally:
         engine.mode, engine.stats, engine.checks_logits = saved

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from powerinfer_tools.runtime.generation import PromptTooLong, SettingError
+from powerinfer_tools.runtime.batching import DEFAULT_PARALLEL
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.serving.chat_template import ChatTemplate, ChatTemplateError, RendererClosed
 from powerinfer_tools.serving.json_body import read_json_object
@@ -42,13 +43,16 @@ PUBLIC_ROUTES = ("/health",)  # answered without the API key: a load balancer's 
 # context window cannot fit it in practice, and is refused before it is tokenized (a megabyte of text takes
 # seconds to tokenize) or, from a chat template, as soon as the template has written that much.
 CHARS_PER_TOKEN = 32
+DEFAULT_PROMPT_CACHE_BYTES = 256 << 20  # --prompt-cache: some 5,000 positions of SmolLM2's or TinyLlama's KV cache
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     model_id: str  # the name clients give as "model"
     api_key: Optional[str] = None
-    max_queue: int = 64  # requests admitted beyond the one running: preparing their prompt, or queued
+    max_queue: int = 64  # requests admitted beyond those running: preparing their prompt, or queued
+    parallel: int = DEFAULT_PARALLEL  # generations decoded together, one forward pass per step
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES  # finished sequences' KV caches kept for reuse; 0: none
     max_body_bytes: int = 1 << 20
     template_seconds: float = 2.0  # a chat template's render of one request's messages
     header_timeout: float = 10.0  # for a request's line and headers to arrive (uvicorn_server.py)
@@ -267,7 +271,7 @@ class Server:
 
     async def metrics_text(self, request: Request) -> Response:
         s = self.scheduler
-        return PlainTextResponse(self.metrics.exposition(s.waiting, s.running),
+        return PlainTextResponse(self.metrics.exposition(s.waiting, s.running, s.parallel, s.decoder),
                                  media_type="text/plain; version=0.0.4")
 
     # -- stopping ----------------------------------------------------------------
@@ -348,7 +352,8 @@ def create_app(llm: LLM, settings: ServeSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.scheduler = Scheduler(llm, settings.max_queue, server.metrics)
+        server.scheduler = Scheduler(llm, settings.max_queue, server.metrics, settings.parallel,
+                                     settings.prompt_cache_bytes)
         try:
             yield
         finally:

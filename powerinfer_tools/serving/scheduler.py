@@ -1,35 +1,36 @@
-"""Requests take turns on the one model: a bounded first-come-first-served queue, one generation at a time.
+"""Requests share the one model: up to ``parallel`` generations decoded together (continuous batching:
+``runtime.batching``), more waiting in a bounded first-come-first-served queue.
 
-Why not batch decoding: on the CPU a sparse runtime's token costs about what its active rows cost to
-read, and two sequences' active neurons mostly differ, so a batch reads nearly the union of both: measured,
-one pass over 4-16 tokens gains at most ~1.3x over as many one-token passes (docs/serving.md). Generations run one at a time on one worker thread (the model
-and its compiled kernels are not re-entrant; the kernels use every core already), and each request's
-pieces of text travel back to the event loop as they are produced.
+One thread (``pitools-batch``) runs the model: between two steps it drops the generations whose clients have
+gone, starts those waiting while slots are free (each one's prompt computed, beyond what the prompt cache
+holds), then decodes every running generation's next token in one forward pass. Each generation's text
+(stop strings cut) travels back to the event loop as it is produced, as do its start and end, so that the
+counts of requests waiting and running change on the event loop only.
 
 A place in the queue is taken at admission (``admit``), before the request's prompt is rendered and
 tokenized and before any response starts, so that ``max_queue`` bounds that work too and a full queue
-can still answer 503. A request whose client has gone sets its job's ``cancelled`` flag; the worker
-checks it before every token, so a disconnected stream frees the model within one token. At shutdown
-(``shut_down``) the running generation is cancelled the same way and every request still holding a
+can still answer 503. A request whose client has gone sets its job's ``cancelled`` flag; the batch thread
+checks it before every step, so a disconnected stream frees its slot within one token. At shutdown
+(``shut_down``) the running generations are cancelled the same way and every request still holding a
 place ends with ShuttingDown, so that a stream can tell its client why it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
-from powerinfer_tools.runtime.generation import SamplingConfig
+from powerinfer_tools.runtime.batching import DEFAULT_PARALLEL, BatchDecoder, Sequence
+from powerinfer_tools.runtime.engine import RuntimeModel
+from powerinfer_tools.runtime.generation import SamplingConfig, TextPieces
 from powerinfer_tools.runtime.llm import LLM, GenerationStats
+from powerinfer_tools.runtime.prompt_cache import PromptCache
 from powerinfer_tools.serving.metrics import ServerMetrics
 from powerinfer_tools.serving.stop_strings import StopStrings
-
-_END = object()  # the worker's last message to the event loop
-
 
 class QueueFull(Exception):
     def __init__(self, retry_after: int):
@@ -44,7 +45,7 @@ class ShuttingDown(Exception):
 
 @dataclass
 class Job:
-    """One generation: what to run, and (once the worker is done) how it ended."""
+    """One generation: what to run, and (once the batch thread is done with it) how it ended."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -53,10 +54,20 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     finish_reason: Optional[str] = None  # "stop" (EOS or a stop string), "length"; None if cancelled
     stats: GenerationStats = field(default_factory=GenerationStats)
+    post: Callable[[object], None] = print  # on the batch thread: hands a message to the request (``Scheduler.run``)
+    running: bool = False  # it has a slot (on the event loop: ``Scheduler._deliver``)
+
+
+_STARTED = object()  # the batch thread's messages to a request: it has a slot ...
+
+
+@dataclass
+class _Ended:  # ... and it has ended (with the exception that ended it, if one did)
+    error: Optional[BaseException] = None
 
 
 class Ticket:
-    """A place in the queue, held from admission until the job gets the model (or never will)."""
+    """A place in the queue, held from admission until the job gets a slot (or never will)."""
 
     def __init__(self, scheduler: "Scheduler"):
         self._scheduler, self.waiting = scheduler, True
@@ -68,89 +79,169 @@ class Ticket:
             self._scheduler.waiting -= 1
 
 
+@dataclass
+class _Running:
+    """A job with a slot: its sequence in the batch, and its text on the way out."""
+
+    job: Job
+    sequence: Sequence
+    pieces: TextPieces
+    stops: StopStrings
+
+
 class Scheduler:
-    def __init__(self, llm: LLM, max_queue: int, metrics: ServerMetrics):
-        self.llm, self.max_queue, self.metrics = llm, max_queue, metrics
+    def __init__(self, llm: LLM, max_queue: int, metrics: ServerMetrics, parallel: int = DEFAULT_PARALLEL,
+                 prompt_cache_bytes: int = 0):
+        self.llm, self.max_queue, self.metrics, self.parallel = llm, max_queue, metrics, parallel
         self.waiting = 0  # admitted, not yet running (its prompt being prepared, or queued)
         self.running = 0
         self.closing = False
-        self._current: Optional[Job] = None  # the job on the model
-        self._slot = asyncio.Lock()  # FIFO: waiters get it in the order they asked
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pitools-generate")
+        self.decoder = BatchDecoder(llm, PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
+        if isinstance(llm.engine, RuntimeModel):
+            llm.engine.stats = metrics.ffn  # every step's neurons and bytes, whichever sequences it ran
+        self._queue: collections.deque[Job] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._running: list[_Running] = []  # the batch thread's; replaced, never changed in place (shut_down reads it)
+        self._thread = threading.Thread(target=self._decode, name="pitools-batch", daemon=True)
+        self._thread.start()
 
     def admit(self) -> Ticket:
         """A place in the queue, or QueueFull with a guess of when to retry (ShuttingDown once stopping)."""
         if self.closing:
             raise ShuttingDown()
-        if self.waiting + self.running > self.max_queue:  # one on the model, max_queue behind it
+        if self.waiting + self.running >= self.parallel + self.max_queue:  # every slot taken, max_queue behind
             per_request = self.metrics.mean_request_seconds() or 1.0
-            raise QueueFull(max(1, math.ceil(per_request * (self.waiting + self.running))))
+            raise QueueFull(max(1, math.ceil(per_request * (self.waiting + self.running) / self.parallel)))
         self.waiting += 1
         return Ticket(self)
 
     async def run(self, job: Job, ticket: Ticket) -> AsyncIterator[str]:
-        """The job's text as it is generated, once its turn comes; ``job.finish_reason`` is set at the end.
-        Leaving early (the consumer cancelled or closed) stops the generation at the next token."""
-        try:
-            await self._slot.acquire()
-        finally:
+        """The job's text as it is generated, once it has a slot; ``job.finish_reason`` is set at the end.
+        Leaving early (the consumer cancelled or closed) stops the generation before its next token."""
+        if self.closing:
             ticket.leave()
-        if self.closing:  # its turn came after the server began to stop
-            self._slot.release()
             raise ShuttingDown()
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue = asyncio.Queue()
-        self.running += 1
-        self._current = job
-        future = loop.run_in_executor(self._worker, self._generate, job,
-                                      lambda item: loop.call_soon_threadsafe(pieces.put_nowait, item))
-        future.add_done_callback(lambda _: self._finished(job))
+        messages: asyncio.Queue = asyncio.Queue()
+        job.post = lambda message: loop.call_soon_threadsafe(self._deliver, job, ticket, messages, message)
+        with self._wake:
+            self._queue.append(job)
+            self._wake.notify()
         try:
-            while (item := await pieces.get()) is not _END:
-                yield item
-            await future  # the worker's exception, if it raised one
+            while not isinstance(message := await messages.get(), _Ended):
+                if message is not _STARTED:
+                    yield message
         finally:
-            job.cancelled.set()
+            job.cancelled.set()  # a no-op once it ended; else its slot is given up before the next step
+            ticket.leave()
+        if message.error is not None:
+            raise message.error
         if job.finish_reason is None and self.closing:  # cut short by shut_down
             raise ShuttingDown()
 
-    def _finished(self, job: Job) -> None:
-        """On the event loop once the worker has let go of the model: the next job may start."""
-        self.running -= 1
-        self._current = None
-        self._slot.release()
-        self.metrics.record_generation(job.stats, cancelled=job.finish_reason is None)
+    def _deliver(self, job: Job, ticket: Ticket, messages: asyncio.Queue, message) -> None:
+        """On the event loop: a message of the batch thread about ``job``, counted, then handed to its request
+        (if it still listens)."""
+        if message is _STARTED:
+            ticket.leave()
+            job.running = True
+            self.running += 1
+        elif isinstance(message, _Ended) and job.running:  # (one cancelled while queued never ran)
+            job.running = False
+            self.running -= 1
+            self.metrics.record_generation(job.stats, cancelled=job.finish_reason is None)
+        messages.put_nowait(message)
 
-    def _generate(self, job: Job, emit: Callable[[object], None]) -> None:
-        """On the worker thread: run the model, sending text pieces (stop strings cut) through ``emit``."""
+    # -- the batch thread --------------------------------------------------------
+
+    def _decode(self) -> None:
+        """The batch thread: start waiting jobs while slots are free, then step every running one, until closed."""
+        while True:
+            with self._wake:
+                while not self._queue and not self._running and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                free = self.parallel - len(self._running)
+                starting = [self._queue.popleft() for _ in range(min(len(self._queue), free))]
+            self._running = self._running + [r for r in map(self._start, starting) if r is not None]
+            self._running = [r for r in self._running if not self._ended(r)]
+            if self._running:
+                self._running = self._step(self._running)
+        for r in self._running:
+            r.job.post(_Ended(ShuttingDown()))
+
+    def _start(self, job: Job) -> Optional[_Running]:
+        """``job`` in a slot, its prompt computed and first token taken; None where it ended already (cancelled,
+        the server stopping, its prompt failing, a first token that ends it)."""
+        if job.cancelled.is_set() or self.closing:
+            job.post(_Ended(ShuttingDown() if self.closing else None))
+            return None
+        job.post(_STARTED)
         try:
-            pieces = self.llm.generate(job.prompt_ids, job.max_tokens, job.sampling)
-            job.stats = self.llm.last_stats
-            stops = StopStrings(job.stops)
-            for piece in pieces:
-                if job.cancelled.is_set():
-                    break
-                if text := stops.feed(piece):
-                    emit(text)
-                if stops.stopped:
-                    break
-            else:
-                if text := stops.flush():
-                    emit(text)
-            pieces.close()  # ends the generation (and completes its stats) when we left the loop early
-            if not job.cancelled.is_set():
-                job.finish_reason = "stop" if stops.stopped or job.stats.stopped_at_eos else "length"
-        finally:
-            emit(_END)
+            sequence = self.decoder.start(job.prompt_ids, job.max_tokens, job.sampling)
+        except Exception as exc:  # the model failed on it: its request answers so, the others go on
+            job.post(_Ended(exc))
+            return None
+        job.stats = sequence.stats
+        running = _Running(job, sequence, TextPieces(self.llm.tokenizer.decode), StopStrings(job.stops))
+        self._take(running)
+        return None if self._ended(running) else running
+
+    def _step(self, running: list[_Running]) -> list[_Running]:
+        """One step of every running job; those still running after it (none where the model failed)."""
+        try:
+            self.decoder.step([r.sequence for r in running])
+        except Exception as exc:  # every generation of the step fails alike
+            for r in running:
+                r.job.cancelled.set()
+                r.job.post(_Ended(exc))
+            return []
+        for r in running:
+            self._take(r)
+        return running
+
+    def _take(self, r: _Running) -> None:
+        """The text of ``r``'s newest token (stop strings cut) to its request; at its end, what was held back."""
+        if not r.sequence.tokens or r.stops.stopped:
+            return
+        text = r.pieces.feed(r.sequence.tokens[-1])
+        if r.sequence.finished:
+            text += r.pieces.flush()
+        if text and (out := r.stops.feed(text)):
+            r.job.post(out)
+        if r.sequence.finished and not r.stops.stopped and (rest := r.stops.flush()):
+            r.job.post(rest)
+
+    def _ended(self, r: _Running) -> bool:
+        """Whether ``r`` has ended (finished, a stop string, its client gone): then its slot is given back, its
+        ending posted."""
+        job = r.job
+        if self.closing and not (r.sequence.finished or r.stops.stopped):  # (one starting when shut_down came)
+            job.cancelled.set()
+        if not (r.sequence.finished or r.stops.stopped or job.cancelled.is_set()):
+            return False
+        self.decoder.finish(r.sequence)
+        if not job.cancelled.is_set():
+            job.finish_reason = "stop" if r.stops.stopped or job.stats.stopped_at_eos else "length"
+        job.post(_Ended())
+        return True
+
+    # -- stopping ----------------------------------------------------------------
 
     def shut_down(self) -> None:
-        """The server is stopping: refuse new requests, stop the running generation at its next token
-        rather than let it finish, and end those waiting before they start."""
+        """The server is stopping: refuse new requests, stop the running generations before their next token
+        rather than let them finish, and end those waiting before they start."""
         self.closing = True
-        if self._current is not None:
-            self._current.cancelled.set()
+        with self._wake:
+            for job in [r.job for r in self._running] + list(self._queue):
+                job.cancelled.set()
+            self._wake.notify()
 
     def close(self) -> None:
         """Once the server has stopped serving: no generation runs any more."""
         self.shut_down()
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
