@@ -240,9 +240,9 @@ def test_pitools_run_on_a_cold_cache_answers_at_once_and_the_next_run_is_compile
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold")}
     monkeypatch.setattr(warmup, "marker_folder", lambda: tmp_path / "cold")
     env.pop("PITOOLS_KERNELS")
-    # on an idle machine (the load average is this machine's: a busy one makes the first run wait instead)
-    cli = ("import os, sys; os.getloadavg = lambda: (0.0, 0.0, 0.0); from powerinfer_tools.commands.cli import main; "
-           "sys.argv[0] = 'pitools'; main()")
+    # on an idle machine (the running threads are this machine's: a busy one makes the first run wait instead)
+    cli = ("import sys; from powerinfer_tools import kernels; kernels.others_running = lambda *_, **__: 0; "
+           "from powerinfer_tools.commands.cli import main; sys.argv[0] = 'pitools'; main()")
     run = [sys.executable, "-c", cli, "run", str(bundled_gguf("q8_0")), "-p", "def ", "-n", "4"]
     first = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120, check=True)
     assert "being built in the background" in first.stderr and "NumPy kernels" in first.stderr
