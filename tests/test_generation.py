@@ -159,3 +159,19 @@ def test_sampling_draws_tokens_as_often_as_their_probability(top_k, top_p):
     expected = np.zeros(5)
     expected[keep] = probs[keep] / probs[keep].sum()
     np.testing.assert_allclose(drawn, expected, atol=0.015)
+
+
+def test_a_draw_over_a_vocabulary_of_many_blocks_follows_the_distribution():
+    """The draw finds a block by the blocks' sums, then the token within it: tokens at a block's edges, in the
+    first and the last (a partial) block, each drawn as often as their probability."""
+    from powerinfer_tools.runtime.generation import DRAW_BLOCK
+
+    vocab = 4 * DRAW_BLOCK + 100
+    likely = np.array([0, DRAW_BLOCK - 1, DRAW_BLOCK, 3 * DRAW_BLOCK + 7, vocab - 1])
+    logits = np.full(vocab, -40.0, dtype=np.float32)  # the rest: about 1e-13 of the mass in all
+    logits[likely] = [0.0, 1.0, 2.0, 3.0, 2.0]
+    sampler = Sampler(SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, seed=1))
+    drawn = np.array([sampler(logits) for _ in range(20000)])
+    assert np.isin(drawn, likely).all()
+    probs = np.exp(logits[likely] - 3.0)
+    np.testing.assert_allclose([np.mean(drawn == t) for t in likely], probs / probs.sum(), atol=0.015)

@@ -59,6 +59,10 @@ class NonFiniteLogits(PitoolsError):
     run that reads them from the file), and no token can be sampled from it."""
 
 
+DRAW_BLOCK = 1024  # weights summed at a time by ``Sampler._draw``
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
 class Sampler:
     """Picks the next token from a logits vector; reproducible for a given seed."""
 
@@ -73,7 +77,9 @@ class Sampler:
                                   "or the model file changed while it was being read")
         if c.temperature == 0:
             return int(np.argmax(logits))
-        logits = logits.astype(np.float64)
+        # In float32: NumPy's exp is vectorized for it, and a probability it rounds to 0 (below e^-87 of the
+        # likeliest token's) is one no draw would pick anyway.
+        logits = logits.astype(np.float32, copy=False)
         if not c.top_k and c.top_p >= 1:  # every token, as likely as its probability: no order needed
             return self._draw(_scaled_exp(logits - logits.max(), c.temperature))
         order = _likeliest(logits, c.top_k) if c.top_k else _nucleus(logits, c.top_p, c.temperature)
@@ -86,17 +92,26 @@ class Sampler:
 
     def _draw(self, weights: np.ndarray) -> int:
         """An index drawn in proportion to ``weights`` (as ``Generator.choice`` with ``p``, without checking and
-        normalizing a vocabulary-sized ``p`` first)."""
-        cdf = np.cumsum(weights)
-        return int(np.searchsorted(cdf, self.rng.random() * cdf[-1], side="right"))
+        normalizing a vocabulary-sized ``p`` first): the block that the draw falls in by the blocks' sums, then
+        the index within it. A running sum over the whole vocabulary is sequential, and costs more than all the
+        vectorized arithmetic before it."""
+        starts = np.arange(0, len(weights), DRAW_BLOCK)
+        block_cdf = np.cumsum(np.add.reduceat(weights, starts, dtype=np.float64))
+        target = self.rng.random() * block_cdf[-1]
+        block = min(int(np.searchsorted(block_cdf, target, side="right")), len(starts) - 1)
+        within = target - (block_cdf[block - 1] if block else 0.0)
+        cdf = np.cumsum(weights[starts[block] : starts[block] + DRAW_BLOCK], dtype=np.float64)
+        return int(starts[block]) + min(int(np.searchsorted(cdf, within, side="right")), len(cdf) - 1)
 
 
 def _scaled_exp(differences: np.ndarray, temperature: float) -> np.ndarray:
     """exp(differences / temperature) for differences from the largest logit. They are scaled, not the logits:
     divided by a subnormal temperature (5e-324 is a valid one) a logit overflows to infinity, and inf - inf is NaN.
-    A difference overflowing to -infinity is a probability of 0, as it should be."""
+    A difference overflowing to -infinity is a probability of 0, as it should be. A temperature below float32's
+    smallest normal number is taken as that number, which float32 differences can be divided by: either keeps
+    the likeliest token(s) alone."""
     with np.errstate(over="ignore"):
-        return np.exp(differences / temperature)
+        return np.exp(differences / max(temperature, FLOAT32_TINY))
 
 
 def _nucleus(logits: np.ndarray, top_p: float, temperature: float) -> np.ndarray:
