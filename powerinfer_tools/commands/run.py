@@ -90,6 +90,13 @@ def run(model: Path, prompt: str, prompt_file: Path | None, n_tokens: int, temp:
     if s.stopped_at_window:
         click.echo(f"pitools: note: stopped at the end of the context window ({s.context_size} positions: "
                    f"{s.prompt_tokens} of prompt, {s.generated_tokens} generated)", err=True)
+    click.echo(f"{_summary(llm)} | {llm.description}", err=True)
+
+
+def _summary(llm) -> str:
+    """The summary line's figures of ``llm``'s last generation: rates, FFN work, the move onto the compiled
+    kernels, the RAM tier."""
+    s = llm.last_stats
     summary = (f"{_throughput('prompt', s.prompt_tokens, s.prompt_rate)} | "
                f"{_throughput('generation', s.generated_tokens, s.generation_rate)}")
     if s.ffn.steps:
@@ -107,7 +114,7 @@ def run(model: Path, prompt: str, prompt_file: Path | None, n_tokens: int, temp:
                     f"{format_size(ram_state.plan.budget)}"
                     f" | cache hit rate {_hit_rate(s.ffn)} | {s.ffn.disk_bytes / max(s.ffn.steps, 1) / 1e6:.2f} MB "
                     "from disk/step")
-    click.echo(f"{summary} | {llm.description}", err=True)
+    return summary
 
 
 def _prompt_from(path: Path, prompt: str) -> str:
