@@ -350,7 +350,7 @@ class Hardness:
 # (rank d_model/16) and, with noise 0.35, lets even an ideal predictor of that size reach 95% recall
 # only by computing ~1.5x the neurons that fire; "easy" is the rank-4 model earlier benchmarks ran on.
 #
-# "realistic" is calibrated on a real model, not chosen (issue 33). On SmolLM2-135M-Instruct (SwiGLU: its 10%
+# "realistic" is calibrated on a real model, not chosen. On SmolLM2-135M-Instruct (SwiGLU: its 10%
 # of neurons of largest |activation| standing for firing), our trainer's predictors of hidden 128, 10% of
 # the FFN weights (more than PowerInfer's 6-9%), compute REAL_MODEL_COMPUTED of the neurons, mean of three
 # layers, at 95% recall on held-out text (`python examples/predictability_curve.py`; the curve is in

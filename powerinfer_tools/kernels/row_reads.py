@@ -1,6 +1,6 @@
 """Reading scattered rows of a file into the arrays that hold them, compiled: a neuron cache's misses.
 
-A token's misses under a tight RAM budget are tens of thousands of small direct reads (issue 14: ~29,000
+A token's misses under a tight RAM budget are tens of thousands of small direct reads (~29,000
 of 8 KiB a token on the 7B shape), each row then cut into the matrices it feeds. In Python the bookkeeping
 and the copies took as long as the disk (NumPy's fancy-indexed copy alone a large part of a token), and every read
 held the GIL between system calls. Here ``plan_reads`` turns sorted neurons into aligned reads (a run of
