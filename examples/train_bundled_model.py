@@ -35,8 +35,8 @@ import platform
 import sysconfig
 import time
 
-# OpenMP threads that spin while waiting lose badly on a shared, busy machine
-# (3x slower steps measured here); sleeping waiters cost nothing when idle.
+# OpenMP threads that spin while waiting lose badly on a shared, busy machine;
+# sleeping waiters cost nothing when idle.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pydoc_data.topics import topics

@@ -168,8 +168,8 @@ class _Reader(GGUFReader):
 
     def _get_field_parts(self, orig_offs, raw_type):
         """gguf-py's, but an array of numbers read as one part and an array of strings walked without gguf-py's
-        two checked NumPy reads per item: ~50 us a token, 0.4 s for a 8,000-token vocabulary and seconds
-        for a 262,144-token one, all before the first token."""
+        two checked NumPy reads per item, whose cost per token adds up to seconds for a 262,144-token vocabulary,
+        all before the first token."""
         if raw_type != GGUFValueType.ARRAY:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_item, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)

@@ -1,7 +1,7 @@
 """Reading a file past the operating system's page cache, as a disk delivers it.
 
-`pitools probe --disk` measures a disk with these reads, and a memory budget (issue 14's neuron
-cache) is only honest if the bytes it reads do not also sit in the page cache. ``O_DIRECT`` does
+`pitools probe --disk` measures a disk with these reads, and a memory budget (the neuron
+cache's) is only honest if the bytes it reads do not also sit in the page cache. ``O_DIRECT`` does
 both: the read goes from the device into the caller's buffer. It needs the buffer, the offset and
 the length aligned to the device's logical block size (4096 covers every common device), so buffers
 come from ``aligned_buffer``. Some filesystems refuse ``O_DIRECT`` (tmpfs, some network and overlay

@@ -13,7 +13,7 @@ import importlib
 
 # Each name's module, imported when the name is first used (PEP 562): importing the package, as every
 # ``powerinfer_tools.solver.X`` import does, costs nothing then, while the ILP's modules bring in PuLP
-# and HiGHS (~70 ms that `pitools run` does not need).
+# and HiGHS (import time that `pitools run` does not need).
 _HOMES = {
     "PRESETS": "hardware", "HardwareProfile": "hardware", "load_profile": "hardware", "probe_profile": "hardware",
     "save_profile": "hardware",

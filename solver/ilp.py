@@ -24,7 +24,7 @@ max of GPU and CPU time and the sync of split layers included, without a lineari
 LP relaxation is the convex hull of each layer's options (the chain polytope is integral),
 so the root bound is within about one layer's step of the optimum; the textbook form
 (``t >= GPU time``, ``t >= CPU time``, a sync indicator) lets a fractional layer run "half on
-each device" in parallel for free and left 1-2% gaps after 60 s on the 7B benchmark.
+each device" in parallel for free and left 1-2% gaps at the 7B benchmark's time limit.
 
 One memory row: reserve + dense blocks + KV caches + FFN rows + head <= budget.
 
@@ -174,8 +174,8 @@ def solver_name(requested: str) -> str:
 
 def make_solver(name: str, gap_rel: float, time_limit: float, mip: bool = True) -> pulp.LpSolver:
     if name == "highs":
-        # Presolve reduces nothing in chain rows, yet with it HiGHS spent 23 of 28 s before its
-        # first node on a 70B instance; without it the same solve took 3.6 s.
+        # Presolve reduces nothing in chain rows, yet with it HiGHS spent most of a 70B instance's solve
+        # before its first node; without it the same solve took a fraction of the time.
         return pulp.HiGHS(msg=False, mip=mip, gapRel=gap_rel, timeLimit=time_limit, presolve="off")
     return pulp.PULP_CBC_CMD(msg=False, mip=mip, gapRel=gap_rel, timeLimit=time_limit)
 

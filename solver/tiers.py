@@ -38,8 +38,7 @@ from powerinfer_tools.solver.problem import HeadCost, Layer, LayerCost, Placemen
 from powerinfer_tools.direct_io import ALIGNMENT
 
 # For a profile without disk figures: a slow SSD. A SATA link carries at most about 0.55 GB/s; the
-# small-read figures are below what `pitools probe --disk` measured on this project's machine
-# (0.87-0.92 GB/s, 40-46 us per 8 KiB read, 40-50k reads/s at depth 8; docs/lab/benchmarks.md).
+# small-read figures are below what `pitools probe --disk` measured on an SSD (docs/lab/benchmarks.md).
 DEFAULT_DISK = {"disk_read_gbs": 0.5, "disk_latency_us": 100.0, "disk_iops": 10_000.0}
 MIN_CACHE_SLOTS = 16  # per layer with disk neurons: a cache smaller than this thrashes on every token
 # What the RAM tier needs beyond ``problem.STATS_KEYS`` (``tiered_problem``'s arguments; optional in a

@@ -79,12 +79,12 @@ class Tolerance:
     why: str
 
 
-# Bounds set from measurements (development machine, no AVX-512 VNNI): the largest error over every variant and
+# Bounds set from measurements (on a CPU without AVX-512 VNNI): the largest error over every variant and
 # over block, prompt and one-token rows, with 2-5x margin. These random models amplify a product's ~5e-3 error
 # layer by layer, and which values cross a threshold depends on the CPU's kernels (VNNI encodes x its own way), so
 # the thresholded bounds were measured over five seeds of the SiLU model (3-7). Measured (logits / thresholded):
 # f32 1.1e-6 / 8.9e-7; f16 1.1e-3 / 8.2e-2; q8_0 3.0e-2 / 0.24; q4_0 5.2e-2 / 0.29; Q4_1 6.1e-2; Q4_K_M 8.7e-2;
-# Q6_K 4.9e-2; on the AVX-512 VNNI EPYC, 2026-12-05: Q5_0 3.7e-2, Q5_1 5.9e-2, Q5_K_M 8.3e-2, Q3_K_M 0.10,
+# Q6_K 4.9e-2; on a CPU with AVX-512 VNNI: Q5_0 3.7e-2, Q5_1 5.9e-2, Q5_K_M 8.3e-2, Q3_K_M 0.10,
 # Q2_K 7.5e-2, IQ4_NL 6.1e-2, IQ4_XS 9.5e-2, IQ3_M 9.2e-2, TQ1_0 and TQ2_0 7.6e-2, BF16 1.4e-2. Logits computed
 # wrongly differ by ~1 (CATS choosing from a q4_0 gate of mixed-up rows: 0.94).
 TOLERANCES = {

@@ -423,7 +423,7 @@ def engine_specs(model: Path, baseline: Path | None, settings: BenchSettings, mo
     reported = {"threads": settings.threads} | ({"omp_wait_policy": omp_wait_policy()}
                                                  if "OMP_WAIT_POLICY" in os.environ else {})
     # Dense runs on the same dense GGUF as llama.cpp when there is one: an identical file for both,
-    # and its ffn_down rows are read by vec_dot, ~10% faster per token than the axpy over ffn_down_t.
+    # and its ffn_down rows are read by vec_dot, faster per token than the axpy over ffn_down_t.
     files = {SPARSE: Path(model), DENSE: Path(baseline if baseline is not None else model)}
     ours = reported | ({"ram": settings.ram} if settings.ram is not None else {})
     specs = [(EngineSpec(m, files[m], settings.threads, total, ram=settings.ram, neuron_choice=settings.neuron_choice),

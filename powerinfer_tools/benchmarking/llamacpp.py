@@ -4,8 +4,7 @@ bench`` and the tests' independent oracle.
 llama.cpp's CPU backend stores weights in an "extra" buffer type when one takes them, trying them in
 order before the plain CPU buffer: AMX (Intel CPUs with AMX tiles) repacks for the tile
 instructions, CPU_REPACK interleaves q4_0 (and q4_K, iq4_nl) rows for its AVX2/AVX-512/NEON GEMV
-kernels (~1.5x faster decoding than the plain layout on TinyLlama's shape in q4_0, 2 threads of an
-AMD EPYC: issue 13). Three ways to load:
+kernels (faster decoding than the plain layout on TinyLlama's shape in q4_0). Three ways to load:
 
 - ``Buffers.PLAIN``: no extra buffer types (``use_extra_bufts = False``): ggml's plain ``vec_dot``
   kernels, the ones our runtime calls too. The tests' oracle.

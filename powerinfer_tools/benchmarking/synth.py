@@ -138,8 +138,8 @@ MEAN_SUPPORT = 32
 PROFILE_WINDOW = 1024  # tokens per profiling pass: bounds the activations held in memory
 # Tokens profiled per FFN on average, by default: training pairs enough for "easy" predictors. A mixture's
 # expert sees only n_experts_used / n_experts of the tokens; with 4096 tokens in all, a Mixtral expert's
-# ~1000 pairs (for 4096 inputs) left its predictor short of 95% recall at hidden 128 after 17 minutes,
-# with 4096 per expert it reaches it at hidden 12 in under a minute.
+# ~1000 pairs (for 4096 inputs) left its predictor short of 95% recall at hidden 128 after long training,
+# with 4096 per expert it reaches it at hidden 12 in a small fraction of that time.
 PROFILE_TOKENS_PER_FFN = 4096
 # Token ids the bundled tokenizer (every synthetic model's) encodes text to: the bench's prompts and decoded
 # tokens are among them, so profiling leaves them out where the vocabulary has room (``profile_tokens``).
@@ -147,8 +147,8 @@ TEXT_VOCAB = 4096
 HELD_OUT_IDS = 0.2  # of the ids profiling draws from, the share that only the held-out pairs use
 # Predictor training for synthetic models: the pipeline's recall target and budget, but a precision
 # floor of 65% (the default 50% lets the smallest predictor compute ~1.8x the neurons that fire)
-# and ~half the default optimiser steps, which the planted structure does not need: ~1 minute per
-# layer and candidate size for TinyLlama's shape on the 2-core machine instead of ~3.
+# and ~half the default optimiser steps, which the planted structure does not need: a layer and candidate size
+# for TinyLlama's shape trains in a fraction of the default's time.
 SYNTH_TRAINING = TrainSettings(min_precision=0.65, epochs=4, min_epoch_steps=150)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SYNTH_JSON = "synth.json"  # in the work folder, written once the checkpoint is complete
@@ -169,8 +169,7 @@ OUTLIER_MAGNITUDE = 6.0
 DEFAULT_TARGET_SPARSITY = 0.5  # CATS's and TEAL's headline level
 # Calibration tokens by default: plenty for a threshold's quantile (CATS's: of 2048 x d_ff values per layer)
 # and a neuron's frequency (+-1.1 points at 50%). calibrate runs them twice; at the TinyLlama shape (~2.1
-# GFLOP a token, logits included) that is ~8.5 TFLOP: the 2-layer model's 2 x 27 s on 2 busy cores (~23
-# GFLOP/s) put the full one near 3 minutes on 2 idle ones.
+# GFLOP a token, logits included) that is ~8.5 TFLOP: minutes on two cores, not hours.
 CALIBRATION_TOKENS = 2048
 STATISTICS_TOKENS = 256  # one sequence's activations, whose statistics the summary gives
 
@@ -351,7 +350,7 @@ class Hardness:
 # (rank d_model/16) and, with noise 0.35, lets even an ideal predictor of that size reach 95% recall
 # only by computing ~1.5x the neurons that fire; "easy" is the rank-4 model earlier benchmarks ran on.
 #
-# "realistic" is calibrated on a real model, not chosen (issue 33). On SmolLM2-135M-Instruct (SwiGLU: its 10%
+# "realistic" is calibrated on a real model, not chosen. On SmolLM2-135M-Instruct (SwiGLU: its 10%
 # of neurons of largest |activation| standing for firing), our trainer's predictors of hidden 128, 10% of
 # the FFN weights (more than PowerInfer's 6-9%), compute REAL_MODEL_COMPUTED of the neurons, mean of three
 # layers, at 95% recall on held-out text (`python examples/predictability_curve.py`; the curve is in

@@ -109,9 +109,9 @@ def bench(model, baseline, baseline_model, generate, prompt_tokens, runs, thread
 
     \b
     Examples:
-      pitools synth --shape tinyllama-1.1b -o /tmp/tl.powerinfer.gguf
-      pitools bench /tmp/tl.powerinfer.gguf --threads 2 --json
-      pitools bench /tmp/tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
+      pitools synth --shape tinyllama-1.1b -o tl.powerinfer.gguf
+      pitools bench tl.powerinfer.gguf --threads 2 --json
+      pitools bench tl.powerinfer.gguf --powerinfer ~/PowerInfer/build/bin/main
     """
     settings = _settings(model, prompt_tokens, generate, runs, threads, memory_limit, ram, modes, quality_steps,
                          neuron_choice)

@@ -15,7 +15,7 @@ from powerinfer_tools.errors import Interrupted, PitoolsError
 
 # Each subcommand: its module in commands/ and the click command there. A module is imported only when
 # its command runs (or --help lists them all): `pitools run` does not pay for the imports of bench and
-# synth (scipy, the reference engine's trainers), ~0.7 s of a warm start.
+# synth (scipy, the reference engine's trainers), a large part of a warm start.
 COMMANDS = {
     "advise": ("advise", "advise"),
     "pull": ("pull", "pull"),

@@ -136,6 +136,6 @@ def _hit_rate(ffn) -> str:
 
 
 def _throughput(what: str, tokens: int, rate: float | None) -> str:
-    """``prompt: 5 tokens at 812.3 tok/s``; without the rate when none was measured (no tokens, no time)."""
+    """``prompt: <n> tokens at <rate> tok/s``; without the rate when none was measured (no tokens, no time)."""
     return f"{what}: {tokens} tokens" + (f" at {rate:.1f} tok/s" if rate is not None else "")
 

@@ -115,10 +115,10 @@ def synth(shape, output, activation, target_sparsity, sparsity_rule, density, la
 
     \b
     Examples:
-      pitools synth --shape tinyllama-1.1b --density 0.1 -o /tmp/tl.powerinfer.gguf
-      pitools bench /tmp/tl.powerinfer.gguf
-      pitools synth --shape mixtral-8x7b --layers 2 -o /tmp/mx.powerinfer.gguf
-      pitools synth --shape tinyllama-1.1b --activation silu --target-sparsity 0.5 -o /tmp/tls.powerinfer.gguf
+      pitools synth --shape tinyllama-1.1b --density 0.1 -o tl.powerinfer.gguf
+      pitools bench tl.powerinfer.gguf
+      pitools synth --shape mixtral-8x7b --layers 2 -o mx.powerinfer.gguf
+      pitools synth --shape tinyllama-1.1b --activation silu --target-sparsity 0.5 -o tls.powerinfer.gguf
     """
     _check_options(activation)
     common = dict(work=work, keep_work=keep_work, force=force, progress=not quiet, layers=layers)

@@ -284,7 +284,8 @@ def bf16_matmul(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None) -> np.nd
 def bf16_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     """``row_axpy``'s product for a block of tokens over q4_0 rows (``bf16_row_sums``), both sides rounded to
     bfloat16 and summed in float32 (``numba_bf16``): a prompt's down projection over ``ffn_down_t`` without
-    dequantizing it for BLAS (SmolLM2's times 128 tokens: 0.6 ms against 1.8)."""
+    dequantizing it for BLAS, which takes several times as long (docs/lab/kernels.md, "A prompt's products in
+    bfloat16")."""
     from powerinfer_tools.kernels import numba_bf16
 
     rows = _checked_rows(m, rows)
@@ -318,8 +319,8 @@ def _to_float(m: QuantMatrix) -> int:
 def axpy_output(n_tokens: int, cols: int) -> np.ndarray:
     """Zeroed float32 ``[n_tokens, cols]`` for an axpy to add into, its rows one cache line further apart
     than their width: an axpy adds each weight block to many tokens' rows at once, and rows a multiple
-    of 4 KiB apart share their L1 sets and evict each other (the prompt's down projection, TinyLlama
-    ``ffn_down_t``, 128 tokens, 1 thread: 59 ms with 8 KiB rows, 18 ms padded)."""
+    of 4 KiB apart share their L1 sets and evict each other (the prompt's down projection over TinyLlama's
+    ``ffn_down_t``, whose rows are 8 KiB, took several times as long unpadded)."""
     return np.zeros((n_tokens, cols + 16), dtype=np.float32)[:, :cols]
 
 

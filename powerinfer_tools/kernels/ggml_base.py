@@ -166,7 +166,7 @@ def check_rows(qtype: GGMLQuantizationType) -> np.ndarray:
     """The stored rows the library is checked on (``to_float`` here, ``vec_dot`` in ``ggml_ops``): eight rows of
     512 values. A quantized type's are random bytes: any bytes are a stored row to a dequantizer, and random ones
     reach every field's range (a quantizer's output would not, and ggml's for iq3_s first builds its grid tables:
-    88 ms of every start). A float type's are random normal values (random bits would make one f16 in 32 an
+    a cost at every start). A float type's are random normal values (random bits would make one f16 in 32 an
     infinity or a NaN, and nearly every row hold one)."""
     rng = np.random.default_rng(0)
     if WEIGHT_TYPES[qtype].block_size == 1:  # f32, f16, bf16

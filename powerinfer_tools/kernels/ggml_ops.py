@@ -174,7 +174,7 @@ def _interleaved_routines(cpu: ctypes.CDLL, q4_0: DotRoutine) -> InterleavedRout
 def _check_numerics(qtype: Q, routine: DotRoutine, origin: str) -> None:
     """One dot product against the NumPy reference: a wrong ABI gives garbage, not a small error. The row is one
     of ``ggml_base.check_rows`` (random bytes) whose values are all finite, not a quantizer's output (ggml's for
-    iq3_s first builds its grid tables: 88 ms of every start)."""
+    iq3_s first builds its grid tables: a cost at every start)."""
     stored = ggml_base.check_rows(qtype)
     with np.errstate(all="ignore"):  # random scales: some rows hold f16's infinities or NaNs
         finite = np.isfinite(WEIGHT_TYPES[qtype].dequantize(stored)).all(axis=1)

@@ -1,15 +1,15 @@
 """q4_0 matrices with their rows interleaved eight at a time: the layout of ggml's repacked kernels.
 
-llama.cpp's CPU backend does not multiply q4_0 weights as stored: at load it rewrites them into
-``block_q4_0x8`` groups (the "CPU_REPACK" buffer type) and runs ``ggml_gemv_q4_0_8x8_q8_0`` (one
-token) and ``ggml_gemm_q4_0_8x8_q8_0`` (four tokens at a time) over them, which produce eight rows'
-outputs per pass over the input. Measured on the 2-core development VM, a TinyLlama gate matrix
-(5632 x 2048), one token: 1.3-1.6x ``vec_dot`` row by row with the weights in cache, 1.1-1.4x from
-memory; 128 tokens on one thread: 43 against 30 G multiply-adds/s for dequantize + BLAS
-(``examples/bench_kernels.py``). Matrices that are always multiplied whole (attention, a q4_0 output
-head) are stored this way on the CPU; a sparse FFN's gate and up are not, since a predicted neuron's
-row must be readable alone: a prompt that needs every one of their rows gets a copy interleaved for that
-product (``CpuBackend.matmul``; the compiled copy, ``numba_interleaved.interleave``, is a fifth of the GEMM).
+llama.cpp's CPU backend does not multiply q4_0 weights as stored: at load it rewrites them into ``block_q4_0x8``
+groups (the "CPU_REPACK" buffer type) and runs ``ggml_gemv_q4_0_8x8_q8_0`` (one token) and
+``ggml_gemm_q4_0_8x8_q8_0`` (four tokens at a time) over them, which produce eight rows' outputs per pass over the
+input. On a TinyLlama gate matrix (5632 x 2048) that is faster than ``vec_dot`` row by row for one token, with the
+weights in cache or from memory, and than dequantize + BLAS for 128 tokens on one thread
+(``examples/bench_kernels.py`` measures them; docs/lab/kernels.md). Matrices that are always multiplied whole
+(attention, a q4_0 output head) are stored this way on the CPU; a sparse FFN's gate and up are not, since a
+predicted neuron's row must be readable alone: a prompt that needs every one of their rows gets a copy interleaved
+for that product (``CpuBackend.matmul``; the compiled copy, ``numba_interleaved.interleave``, costs little beside
+the GEMM).
 
 The layout (``ggml-cpu/repack.cpp``): rows are taken eight at a time; for each 32-column block of
 those eight rows, one 144-byte group holds the eight f16 scales, then 128 bytes of quants in which

@@ -4,9 +4,9 @@ time (ggml's ``to_float``) and multiplies the chunk with OpenBLAS's ``sgemm`` on
 
 The work runs on numba's threads rather than a pool of Python threads because numba's OpenMP workers, after each
 parallel region, spin on their cores waiting for the next one: on two cores a Python pool doing this same work
-right after a compiled product (a prompt's up, then its down) ran at half its speed (SmolLM2's ``ffn_down_t`` times
-128 tokens: 3.2 ms a layer inside a prompt against 1.6 alone). On numba's threads, a 128-token prompt's down
-projections take 52 ms against 86 on Gemma 3 270M, 78 against 97 on SmolLM2 (CATS files, AVX-512 EPYC).
+right after a compiled product (a prompt's up, then its down) ran far slower than alone (SmolLM2's ``ffn_down_t``
+times 128 tokens). On numba's threads a 128-token prompt's down projections take less time
+than on such a pool, on Gemma 3 270M's and SmolLM2's CATS files alike.
 
 ``sgemm`` is the address of OpenBLAS's ILP64 ``cblas_sgemm`` (``runtime.backends``), which the caller keeps
 single-threaded while these run: each thread's call computes on that thread.

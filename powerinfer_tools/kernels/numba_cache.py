@@ -17,7 +17,7 @@ sources now, the module's cached functions are flushed before any of them has ru
 
 **Loading without the compiler.** Before it loads a cached function numba installs its typing and lowering
 registries (``target_context.refresh()``: it imports ~60 more of its modules, SciPy's BLAS among them), which
-only compiling uses: 0.19 s of a 0.6 s warm ``pitools run`` here (cProfile), every process. Loading machine code
+only compiling uses: a large share of a warm ``pitools run`` (cProfile), every process. Loading machine code
 needs only numba's runtime (NRT: the functions that compiled code calls to allocate and count references), and
 compiling refreshes the registries itself (``numba.core.compiler.CompilerBase``). So our functions' caches load
 their entries after ``rtsys.initialize`` alone; a function that is not in the cache compiles as before.

@@ -1,6 +1,6 @@
 """Multi-threaded products over q4_0 matrices interleaved eight rows at a time (``kernels.interleaved``),
 through ggml's ``gemv`` and ``gemm`` for that layout (``ggml_ops.InterleavedRoutines``), or for one
-token with ``vnni`` through ``numba_vnni.interleaved_group`` (1.4-1.7x ggml's gemv from memory).
+token with ``vnni`` through ``numba_vnni.interleaved_group`` (faster than ggml's gemv from memory).
 
 The threads share a matrix's groups of eight rows, each one contiguous run, so that every thread
 makes one call per matrix: ggml's routine then streams its groups with nothing in between.
@@ -26,8 +26,8 @@ NO_GROUPS.flags.writeable = False
 @njit(parallel=True, nogil=True, cache=True)
 def interleave(rows, out):
     """``kernels.interleaved.interleave``'s layout, byte for byte, written from the q4_0 ``rows`` ``[n, row_bytes]``
-    into ``out`` ``[n / 8, 8 * row_bytes]`` in one pass: 2.7 ms for a TinyLlama gate (5632 x 2048) where the
-    NumPy reshuffle takes 12.9, nearly ggml's GEMM of it over 128 tokens."""
+    into ``out`` ``[n / 8, 8 * row_bytes]`` in one pass, in a fraction of the NumPy reshuffle's time on a TinyLlama
+    gate (5632 x 2048), which takes nearly as long as ggml's GEMM of it over 128 tokens."""
     group_bytes = ROWS * _Q4_0_BLOCK_BYTES
     for g in prange(out.shape[0]):
         for k in range(rows.shape[1] // _Q4_0_BLOCK_BYTES):

@@ -10,7 +10,8 @@ Two shapes of work, for the two halves of a sparse FFN; both take the weights as
   thread's slice of ``out`` stays in L1, nobody synchronises, and every active row is read as one
   contiguous stretch per thread. The work per 32-column block is one LLVM vector expression
   (``_block_axpy``): numba's own loops here stay scalar, because LLVM cannot prove that ``out`` and
-  the weights do not overlap (one thread, weights in cache: 0.3-1 GB/s scalar, 7-20 GB/s vector).
+  the weights do not overlap (one thread, weights in cache: the vector expression is an order of magnitude
+  faster).
 
 Function addresses and thread counts are arguments rather than globals or in-kernel calls, so
 ``cache=True`` can keep the machine code on disk (a baked-in address would be stale in the next
@@ -41,17 +42,15 @@ Q4_0 = int(weight_types.Q4_0)
 BLOCK = WEIGHT_TYPES[weight_types.Q4_0].block_size
 # The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the one-token axpy spread over its
 # work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
-# Measured on the busy 2-core machine, 1 thread,
-# q4_0 5632x2048 cycling through 260 MB of copies, median GB/s without -> with: 10% of rows 2.9 -> 8.4
-# (matvec), 2.7 -> 5.9 (axpy); all rows 3.7-7.3 -> 8.7-10 (matvec). 1, 4 or 8 rows ahead, or
-# prefetching to L2 only, did no better (then; with the kernels of 2026-12-05 L2 pays for scattered rows: ``TO_L2``).
+# Measured on one thread, q4_0 5632x2048 cycling through 260 MB of copies: the hints made 10% of the rows come much
+# faster (matvec and axpy), and all rows faster too (matvec). 1, 4 or 8 rows ahead, or prefetching to L2 only, did
+# no better (then; with later kernels L2 pays for scattered rows: ``TO_L2``).
 PREFETCH_ROWS = 2
-# A decoded token's axpy adds this many rows per load and store of its partial sum (``_row_axpy``), where
-# it used to load and store every block of the partial for each row. ``python examples/bench_kernels.py
-# --only-decoder-axpy`` against the one-row kernel (3 alternating runs each, 2-core AVX-512 EPYC, rows from
-# memory): q4_0 1.2-1.4x at 10-75% of the rows on SmolLM2's and TinyLlama's down projections, q8_0
-# 1.0-1.4x (1.0 at 75% of SmolLM2's, which its two threads read at ~17 GB/s either way). A prototype with
-# 8 rows did no better than 4. (The tuples of `_one_token_rows` are spelled out for four.)
+# A decoded token's axpy adds this many rows per load and store of its partial sum (``_row_axpy``), where it used to
+# load and store every block of the partial for each row. ``python examples/bench_kernels.py --only-decoder-axpy``
+# against the one-row kernel (alternating runs, rows from memory): faster for q4_0 at 10-75% of the rows on
+# SmolLM2's and TinyLlama's down projections, and for q8_0 but where memory bounds both (75% of SmolLM2's). A
+# prototype with 8 rows did no better than 4. (The tuples of `_one_token_rows` are spelled out for four.)
 ROWS_AT_ONCE = 4
 # The options of a loop compiled with fast floating point (LLVM may reorder its sums and assume no NaN or infinity):
 # NumPy's error model too, so that its divisions give inf or NaN as NumPy's do, where numba's default raises
@@ -213,13 +212,12 @@ def lane_sum(builder, lanes):
 # Where a prefetch hint brings its line (llvm.prefetch's locality). Rows read out of order (a sparse FFN's
 # chosen rows) ask for L2 (``prefetcht1``): a line asked for rows ahead then waits in L2 instead of holding one
 # of L1's few miss buffers until it arrives, so more lines are on their way at once. ``python
-# examples/bench_kernels.py --only-vnni --only-decoder-axpy --shapes tinyllama`` (2-core AVX-512 EPYC, 2 threads,
-# rows from memory), L1 -> L2: scattered q4_0 rows by numba_vnni 13.2 -> 13.5-16.1 GB/s at 10%, 14.2 -> 14.6-18.6
-# at 22%; the one-token q4_0 axpy 12.1 -> 15.5 at 10%, 15.3 -> 18.8 at 75%; one thread's interleaved q4_0 gemv 28
-# -> 31-34. A plain read of 10% of 1152-byte rows, 1 thread: 9 GB/s with L1 hints at any distance, 12 with L2
-# hints 4-16 rows ahead. Rows read in order (all of a matrix: an output head, a dense step) keep L1 hints
-# (``in_order``): L2 hints there cost 15-30% (all of TinyLlama's q4_0 rows 31-34 -> 24-29 GB/s) and none at all
-# 4% of Gemma 3's head (680-byte rows).
+# examples/bench_kernels.py --only-vnni --only-decoder-axpy --shapes tinyllama`` (2 threads, rows from memory)
+# compares them: with L2 hints scattered q4_0 rows by numba_vnni, the one-token q4_0 axpy and one thread's
+# interleaved q4_0 gemv all came faster, and a plain read of 10% of 1152-byte rows (1 thread) faster with L2 hints
+# 4-16 rows ahead than with L1 hints at any distance. Rows read in order (all of a matrix: an output head, a dense
+# step) keep L1 hints (``in_order``): L2 hints there made all of TinyLlama's q4_0 rows slower and cost nothing on
+# Gemma 3's head (680-byte rows).
 TO_L1, TO_L2 = 3, 2
 
 
@@ -258,7 +256,7 @@ def f16_row_dot(typingctx, row, x, n):
     """``row · x`` for ``n`` (a multiple of ``F16_CHUNK``) f16 weights at address ``row`` and float32 x at
     ``x`` rounded to f16 (as ggml's f16 ``vec_dot`` takes it), in float32. For narrow rows (a predictor's
     second layer: 8 inputs a row), where a ``vec_dot`` call costs more than the row (TinyLlama's easy
-    predictor, 5632 such rows a layer: 0.09 ms a layer through it, ~2 ms a token)."""
+    predictor: 5632 such rows a layer)."""
     sig = types.float32(types.intp, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -458,8 +456,8 @@ def _row_axpy(typingctx, qtype, out, rows, coeffs, n_blocks, block_bytes, ahead)
     all of the rows, each row's block scale times its coefficient once, then one multiply-add per weight (no
     per-block token loop, as ``_block_axpy`` has). The rows are added in order, so the sums are those of one row
     at a time. Each block also asks the cache for the same block of the ``ahead`` rows: spread over the work like
-    this, rather than up front, the requests kept scattered q4_0 rows coming ~25% faster (a one-off comparison
-    while writing it: 5.0 -> 6.2 GB/s, two threads)."""
+    this, rather than up front, the requests kept scattered q4_0 rows coming faster (a one-off comparison while
+    writing it, two threads)."""
     n_rows = rows.count
     sig = types.void(types.intp, types.intp, types.UniTuple(types.intp, n_rows), types.UniTuple(types.float32, n_rows),
                      types.intp, types.intp, types.UniTuple(types.intp, n_rows))
@@ -533,7 +531,7 @@ def axpy_rows_one_token(qtype, weights, rows, coeffs, out, n_threads):
     """One token's ``out[0] += Σ_j coeffs[0, j] · W[rows[j]]`` with the threads sharing the rows, not
     each row's columns as ``axpy_rows`` does: each thread sums its run of rows into a partial of its own,
     and the partials are added to ``out`` in thread order. Splitting a 1152-byte q4_0 row between two
-    threads made two threads slower than one (examples/bench_kernels.py: 3.5 against 4.4 GB/s); a
+    threads made two threads slower than one (examples/bench_kernels.py); a
     decoded token has one output row, so the partials cost one row per thread. Columns a multiple of 32."""
     partial = one_token_partials(rows.shape[0], out.shape[1], n_threads)
     _one_token_rows(qtype, weights, rows, coeffs, partial, 0, rows.shape[0])

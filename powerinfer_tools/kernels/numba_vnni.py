@@ -1,10 +1,9 @@
 """q4_0 and q8_0 products for one token with AVX-512 VNNI: a sparse FFN's scattered gate and up rows,
 an output head, and (below) matrices interleaved eight rows at a time.
 
-Reading the active rows is not what bounds a sparse FFN here: two threads of a 2-core VM read
-scattered 1152-byte q4_0 rows at 11-13 GB/s, but ggml's ``vec_dot_q4_0_q8_0`` (one block of 32
-weights per step, 256-bit) computes them at 6-9 GB/s; ``row_dot`` at 13-15
-(``examples/bench_kernels.py --only-vnni``; docs/lab/kernels.md).
+Reading the active rows is not what bounds a sparse FFN here: ggml's ``vec_dot_q4_0_q8_0`` (one block of 32
+weights per step, 256-bit) computes scattered 1152-byte q4_0 rows more slowly than two threads can read them;
+``row_dot`` keeps up with the reads (``examples/bench_kernels.py --only-vnni``; docs/lab/kernels.md).
 ``row_dot`` takes a row a group of blocks at a time (four q4_0 blocks, 72 bytes; two q8_0 blocks, 68
 bytes): two 64-byte loads and one byte permute gather the group's 64 bytes of quants, one word
 permute its f16 scales, and ``vpdpbusd`` multiplies the weights, as unsigned bytes, with the input's
@@ -179,12 +178,12 @@ def _emit_row_dot(builder, fmt: _Rows, locality: int, row, x, n_groups, ahead):
     return lane_sum(builder, builder.load(total))
 
 
-# The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at
-# address ``x``, as a float32. Each group also asks the cache for the same group of the row at ``ahead``
-# (the next-but-one the caller reads; ``row`` itself when none): spread over the work like this, the
-# requests kept scattered q4_0 rows coming ~20% faster than the whole row's lines asked for up front
-# (``numba_kernels.prefetch_span``; a one-off comparison while writing it: 11.5 against 9.4 GB/s, two
-# threads), whose burst of 18 requests fills the core's line fill buffers and stalls the loads behind.
+# The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at address
+# ``x``, as a float32. Each group also asks the cache for the same group of the row at ``ahead`` (the next-but-one
+# the caller reads; ``row`` itself when none): spread over the work like this, the requests kept scattered q4_0 rows
+# coming faster than the whole row's lines asked for up front (``numba_kernels.prefetch_span``; a one-off comparison
+# while writing it, two threads), whose burst of 18 requests fills the core's line fill buffers and stalls the loads
+# behind.
 row_dot_q4_0, _in_order_q4_0 = _row_dot(_Q4_0_ROWS, TO_L2), _row_dot(_Q4_0_ROWS, TO_L1)  # scattered rows, in order
 
 
@@ -298,7 +297,7 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
 
 # --- whole matrices interleaved eight rows at a time (kernels.interleaved, ggml's block_q4_0x8) ----------
 #
-# ggml's own gemv for that layout (AVX2) computes a 2-core VM's q/k/v/o at ~10 GB/s; with VNNI a block
+# ggml's own gemv for that layout (AVX2) computes q/k/v/o more slowly than memory delivers them; with VNNI a block
 # of eight rows is two 64-byte loads of nibbles and four ``vpdpbusd``: the 16 int32 lanes hold row r's
 # sums in lanes 2r and 2r + 1, each over 8 of the block's 32 values. Piece i of the quants is row i % 8's
 # bytes 8 * (i // 8) ..: the first 64 bytes hold each row's values 0-7 (low nibbles) and 16-23 (high),
@@ -307,8 +306,7 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
 
 _INTERLEAVED_ROWS = 8
 # Each block asks the cache for the bytes 16 blocks on: the hardware prefetcher alone trails (a one-off
-# comparison while writing it, 2048 x 2048 from memory, 2 threads: ~17 GB/s so, ~15 without; 4 or 8
-# blocks on did no better).
+# comparison while writing it, 2048 x 2048 from memory, 2 threads; 4 or 8 blocks on did no better).
 _AHEAD_BYTES = 2304
 _INTERLEAVED_BLOCK_BYTES = _INTERLEAVED_ROWS * WEIGHT_TYPES[weight_types.Q4_0].block_bytes
 

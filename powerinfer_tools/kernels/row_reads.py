@@ -1,8 +1,8 @@
 """Reading scattered rows of a file into the arrays that hold them, compiled: a neuron cache's misses.
 
-A token's misses under a tight RAM budget are tens of thousands of small direct reads (issue 14: ~29,000
+A token's misses under a tight RAM budget are tens of thousands of small direct reads (~29,000
 of 8 KiB a token on the 7B shape), each row then cut into the matrices it feeds. In Python the bookkeeping
-and the copies took as long as the disk (NumPy's fancy-indexed copy alone ~1/3 of a token), and every read
+and the copies took as long as the disk (NumPy's fancy-indexed copy alone a large part of a token), and every read
 held the GIL between system calls. Here ``plan_reads`` turns sorted neurons into aligned reads (a run of
 rows whose aligned blocks touch is one read) and a table of row copies; ``read_rows`` does a share of the
 reads with libc's ``pread`` and copies each read's rows into place, without the GIL, so that several

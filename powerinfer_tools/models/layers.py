@@ -138,8 +138,8 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
     def _grow(self, needed: int) -> None:
-        # The stored positions alone are copied (np.pad copied every row and filled the rest in Python; each
-        # layer's cache grows from 64 to 128 positions in a 128-token prompt: SmolLM2's 1.02x as fast without it).
+        # The stored positions alone are copied (np.pad copied every row and filled the rest in Python, as each
+        # layer's cache grows from 64 to 128 positions in a 128-token prompt).
         capacity = max(needed, 2 * self.keys.shape[1])
         xp = array_namespace(self.keys)
         for name in ("keys", "values"):
@@ -164,7 +164,7 @@ def attention(
     n_kv = keys.shape[1]
     group = n_heads // n_kv
     # [kv_heads, group * T, hd] @ [kv_heads, hd, S]: each KV head serves `group` query heads, all in one
-    # batched product (einsum contracts these without BLAS: ~20x slower on a 128-token prompt).
+    # batched product (einsum contracts these without BLAS: an order of magnitude slower on a 128-token prompt).
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_tokens, head_dim)
     scale = q.dtype.type(head_dim ** -0.5 if scale is None else scale)
     scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1)
@@ -174,7 +174,7 @@ def attention(
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     # The softmax in place, in the product's own array: a new array at each step made a 512-token prompt of the
-    # TinyLlama-shaped model 6% slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
+    # TinyLlama-shaped model slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
     scores *= scale
     scores += xp.where(visible, q.dtype.type(0), q.dtype.type(-np.inf))  # the positions a query may not see
     scores -= scores.max(axis=-1, keepdims=True)

@@ -2,9 +2,9 @@
 
 On the TinyLlama shape a training step's logits are a [512, 5632] matrix. At small hidden sizes
 the step's matrix products are cheap, and NumPy's sigmoid and ``where`` (six passes over that
-matrix, each allocating it) took ~80% of the step. Here NumPy's vectorised ``exp`` makes one pass
-and a compiled loop the other, in place (~6 ms of CPU against ~33 ms, single-threaded; a compiled
-loop calling ``exp`` itself took ~12 ms). Imported only when a NumPy trainer runs, so that the CLI
+matrix, each allocating it) took most of the step. Here NumPy's vectorised ``exp`` makes one pass
+and a compiled loop the other, in place, in a fraction of their time (a compiled loop calling ``exp``
+itself was slower than this split). Imported only when a NumPy trainer runs, so that the CLI
 does not load numba to start.
 """
 

@@ -57,8 +57,8 @@ class CpuBackend:
         if _every_row(rows, m.rows) and kernels.interleaves(m):
             # A block times every row of a q4_0 matrix kept in rows for one-token reads (a PowerInfer file's
             # gate and up, in a prompt that needs every neuron: dense mode, the thresholded rules): copied
-            # interleaved for this product alone, ggml's GEMM with the copy takes 128 tokens 1.4-2.2x as fast
-            # as dequantizing for BLAS (AVX-512 VNNI EPYC; 1536 x 576 to 11008 x 4096).
+            # interleaved for this product alone, ggml's GEMM with the copy takes 128 tokens faster than
+            # dequantizing for BLAS does, at every shape measured (1536 x 576 to 11008 x 4096; docs/lab/kernels.md).
             return kernels.interleaved_matmul(kernels.for_whole_products(m), x)
         if kernels.bf16_matmuls(m):
             return kernels.bf16_matmul(m, x, rows)
@@ -84,10 +84,10 @@ class CpuBackend:
 class _BlockProducts:
     """Products for many tokens at once: weight rows dequantized a chunk at a time and multiplied by OpenBLAS's
     ``sgemm``, single-threaded on each of the compiled kernels' threads (``kernels.block_matmul``; why their
-    threads: ``kernels.numba_blocks``). OpenBLAS's own threads stall whenever one of them loses its core on
-    the busy 2-core machine: a TinyLlama gate times 128 tokens took 372 ms so, 41 ms shared among Python
-    threads, and takes 24 ms this way. Without NumPy's OpenBLAS (another BLAS, another OS) the kernels take
-    the block 32 tokens at a time."""
+    threads: ``kernels.numba_blocks``). OpenBLAS's own threads stall whenever one of them loses its core on a busy
+    machine with few cores: a TinyLlama gate times 128 tokens took many times as long so, and longer than this way
+    even with the block shared among Python threads. Without NumPy's OpenBLAS (another BLAS, another OS) the kernels
+    take the block 32 tokens at a time."""
 
     def matmul(self, m: QuantMatrix, x: np.ndarray, rows=None) -> np.ndarray:
         if not _OPENBLAS.sgemm:
@@ -158,10 +158,9 @@ _OPENBLAS = _OpenBlas()
 
 def single_threaded_blas():
     """A context in which NumPy's BLAS runs on the calling thread alone (nothing where it is not
-    OpenBLAS). The engine computes a prompt's attention in it: a layer's products are small (~1 ms
-    single-threaded for 128 tokens), and OpenBLAS's threads, competing for the cores with the
-    compiled kernels' idle workers, made the same products take ~400 ms a layer on this 2-core
-    machine."""
+    OpenBLAS). The engine computes a prompt's attention in it: a layer's products are small, and
+    OpenBLAS's threads, competing for the cores with the compiled kernels' idle workers, made the same
+    products take hundreds of times as long on a machine with few cores (docs/lab/benchmarks-history.md)."""
     return _OPENBLAS.single_threaded() if _OPENBLAS.available else contextlib.nullcontext()
 
 

@@ -1,23 +1,21 @@
 """The compiled one-token decode path: one token on the CPU, a whole layer per compiled call.
 
-The runtime's one specialization of the layer math that both engines share (``models.layers``): the
-general path (``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel calls: for
-a 22-layer model with tiny matrices, 7-24 ms per token of fixed cost on the development machine, against
-0.7 ms (one thread) for this path (docs/lab/benchmarks-history.md, "Per-token overhead"). For the common
-case -- one token, every layer on the CPU, a LLaMA-family or Gemma 3 block (RMSNorm, and Gemma's per
-head on q/k and after each block; RoPE in either pair order, with each layer's base and window; gated FFN;
-no biases but q/k/v's) in dense, predicted or thresholded sparse mode -- ``CompiledDecoder`` runs each
-layer as one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its
-``gemv`` over matrices the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN, a
-CATS gate); on a CPU with AVX-512 VNNI, ``numba_vnni``'s products replace both for q4_0 (1.4-2x their
-speed from memory), fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention,
-output projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over
-``ffn_down_t``; the predictor's two products, on its stored rows, add one each only when the matrix is
-large), and the small work between them (norms, biases, RoPE, the predictor's relu and threshold) is
-compiled loops. The FFN's part of a layer (the predictor, gate/up, down and their variants: dense, sparse,
-thresholded, an expert, behind a neuron cache) is ``ffn_decode``, which runs each layer's FFN plan for the mode
-(``ffn_plan``), given to it as numbers in the layer's ``LayerWeights`` of that mode; this module runs the layer
-around it.
+The runtime's one specialization of the layer math that both engines share (``models.layers``): the general path
+(``RuntimeModel._layer``) runs a layer as some fifty NumPy operations and kernel calls: for a 22-layer model with
+tiny matrices, a fixed cost per token many times this whole path's (docs/lab/benchmarks-history.md, "Per-token
+overhead"). For the common case -- one token, every layer on the CPU, a LLaMA-family or Gemma 3 block (RMSNorm, and
+Gemma's per head on q/k and after each block; RoPE in either pair order, with each layer's base and window; gated
+FFN; no biases but q/k/v's) in dense, predicted or thresholded sparse mode -- ``CompiledDecoder`` runs each layer as
+one numba call: the products are loops over weight rows calling ggml's ``vec_dot``, or its ``gemv`` over matrices
+the loader interleaved (``kernels.interleaved``: attention, a dense file's FFN, a CATS gate); on a CPU with AVX-512
+VNNI, ``numba_vnni``'s products replace both for q4_0 (faster than either from memory: docs/lab/kernels.md, "One
+token with AVX-512 VNNI"), fused so that a layer takes five fork/joins of the thread pool: q/k/v, attention, output
+projection, gate/up with the activation, and ``numba_kernels.axpy_rows_one_token`` over ``ffn_down_t``; the
+predictor's two products, on its stored rows, add one each only when the matrix is large), and the small work
+between them (norms, biases, RoPE, the predictor's relu and threshold) is compiled loops. The FFN's part of a layer
+(the predictor, gate/up, down and their variants: dense, sparse, thresholded, an expert, behind a neuron cache) is
+``ffn_decode``, which runs each layer's FFN plan for the mode (``ffn_plan``), given to it as numbers in the layer's
+``LayerWeights`` of that mode; this module runs the layer around it.
 A layer outside that case (``layer_refusal``: on a device, other biases, mixed layouts) is left to the
 general path for that layer alone (``RuntimeModel.general_layer``); the others still run here.
 It computes what the general path computes, up to float32 summation order (and the q8_0 rounding
@@ -70,7 +68,7 @@ _DOWN, _DOWN_T = block_part(MODEL_TENSOR.FFN_DOWN), block_part(PowerInferTensor.
 
 
 # Weights and buffers reach the compiled code as numba StructRefs: one pointer each. (A namedtuple of
-# arrays costs ~20 us per call to type-check, more than a small layer's work.) The types are module
+# arrays costs more per call to type-check than a small layer's work.) The types are module
 # level so that numba's on-disk cache recognises them in the next process.
 
 
@@ -128,8 +126,8 @@ structref.define_proxy(Scratch, ScratchType, [
 
 
 # Made by these cached functions, not by calling the proxies: a proxy's constructor is compiled anew in
-# every process (numba does not cache it), ~0.35 s for each distinct set of field types, 2.4 s before
-# the bundled model's first token.
+# every process (numba does not cache it), for each distinct set of field types: seconds before the
+# bundled model's first token.
 @njit(cache=True)
 def new_layer_weights(*fields):
     return LayerWeights(*fields)

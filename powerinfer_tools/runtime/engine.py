@@ -551,9 +551,8 @@ def _thresholded():
 # A block of tokens computes each token's own neurons (``tokens_own_neurons``) while they are fewer than this
 # share of the neurons on average; above it, the union of their neurons with the products' matrix kernels
 # (``FFNPartition.compute``), whose time hardly depends on the share. On the TinyLlama shape's 128-token prompt
-# the two cross between 28% and 39%: 1.05 s against 2.23 at 11%, 1.38 against 1.83 at 28%, 1.83 against 1.70
-# at 39%, 2.98 against 1.71 at 56% (`python examples/prompt_paths.py MODEL.powerinfer.gguf`, on the realistic
-# synthetic model, whose predictors compute 56% of the neurons).
+# the two cross between 28% and 39% (`python examples/prompt_paths.py MODEL.powerinfer.gguf` times both at each
+# share, on the realistic synthetic model, whose predictors compute 56% of the neurons).
 OWN_NEURONS_DENSITY = 0.3
 
 

@@ -243,7 +243,7 @@ class TextPieces:
     Byte-level tokens can split one character across tokens; decoding such a prefix gives U+FFFD, so
     a piece is released only once it ends in a complete character. Each step decodes a short window,
     from the token after the piece before last (``start``) on, not the whole text: decoding everything
-    again per token grew with the text (0.4 ms a token after 512). Removing the window's first part,
+    again per token grew with the text. Removing the window's first part,
     ``decode(ids[start:released])``, as text rather than as tokens keeps what a tokenizer does to a
     text's start (a SentencePiece decoder drops its leading space) out of the pieces.
     """

@@ -5,7 +5,7 @@ A prompt allocates and frees arrays of 0.3-30 MB at every step of every layer (a
 dynamic mmap threshold has risen, but gives the top of the heap back to the kernel whenever more than twice
 that threshold is free there, so the next layer's arrays are fresh pages that the kernel zeroes on first touch.
 A 128-token prompt of SmolLM2-135M's CATS file took ~30,000 page faults that way, a TinyLlama-shaped model's
-~60,000 (none with the settings below, which make those prompts 1.13x and 1.19x as fast); Gemma 3 never met it:
+~60,000 (none with the settings below, which make those prompts faster); Gemma 3 never met it:
 its 262k-entry logits raise the threshold past every layer's arrays early on.
 (``docs/lab/kernels.md``, "Page faults in prompts".)
 

@@ -283,7 +283,7 @@ def _checked_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
 def _timed(step, stats: GenerationStats):
     """``step``, timing the prompt's forward pass and then each generated token's into ``stats``."""
 
-    prompt_done = False  # not prompt_seconds == 0: a coarse clock can time a step as 0 seconds
+    prompt_done = False  # not prompt_seconds == 0: a coarse clock can time a step as no time at all
 
     def timed(tokens):
         nonlocal prompt_done

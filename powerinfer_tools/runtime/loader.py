@@ -50,7 +50,7 @@ DOWN_T = PowerInferTensor.FFN_DOWN_T
 # A CATS layer that keeps at least this share of its neurons (the file's calibrated mean) reads its up matrix whole,
 # interleaved beside the gate, rather than the chosen rows. One token's scattered q4_0 rows are read at about half
 # the rate of an interleaved matrix where part of a row goes through ggml's vec_dot (SmolLM2's 576 columns: four
-# VNNI groups and two blocks; ~12 against ~25 GB/s, examples/decode_breakdown.py), so past half of the rows the
+# VNNI groups and two blocks; examples/decode_breakdown.py measures both), so past half of the rows the
 # whole matrix takes less time; rows the VNNI row product takes whole (``kernels.vnni_rows``) come near the whole
 # matrix's rate (Gemma 3's 640 columns at 80% kept: as fast either way, examples/prompt_ab.py --decode). The
 # interleaved copy replaces the rows: no memory is added.

@@ -33,8 +33,8 @@ POLICIES = ("lru", "lfu")
 # The default: on the same token trace LFU read 2-6% fewer bytes from disk than LRU at every cache share
 # tried (examples/cache_policies.py; docs/lab/benchmarks.md, "Under a memory limit").
 DEFAULT_POLICY = "lfu"
-# Reads in flight. On the development VM's disk, random 4 KiB direct reads through NeuronFile: 17,700/s
-# from one thread, 27,200 from 4, 29,500 from 8, 27,200 from 16.
+# Reads in flight. Random 4 KiB direct reads through NeuronFile from an SSD came faster with more threads up to
+# 8 and no faster (slower at 16) beyond.
 READ_THREADS = 8
 MAX_READ_BYTES = 256 << 10  # a coalesced read's span
 

@@ -1,13 +1,13 @@
 """Whether sparse FFNs pay on this machine for a model file: ``--mode auto`` (the default) runs sparse only
 where a decoded token takes less time sparse than dense, and dense otherwise, and says so.
 
-Whether skipping neurons pays depends on the machine as much as on the file: a SiLU model's CATS reads
-every gate row to choose and then scattered rows of up and down, which on a small model or a CPU whose
-gather of rows is slow can cost more than the dense path's contiguous products (SmolLM2-135M at 50%:
-0.89x of dense, docs/lab/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout.
-So it is measured: the loaded model decodes a short English text greedily in both modes, alternating
-modes step by step so that other load on the machine falls on both alike, and the medians are compared:
-sparse runs where it is at least ``MIN_GAIN`` times as fast.
+Whether skipping neurons pays depends on the machine as much as on the file: a SiLU model's CATS reads every gate
+row to choose and then scattered rows of up and down, which on a small model or a CPU whose gather of rows is slow
+can cost more than the dense path's contiguous products (SmolLM2-135M at 50% decodes slower sparse than dense:
+docs/lab/real-models.md). Bytes alone cannot tell: the kernels' efficiency differs by layout. So it is measured: the
+loaded model decodes a short English text greedily in both modes, alternating modes step by step so that other load
+on the machine falls on both alike, and the medians are compared: sparse runs where it is at least ``MIN_GAIN``
+times as fast.
 The verdict is kept in the kernel cache folder (``warmup.marker_folder``), keyed by the file's fingerprint,
 the load options, the thread count, this CPU and the kernels' sources (``warmup.warm_key``), so it is taken
 once; ``--mode sparse`` or ``dense`` skips it. It is not taken on the NumPy reference kernels (a
@@ -48,7 +48,7 @@ class Verdict:
         return self.sparse_step_s * MIN_GAIN <= self.dense_step_s
 
     def describe(self) -> str:
-        """``sparse 0.89x dense's speed here``: the ratio of tokens per second."""
+        """``sparse <ratio>x dense's decoding speed here``: the ratio of tokens per second."""
         return f"sparse {self.dense_step_s / self.sparse_step_s:.2f}x dense's decoding speed here"
 
 

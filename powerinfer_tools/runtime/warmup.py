@@ -2,8 +2,8 @@
 
 numba compiles each kernel for the argument types of its first call and keeps the machine code in its
 cache (``__pycache__`` beside the source, or ``NUMBA_CACHE_DIR``), where a later process finds it in a
-fraction of a second. With that cache empty, the bundled model's first ``pitools run`` spent ~30 s
-compiling before its first token (2-core EPYC; 27-55 s on other machines here), silently.
+fraction of a second. With that cache empty, the bundled model's first ``pitools run`` spent tens of
+seconds compiling before its first token, silently.
 
 A *warm-up* (``exercise``) runs every compiled path a loaded model takes once: a prompt within the
 kernels' token limit and one beyond it, then decoded tokens, in dense and (where the file allows) sparse
