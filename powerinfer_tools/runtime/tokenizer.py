@@ -126,6 +126,10 @@ class GGUFTokenizer(Tokenizer):
             self.add_bos = bool(metadata.get(Keys.Tokenizer.ADD_BOS, True))
         else:
             raise PitoolsError(f"{source}: tokenizer model {self.kind!r} is not supported (supported: gpt2, llama)")
+        # Compiled now, not at the first text: a vocabulary's thousands of special spellings (Gemma 3's) take
+        # the regex module a while to compile, which a server's first request would otherwise wait for.
+        self._special_texts = self._special_spellings()
+        self._special_split = {parse: self._splitter(texts) for parse, texts in self._special_texts.items()}
 
     @property
     def vocab_size(self) -> int:
@@ -149,8 +153,7 @@ class GGUFTokenizer(Tokenizer):
             ids.insert(0, self.bos_token_id)
         return ids
 
-    @functools.cached_property
-    def _special_texts(self) -> dict[bool, frozenset[str]]:
+    def _special_spellings(self) -> dict[bool, frozenset[str]]:
         """Spellings split out of the text as single tokens, by whether special tokens are parsed: added
         tokens that are not control tokens always, control (and unknown) tokens only when parsed, as
         llama.cpp does."""
@@ -159,14 +162,11 @@ class GGUFTokenizer(Tokenizer):
 
         return {False: spelled({USER_DEFINED}), True: spelled({USER_DEFINED, CONTROL, UNKNOWN})}
 
-    @functools.cached_property
-    def _special_split(self) -> dict[bool, regex.Pattern]:
-        """Splits text around those spellings, longest first, keeping them as fragments."""
-        def splitter(spellings: frozenset[str]) -> regex.Pattern:
-            ordered = sorted(spellings, key=len, reverse=True)
-            return regex.compile("(" + "|".join(map(regex.escape, ordered)) + ")")
-
-        return {parse: splitter(texts) for parse, texts in self._special_texts.items()}
+    @staticmethod
+    def _splitter(spellings: frozenset[str]) -> regex.Pattern:
+        """Splits text around ``spellings``, longest first, keeping them as fragments."""
+        ordered = sorted(spellings, key=len, reverse=True)
+        return regex.compile("(" + "|".join(map(regex.escape, ordered)) + ")")
 
     def token_text(self, token_id: int) -> str:
         """How the vocabulary spells a token (a special token's literal text, as a chat template writes it)."""
