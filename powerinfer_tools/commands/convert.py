@@ -120,7 +120,7 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     predictors trained (cached and resumable in OUTPUT.work/); neurons are stored
     hot-first and their firing frequencies recorded for `pitools solve`. A SiLU model
     with --target-sparsity is written in the same layout with, instead of predictors,
-    thresholds calibrated on the same text (CATS, TEAL: docs/sparsity.md); with
+    thresholds calibrated on the same text (CATS, TEAL: docs/how-to/quality-budget.md); with
     --max-quality-loss, per-layer thresholds as sparse as held-out perplexity allows. Other models,
     and any model with --dense, are written as plain GGUF with llama.cpp's names,
     which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
