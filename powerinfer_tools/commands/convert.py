@@ -127,10 +127,11 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
     is embedded as llama.cpp reads it.
 
-    A GGUF file (llama.cpp's, Ollama's, LM Studio's: LLaMA or Qwen2 architecture,
-    weights of any type gguf-py dequantizes) is read as the checkpoint it was made
-    from: q/k rows back in the checkpoint's order, its tokenizer, chat template and
-    general.* metadata carried over; the steps above run on it unchanged.
+    A GGUF file (llama.cpp's, Ollama's, LM Studio's: any family of
+    docs/reference/supported-models.md, weights of any type gguf-py dequantizes) is
+    read as the checkpoint it was made from: q/k rows back in the checkpoint's
+    order, its tokenizer, chat template and general.* metadata carried over; the
+    steps above run on it unchanged.
 
     Weights are read one tensor at a time from memory-mapped safetensors (or the
     GGUF file, dequantized to float32) and written as they are converted; the
