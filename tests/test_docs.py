@@ -11,10 +11,11 @@ How its shell blocks run (the convention a page's author writes for):
 - a page's blocks run in order, each in its own ``bash -euo pipefail`` (or ``python``), all in one fresh temporary folder per
   page, which holds ``examples/``, a link to the checkout's (so the docs' ``examples/tiny-relu-llama`` is found
   as it is from the checkout's root, where the user runs them);
-- that folder also holds a copy of ``tiny.powerinfer.gguf.work/``: the profile and predictors that the README's
+- that folder also holds ``tiny.powerinfer.gguf.work/``, a link to the profile and predictors that the README's
   conversion of the bundled model writes, made once per test session by that very command. Every page's
   ``pitools convert examples/tiny-relu-llama -o tiny.powerinfer.gguf --tokens 20000`` then reuses them, as a
-  user's second conversion does, instead of training the predictors again on every page;
+  user's second conversion does, instead of training the predictors again on every page (a link, not a copy:
+  the predictors record their profile's real path);
 - ``pip install`` lines are left out: the tests run in the environment already installed (``.ci/run`` runs the
   README's first line, ``pip install -e .``, in a new virtual environment);
 - ``pitools`` is this checkout's: the Python running the tests puts its own ``bin`` folder first on PATH and the
@@ -24,7 +25,6 @@ How its shell blocks run (the convention a page's author writes for):
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -184,7 +184,7 @@ PAGES_THAT_RUN = [page for page in user_pages() if runnable(page)]
 @pytest.mark.parametrize("page", PAGES_THAT_RUN, ids=name)
 def test_a_pages_shell_blocks_run(page, bundled_work, tmp_path_factory):
     folder = page_folder(tmp_path_factory, page)
-    shutil.copytree(bundled_work, folder / WORK_FOLDER)
+    (folder / WORK_FOLDER).symlink_to(bundled_work, target_is_directory=True)
     env = environment()
     for number, command in enumerate(runnable(page), 1):
         done = run_block(command, folder, env)
