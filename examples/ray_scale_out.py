@@ -1,5 +1,5 @@
 """Profiling and predictor training on a Ray cluster of two nodes on this machine, against one process
-(docs/scale-out.md).
+(docs/how-to/scale-out.md).
 
     python examples/ray_scale_out.py [--layers 4] [--profile-tokens 2048] [--work DIR] [--json]
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # pitools serve --parallel 4 against --parallel 1 on SmolLM2 (MODEL to change it), CLIENTS clients (8), 32 requests of
-# WORDS words (20) and TOKENS tokens (64), alternating; prints each run's figures and batch metrics. docs/serving.md.
+# WORDS words (20) and TOKENS tokens (64), alternating; prints each run's figures and batch metrics. docs/lab/serving.md.
 M=${MODEL:-$HOME/.cache/pitools/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 for np in 4 1; do
   port=$((18000 + np))

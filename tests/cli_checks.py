@@ -1,4 +1,4 @@
-"""Running ``pitools`` in-process, and the checks of the error contract (docs/reliability.md):
+"""Running ``pitools`` in-process, and the checks of the error contract (docs/reference/errors.md):
 one ``pitools: error:`` line, exit status 1, inputs left as they were. ``fails`` checks one refusal;
 ``check`` any run of a ``Command``, as the fuzz tests (tests/test_fuzz.py, tests/test_typed_metadata.py) do."""
 

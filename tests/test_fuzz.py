@@ -1,4 +1,4 @@
-"""Fuzz test of the error contract (docs/reliability.md).
+"""Fuzz test of the error contract (docs/reference/errors.md).
 
 Each case damages a copy of a tiny model -- its config.json, its safetensors header, the header,
 key-value section or tensor table of a model file -- or picks odd option values, then runs the

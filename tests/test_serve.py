@@ -214,7 +214,7 @@ def test_the_sparse_runtime_serves_predicted_neurons(synthesized_tiny, tmp_path)
 
 
 def test_32_concurrent_clients_lose_no_request(gguf_server, tmp_path):
-    """The load test of docs/serving.md, small: every request answered, none failed."""
+    """The load test of docs/lab/serving.md, small: every request answered, none failed."""
     url, _, name = gguf_server
     out = tmp_path / "load.json"
     result = subprocess.run([sys.executable, str(REPO / "examples" / "serve_load_test.py"), "--url", url,

@@ -1,4 +1,4 @@
-"""docs/supported-models.md holds the table the families' descriptors make (``python -m powerinfer_tools.models``)."""
+"""docs/reference/supported-models.md holds the table the families' descriptors make (``python -m powerinfer_tools.models``)."""
 
 import re
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 from powerinfer_tools.models import FAMILIES
 from powerinfer_tools.models.__main__ import table
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "supported-models.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "supported-models.md"
 
 
 def test_the_page_holds_the_descriptors_table():

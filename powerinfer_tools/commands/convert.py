@@ -120,17 +120,18 @@ def convert(source: str, output: Path | None, outtype: str, dense: bool, predict
     predictors trained (cached and resumable in OUTPUT.work/); neurons are stored
     hot-first and their firing frequencies recorded for `pitools solve`. A SiLU model
     with --target-sparsity is written in the same layout with, instead of predictors,
-    thresholds calibrated on the same text (CATS, TEAL: docs/sparsity.md); with
+    thresholds calibrated on the same text (CATS, TEAL: docs/how-to/quality-budget.md); with
     --max-quality-loss, per-layer thresholds as sparse as held-out perplexity allows. Other models,
     and any model with --dense, are written as plain GGUF with llama.cpp's names,
     which llama.cpp loads (it runs LLaMA-family FFNs with SiLU whatever the
     model's activation; OPT loads only in PowerInfer's llama.cpp). The tokenizer
     is embedded as llama.cpp reads it.
 
-    A GGUF file (llama.cpp's, Ollama's, LM Studio's: LLaMA or Qwen2 architecture,
-    weights of any type gguf-py dequantizes) is read as the checkpoint it was made
-    from: q/k rows back in the checkpoint's order, its tokenizer, chat template and
-    general.* metadata carried over; the steps above run on it unchanged.
+    A GGUF file (llama.cpp's, Ollama's, LM Studio's: any family of
+    docs/reference/supported-models.md, weights of any type gguf-py dequantizes) is
+    read as the checkpoint it was made from: q/k rows back in the checkpoint's
+    order, its tokenizer, chat template and general.* metadata carried over; the
+    steps above run on it unchanged.
 
     Weights are read one tensor at a time from memory-mapped safetensors (or the
     GGUF file, dequantized to float32) and written as they are converted; the

@@ -148,7 +148,7 @@ def inspect(model: Path, as_json: bool) -> None:
     to their first items), every tensor's type, shape and size, and totals per
     kind: embedding, attention, ffn, predictor, output.
 
-    A file of a supported family (docs/supported-models.md) whose hyperparameters
+    A file of a supported family (docs/reference/supported-models.md) whose hyperparameters
     are missing or invalid, or whose predictors do not fit them, is reported as that
     one error, not shown: `pitools run` would refuse it.
     """

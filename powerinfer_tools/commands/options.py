@@ -67,7 +67,7 @@ def ray_option(f):
              "per expert of a mixture) on a Ray cluster: ADDRESS "
              "(host:port of its head) joins a running cluster; --ray alone joins $RAY_ADDRESS or the cluster "
              "`ray start` made on this machine, else starts Ray here. The same output as without it on one "
-             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/scale-out.md); needs the ray extra, "
+             "BLAS thread (OMP_NUM_THREADS=1), as each task runs (docs/how-to/scale-out.md); needs the ray extra, "
              f"{install_hint('ray')}. Put --ray alone after the "
              "arguments, or it takes the next one for its ADDRESS.",
     )(f)

@@ -1,4 +1,4 @@
-"""``pitools serve``: the model behind an OpenAI-compatible HTTP API (docs/serving.md)."""
+"""``pitools serve``: the model behind an OpenAI-compatible HTTP API (docs/how-to/serve.md)."""
 
 from __future__ import annotations
 

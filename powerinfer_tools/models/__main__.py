@@ -1,5 +1,5 @@
-"""``python -m powerinfer_tools.models``: the supported-models table of docs/supported-models.md, made from the
-families' rows (tests/test_supported_models.py checks the page holds it)."""
+"""``python -m powerinfer_tools.models``: the supported-models table of docs/reference/supported-models.md, made
+from the families' rows (tests/test_supported_models.py checks the page holds it)."""
 
 from powerinfer_tools.models import FAMILIES
 from powerinfer_tools.formats.rope import RopeKind

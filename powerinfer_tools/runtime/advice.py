@@ -4,7 +4,7 @@ A decoded token on a CPU is bound by the weight bytes it reads, so the answer st
 (``token_bytes``: the head, attention and FFN as the runtime's plans read them). Sparsity skips FFN rows only:
 a ReLU family's neurons that do not fire (exact zeros: the whole gate finds them exactly, a predictor guesses
 them), or a SiLU or GeGLU model's small activations (thresholds: CATS reads every gate row to choose, TEAL drops
-small inputs; docs/sparsity.md). Each way the file runs, or would run once converted, is priced:
+small inputs; docs/how-to/quality-budget.md). Each way the file runs, or would run once converted, is priced:
 
 * the bytes' promise: what a dense token reads over what a sparse one does;
 * the prediction: that promise times ``SPARSE_READ_RATE``, how fast sparse decoding reads its bytes against
@@ -50,7 +50,7 @@ from powerinfer_tools.units import format_size, parse_size
 # but two within 15% of it). examples/advise_calibration.py recomputes it from any set of bench reports.
 SPARSE_READ_RATE = 0.85
 # CATS and TEAL keep a model's quality up to about half its activations skipped (7B models; small ones lose more
-# sooner, docs/sparsity.md): the most sparsity a conversion is advised at without a quality curve to go by.
+# sooner, docs/how-to/quality-budget.md): the most sparsity a conversion is advised at without a quality curve to go by.
 MAX_THRESHOLD_SPARSITY = 0.5
 SPARSITIES = tuple(step / 10 for step in range(1, 10))  # the rows of a file that records no shares to price
 
@@ -180,7 +180,7 @@ def advise(path: Path, budgets: Budgets = Budgets(), kernels: warmup.Policy | st
 def _about(spec: ModelSpec) -> str:
     experts = f", {spec.n_experts} experts (top-{spec.n_experts_used})" if spec.moe else ""
     kind = ("exact zeros (a ReLU family)" if spec.ffn.sparse
-            else "no exact zeros: sparsity needs thresholds (CATS/TEAL, docs/sparsity.md)")
+            else "no exact zeros: sparsity needs thresholds (CATS/TEAL, docs/how-to/quality-budget.md)")
     return (f"{spec.architecture.gguf_name}, {spec.n_layers} layers{experts}, {spec.ffn.value} FFN "
             f"({spec.ffn.activation}): {kind}")
 
@@ -334,7 +334,7 @@ def _cpu(advice: Advice, spec: ModelSpec, runs_sparse: bool, sweep: Sweep) -> Re
                                    "perplexity on the converted file, --mode sparse against --mode dense"))
         at_most = [o for o in advice.options if o.sparsity == MAX_THRESHOLD_SPARSITY]
         beyond = (f"; beyond the {MAX_THRESHOLD_SPARSITY:.0%} at which CATS and TEAL keep a model's quality "
-                  "(docs/sparsity.md)" if sweep.pays_below(advice.dense.total) > 0 else "")
+                  "(docs/how-to/quality-budget.md)" if sweep.pays_below(advice.dense.total) > 0 else "")
         return Recommendation("dense", f"pitools run {m}",
                               (*why, *map(_priced, at_most), _floor(sweep, advice.dense) + beyond))
     if sweep.pays_below(advice.dense.total) > 0:

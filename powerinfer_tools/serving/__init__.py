@@ -1,4 +1,4 @@
-"""``pitools serve``: the runtime behind an OpenAI-compatible HTTP API (docs/serving.md).
+"""``pitools serve``: the runtime behind an OpenAI-compatible HTTP API (docs/how-to/serve.md).
 
 ``app.py`` is the HTTP side (routes, authentication, errors); ``uvicorn_server.py`` the HTTP/1.1 server
 under it (read timeouts, JSON answers to malformed requests, shutdown that ends streams cleanly);
