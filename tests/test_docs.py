@@ -20,12 +20,14 @@ How its shell blocks run (the convention a page's author writes for):
   README's first line, ``pip install -e .``, in a new virtual environment);
 - ``pitools`` is this checkout's: the Python running the tests puts its own ``bin`` folder first on PATH and the
   checkout first on PYTHONPATH;
-- whatever a block leaves running (a server started with ``&``) is stopped when the block ends.
+- whatever a block leaves running (a server started with ``&``) is stopped when the block ends;
+- the docs' port, ``8080``, is a free one of the machine's in each page's run (another program may hold 8080).
 """
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +39,7 @@ from powerinfer_tools.commands import reference
 ROOT = Path(__file__).resolve().parents[1]
 MAX_USER_PATH_BYTES = 150_000
 BLOCK_TIMEOUT_S = 900  # a block with a conversion on a busy 2-core machine
+DOCS_PORT = "8080"  # the port the docs' serve examples use
 NOT_RUN = re.compile(r"<!-- not run: \S.* -->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 BUNDLED_CONVERSION = "pitools convert examples/tiny-relu-llama -o tiny.powerinfer.gguf --tokens 20000"
@@ -139,6 +142,13 @@ def environment() -> dict[str, str]:
     return env
 
 
+def free_port() -> int:
+    """A TCP port no program listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_block(command: list[str], folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """``command`` in ``folder``; whatever it started is stopped when it ends."""
     process = subprocess.Popen(command, cwd=folder, env=env,
@@ -185,8 +195,9 @@ PAGES_THAT_RUN = [page for page in user_pages() if runnable(page)]
 def test_a_pages_shell_blocks_run(page, bundled_work, tmp_path_factory):
     folder = page_folder(tmp_path_factory, page)
     (folder / WORK_FOLDER).symlink_to(bundled_work, target_is_directory=True)
-    env = environment()
+    env, port = environment(), str(free_port())
     for number, command in enumerate(runnable(page), 1):
+        command = [part.replace(DOCS_PORT, port) for part in command]
         done = run_block(command, folder, env)
         assert done.returncode == 0, (f"{name(page)}, block {number} failed ({done.returncode}):\n{command[-1]}\n"
                                       f"--- its output:\n{done.stdout[-4000:]}")
