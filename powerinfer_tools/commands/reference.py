@@ -20,9 +20,15 @@ without `B`) are powers of 1000, `KiB`, `MiB`, `GiB`, `TiB` powers of 1024.
 """
 
 
+def _root_context() -> click.Context:
+    """``pitools``'s context as its invocation makes it (its settings: ``-h`` beside ``--help``, which the
+    commands' contexts inherit), ``WIDTH`` columns wide."""
+    return click.Context(cli, info_name="pitools", terminal_width=WIDTH, max_content_width=WIDTH, **cli.context_settings)
+
+
 def help_text(command: click.Command, name: str) -> str:
     """``pitools NAME --help`` as click prints it ``WIDTH`` columns wide."""
-    with click.Context(cli, info_name="pitools", terminal_width=WIDTH, max_content_width=WIDTH) as parent:
+    with _root_context() as parent:
         with click.Context(command, info_name=name, parent=parent, terminal_width=WIDTH,
                            max_content_width=WIDTH) as ctx:
             return command.get_help(ctx)
@@ -30,7 +36,7 @@ def help_text(command: click.Command, name: str) -> str:
 
 def page() -> str:
     """The whole reference page: ``pitools --help``, then each command's."""
-    with click.Context(cli, info_name="pitools", terminal_width=WIDTH, max_content_width=WIDTH) as ctx:
+    with _root_context() as ctx:
         sections = [PREAMBLE, "## pitools\n\n```text\n" + cli.get_help(ctx) + "\n```\n"]
         for name in cli.list_commands(ctx):
             command = cli.get_command(ctx, name)
