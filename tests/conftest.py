@@ -51,6 +51,29 @@ def bounded_memory():
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
 
 
+_session_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _session_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process once pytest has reported, without its native libraries' exit-time destructors.
+
+    This one process loads the oracles (torch, transformers, llama-cpp-python's llama.cpp) beside numba's
+    LLVM and OpenMP threads, which no `pitools` process does; once, after every test had passed, it crashed
+    in libstdc++ on one of those libraries' threads as the interpreter finalized (exit 139), turning CI red
+    with nothing wrong in what was tested. The session's own status is the process's."""
+    if _session_status:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_session_status[-1])
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=None,
                      help="Cases of tests/test_fuzz.py to run [default: $PITOOLS_FUZZ_CASES, else 400].")
