@@ -49,6 +49,11 @@ class _Span:
     caches: list[KVCache]
     start: int
 
+    @property
+    def count(self) -> int:
+        """Its tokens."""
+        return self.rows.stop - self.rows.start
+
 
 @dataclass
 class DenseBlock:
@@ -264,7 +269,7 @@ class RuntimeModel(Engine):
         one token of each sequence of a batch)."""
         x, where = self._embedded(tokens, spans), self.host
         step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
-        ropes = [self._ropes(span.start, span.rows.stop - span.rows.start) for span in spans]
+        ropes = [self._ropes(span.start, span.count) for span in spans]
         with single_threaded_blas():
             for i, (layer, plan) in enumerate(zip(self.layers, self.ffn_plans[self.mode])):
                 backend = layer.dense.backend
@@ -279,15 +284,14 @@ class RuntimeModel(Engine):
         allocated for them where a span does not fit the context window."""
         s = self.spec
         for span in spans:
-            n = span.rows.stop - span.rows.start
-            if span.start + n > self.context_size:
-                raise PitoolsError(f"{self.path}: {n} tokens after {span.start} do not fit the context window "
+            if span.start + span.count > self.context_size:
+                raise PitoolsError(f"{self.path}: {span.count} tokens after {span.start} do not fit the context window "
                                    f"of {self.context_size} positions")
         x = self.token_embd.dequantize_rows(np.asarray(tokens))
         if (scale := embedding_scale(s)) is not None:
             x = x * np.float32(scale)
         if self.positions is not None:
-            at = np.concatenate([np.arange(span.start, span.start + span.rows.stop - span.rows.start) for span in spans])
+            at = np.concatenate([np.arange(span.start, span.start + span.count) for span in spans])
             x = x + self.positions[at + s.position_offset]
         return x
 
