@@ -90,11 +90,15 @@ def test_a_relu_file_is_priced_by_its_bytes_and_runs_sparse_where_measured_faste
     assert gate_option.bytes.ffn == pytest.approx(want, rel=1e-9)
     assert gate_option.quality.startswith("exact")
     assert gate_option.promise == pytest.approx(found.dense.total / gate_option.bytes.total)
-    assert gate_option.predicted == pytest.approx(gate_option.promise * SPARSE_READ_RATE)
     predictor = next(o for o in found.options if "predictor" in o.name)
     assert "recall" in predictor.quality
-    # conftest's stand-in measures sparse at twice dense's speed: it decides
+    # conftest's stand-in measures sparse at twice dense's speed: it decides, and it sets the read rate every way
+    # is predicted at: the way the file runs is predicted at the measured speed
     assert found.measured == Verdict(1.0, 2.0)
+    assert found.read_rate == pytest.approx(2.0 / loaded.promise)
+    assert found.read_rate_source == advice.MEASURED_READ_RATE
+    assert loaded.predicted == pytest.approx(2.0)
+    assert gate_option.predicted == pytest.approx(gate_option.promise * found.read_rate)
     assert found.recommendation.verdict == "sparse"
     assert found.recommendation.command == f"pitools run {path} --mode sparse"
 
@@ -280,6 +284,7 @@ def test_the_command_prints_the_advice_and_its_json(synthesized_tiny):
     report = json.loads(result.stdout)
     assert report["recommendation"]["verdict"] in ("sparse", "dense")
     assert report["options"][0]["predicted"] == pytest.approx(report["options"][0]["promise"] * SPARSE_READ_RATE)
+    assert report["read_rate"] == SPARSE_READ_RATE and "bench reports" in report["read_rate_source"]
     fails("advise", path, "--vram", "eleven", match="--vram: cannot read 'eleven' as a size")
 
 

@@ -11,7 +11,7 @@ from powerinfer_tools import kernels as compiled_kernels
 from powerinfer_tools.bundled import BUNDLED_MODEL
 from powerinfer_tools.commands.options import kernels_option
 from powerinfer_tools.commands.spellings import model_argument
-from powerinfer_tools.runtime.advice import SPARSE_READ_RATE, Advice, Budgets, advise as advice_for, mb
+from powerinfer_tools.runtime.advice import Advice, Budgets, advise as advice_for, mb
 from powerinfer_tools.runtime.sparse_verdict import MIN_GAIN
 from powerinfer_tools.runtime.warmup import Policy
 from powerinfer_tools.solver.hardware import DEFAULT_PRESET, PRESETS
@@ -85,8 +85,9 @@ def text(advice: Advice) -> str:
         for name, o in zip(names, advice.options):
             lines.append(f"{name:{width}} {o.computed:8.1%} {mb(o.bytes.total):>10} {o.promise:7.2f}x "
                          f"{o.predicted:8.2f}x  {o.quality}")
-        lines.append(f"(promise: dense bytes over these; predicted: promise x {SPARSE_READ_RATE:.2f}, sparse decoding's "
-                     f"read rate against dense's; sparse must gain {MIN_GAIN:.2f}x)")
+        lines.append(f"(promise: dense bytes over these; predicted: promise x {advice.read_rate:.2f}, sparse "
+                     f"decoding's read rate against dense's, {advice.read_rate_source}; sparse must gain "
+                     f"{MIN_GAIN:.2f}x)")
     if advice.measured is not None:
         lines.append(f"measured here: {advice.measured.describe()}")
     elif advice.options:

@@ -7,8 +7,9 @@ them), or a SiLU or GeGLU model's small activations (thresholds: CATS reads ever
 small inputs; docs/how-to/quality-budget.md). Each way the file runs, or would run once converted, is priced:
 
 * the bytes' promise: what a dense token reads over what a sparse one does;
-* the prediction: that promise times ``SPARSE_READ_RATE``, how fast sparse decoding reads its bytes against
-  dense decoding reading its own (see there);
+* the prediction: that promise times the read rate, how fast sparse decoding reads its bytes against dense
+  decoding reading its own: as measured here on the file (the promise of the way it runs over the measured
+  speedup, ``read_rate``), else ``SPARSE_READ_RATE``;
 * beside the quality the file records for it: exact for the gate's choice, the predictors' recall as trained,
   a thresholded file's held-out perplexity curve where ``convert --max-quality-loss`` wrote one.
 
@@ -49,6 +50,8 @@ from powerinfer_tools.units import format_size, parse_size
 # files with the whole gate choosing, SmolLM2 and Gemma 3 with CATS; 19 reports, quartiles 0.81 and 0.90, all
 # but two within 15% of it). examples/advise_calibration.py recomputes it from any set of bench reports.
 SPARSE_READ_RATE = 0.85
+BENCH_READ_RATE = "the median of pitools bench reports"  # where the read rate comes from: SPARSE_READ_RATE
+MEASURED_READ_RATE = "measured here, this file"  # or ``read_rate`` from the measured check
 # CATS and TEAL keep a model's quality up to about half its activations skipped (7B models; small ones lose more
 # sooner, docs/how-to/quality-budget.md): the most sparsity a conversion is advised at without a quality curve to go by.
 MAX_THRESHOLD_SPARSITY = 0.5
@@ -67,11 +70,12 @@ class Option:
     runs_now: bool  # the file runs it as it is; False: once converted
     sparsity: float | None = None  # a row of a sweep: every unit at this sparsity; None: the shares recorded
     flags: str = ""  # what `pitools run` needs beyond --mode sparse to run it
+    read_rate: float = SPARSE_READ_RATE  # the share of its promise that sparse decoding reaches (``read_rate``)
 
     @property
     def predicted(self) -> float:
-        """Sparse decoding's speed over dense's, as predicted (``SPARSE_READ_RATE``)."""
-        return self.promise * SPARSE_READ_RATE
+        """Sparse decoding's speed over dense's, as predicted."""
+        return self.promise * self.read_rate
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,9 @@ class Sweep:
     none: float
     every: float
 
-    def pays_below(self, dense: float) -> float:
+    def pays_below(self, dense: float, read_rate: float) -> float:
         """The largest share of the neurons computed at which sparse is predicted to gain ``MIN_GAIN``."""
-        return (SPARSE_READ_RATE * dense / MIN_GAIN - self.none) / (self.every - self.none)
+        return (read_rate * dense / MIN_GAIN - self.none) / (self.every - self.none)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class Advice:
     not_measured: str  # why not, when ``measured`` is None
     gpu: dict | None  # with a VRAM budget: the solver's placement and predictions (or why none)
     ram: dict | None  # with a RAM budget: likewise, three tiers
+    read_rate: float = SPARSE_READ_RATE  # sparse decoding's share of its promise: ``read_rate``
+    read_rate_source: str = BENCH_READ_RATE
     recommendation: Recommendation | None = None
 
     def as_dict(self) -> dict:
@@ -114,8 +120,8 @@ class Advice:
         for row, option in zip(out["options"], self.options):
             row["predicted"] = option.predicted
         if self.measured is not None:
-            out["measured"]["sparse_vs_dense"] = self.measured.dense_step_s / self.measured.sparse_step_s
-        return out | {"sparse_read_rate": SPARSE_READ_RATE, "min_gain": MIN_GAIN}
+            out["measured"]["sparse_vs_dense"] = self.measured.speedup
+        return out | {"read_rate_source": self.read_rate_source, "min_gain": MIN_GAIN}
 
 
 @dataclass(frozen=True)
@@ -164,11 +170,13 @@ def advise(path: Path, budgets: Budgets = Budgets(), kernels: warmup.Policy | st
     dense = dense_way(model).bytes(model, facts.routing)
     sweep = _sweep(model, spec, facts)
     measured, not_measured = _measured(llm, limited, measure, notice)
+    options = tuple(_options(model, spec, facts, dense, sweep))
+    rate, rate_source = read_rate(options, measured)
     advice = Advice(
-        str(path), _about(spec), spec.ffn.sparse, dense, tuple(_options(model, spec, facts, dense, sweep)), measured,
-        not_measured,
+        str(path), _about(spec), spec.ffn.sparse, dense,
+        tuple(dataclasses.replace(option, read_rate=rate) for option in options), measured, not_measured,
         gpu=None if vram is None else advice_budgets.gpu_prediction(path, vram, budgets.hardware, budgets.ctx_size),
-        ram=ram_answer)
+        ram=ram_answer, read_rate=rate, read_rate_source=rate_source)
     why = _cpu(advice, spec, model.can_run_sparse, sweep)
     if ram is not None:
         why = _within_ram(advice, spec, why, budgets, powerinfer, bundled)
@@ -198,6 +206,17 @@ def _measured(llm: LLM, limited: bool, wanted: bool, notice) -> tuple[sparse_ver
                       "advise again once it is done")
     verdict = sparse_verdict.verdict(llm.engine, llm.tokenizer, load_options(), compiled_kernels.get_threads(), notice)
     return verdict, ""
+
+
+def read_rate(options: tuple[Option, ...], measured: sparse_verdict.Verdict | None) -> tuple[float, str]:
+    """The share of the bytes' promise that sparse decoding reaches, and where it comes from: the measured
+    speedup over the promise of the way the file runs (the first option, where it records the shares to price it),
+    so that every other way is predicted at this machine's rate for this file's layout; without both,
+    ``SPARSE_READ_RATE``."""
+    loaded = options[0] if options and options[0].runs_now and options[0].sparsity is None else None
+    if measured is None or loaded is None:
+        return SPARSE_READ_RATE, BENCH_READ_RATE
+    return measured.speedup / loaded.promise, MEASURED_READ_RATE
 
 
 def _sweep(model, spec: ModelSpec, facts: Recorded) -> Sweep:
@@ -285,20 +304,20 @@ def _parts(d: TokenBytes) -> str:
             f"{mb(d.attention)} ({d.attention / d.total:.0%}), the FFNs {mb(d.ffn)} ({d.ffn / d.total:.0%})")
 
 
-def _priced(option: Option) -> str:
+def _priced(option: Option, source: str) -> str:
     return (f"{option.name}: {option.computed:.1%} of the FFN neurons computed, {mb(option.bytes.total)} read a "
             f"token: the bytes promise {option.promise:.2f}x, predicted {option.predicted:.2f}x our dense decoding "
-            f"(sparse decoding reads its bytes at {SPARSE_READ_RATE:.0%} of dense decoding's rate, as pitools bench "
-            "measures them)")
+            f"(sparse decoding reads its bytes at {option.read_rate:.0%} of dense decoding's rate: {source})")
 
 
-def _floor(sweep: Sweep, dense: TokenBytes) -> str:
+def _floor(sweep: Sweep, advice: Advice) -> str:
     """Where the rule starts to pay, or that it never does."""
-    share = sweep.pays_below(dense.total)
+    dense = advice.dense
+    share = sweep.pays_below(dense.total, advice.read_rate)
     if share <= 0:
         return (f"no sparsity pays: with {sweep.rule} computing no FFN neuron at all, a token would still read "
                 f"{mb(sweep.none)} of {mb(dense.total)}: {dense.total / sweep.none:.2f}x promised, "
-                f"{SPARSE_READ_RATE * dense.total / sweep.none:.2f}x predicted, below the {MIN_GAIN:.2f}x sparse "
+                f"{advice.read_rate * dense.total / sweep.none:.2f}x predicted, below the {MIN_GAIN:.2f}x sparse "
                 "must gain")
     return (f"{sweep.rule} is predicted to gain {MIN_GAIN:.2f}x only where at most {share:.0%} of the FFN neurons "
             f"are computed (above {1 - share:.0%} sparsity): it reads {mb(sweep.none - dense.head - dense.attention)} "
@@ -307,21 +326,21 @@ def _floor(sweep: Sweep, dense: TokenBytes) -> str:
 
 def _cpu(advice: Advice, spec: ModelSpec, runs_sparse: bool, sweep: Sweep) -> Recommendation:
     """On this machine's CPU: sparse where it pays (measured, else predicted), a conversion that would, or dense."""
-    m, why = advice.model, [_parts(advice.dense)]
+    m, why, source = advice.model, [_parts(advice.dense)], advice.read_rate_source
     recorded_ways = [o for o in advice.options if o.runs_now and o.sparsity is None]
     measured = advice.measured
     if measured is not None:
         measured_words = (f"measured on this machine, this file: {measured.describe()} ({sparse_verdict.STEPS} "
-                          "tokens each way, alternating)")
+                          f"tokens each way, alternating by blocks of {sparse_verdict.BLOCK})")
     if runs_sparse and (recorded_ways or measured is not None):
         if recorded_ways:
-            why.append(_priced(recorded_ways[0]))
+            why.append(_priced(recorded_ways[0], source))
         pays = measured.pays if measured is not None else recorded_ways[0].predicted >= MIN_GAIN
         if measured is not None:
             why.append(measured_words)
         if pays:
             return Recommendation("sparse", f"pitools run {m} --mode sparse", tuple(why))
-        return Recommendation("dense", f"pitools run {m} --mode dense", (*why, _floor(sweep, advice.dense)))
+        return Recommendation("dense", f"pitools run {m} --mode dense", (*why, _floor(sweep, advice)))
     if runs_sparse:
         return Recommendation("auto", f"pitools run {m}", (*why, "the file records no firing shares to price its "
                                                            "sparse mode; --mode auto measures it on the first run"))
@@ -330,18 +349,19 @@ def _cpu(advice: Advice, spec: ModelSpec, runs_sparse: bool, sweep: Sweep) -> Re
                   and o.predicted >= MIN_GAIN]
         if paying:
             return Recommendation("convert", f"pitools convert {m} --target-sparsity {paying[0].sparsity:g}",
-                                  (*why, _priced(paying[0]), "its quality is not recorded: measure it with pitools "
-                                   "perplexity on the converted file, --mode sparse against --mode dense"))
+                                  (*why, _priced(paying[0], source), "its quality is not recorded: measure it with "
+                                   "pitools perplexity on the converted file, --mode sparse against --mode dense"))
         at_most = [o for o in advice.options if o.sparsity == MAX_THRESHOLD_SPARSITY]
+        pays_somewhere = sweep.pays_below(advice.dense.total, advice.read_rate) > 0
         beyond = (f"; beyond the {MAX_THRESHOLD_SPARSITY:.0%} at which CATS and TEAL keep a model's quality "
-                  "(docs/how-to/quality-budget.md)" if sweep.pays_below(advice.dense.total) > 0 else "")
+                  "(docs/how-to/quality-budget.md)" if pays_somewhere else "")
         return Recommendation("dense", f"pitools run {m}",
-                              (*why, *map(_priced, at_most), _floor(sweep, advice.dense) + beyond))
-    if sweep.pays_below(advice.dense.total) > 0:
+                              (*why, *(_priced(o, source) for o in at_most), _floor(sweep, advice) + beyond))
+    if sweep.pays_below(advice.dense.total, advice.read_rate) > 0:
         return Recommendation("convert", f"pitools convert {m}", (
-            *why, _floor(sweep, advice.dense), "converting profiles how many of its neurons fire and writes the "
+            *why, _floor(sweep, advice), "converting profiles how many of its neurons fire and writes the "
             "PowerInfer file; pitools advise that file then prices it"))
-    return Recommendation("dense", f"pitools run {m}", (*why, _floor(sweep, advice.dense)))
+    return Recommendation("dense", f"pitools run {m}", (*why, _floor(sweep, advice)))
 
 
 def _with_gpu(advice: Advice, cpu: Recommendation, budgets: Budgets) -> Recommendation:
