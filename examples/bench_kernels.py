@@ -205,8 +205,9 @@ def bench_vnni(args, rng):
                 inputs = list(rows)
                 a = seconds(lambda m, r: nk.dot_rows(routine.from_float, routine.vec_dot, m.data, r, x[None],
                                                      x_q8_0[None], out[None]), pool, inputs, args.repeats)
-                b = seconds(lambda m, r: numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, r, x, x_q8_0,
-                                                             scratch, out), pool, inputs, args.repeats)
+                b = seconds(lambda m, r: numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, r, x[None],
+                                                             x_q8_0[None], scratch[None], out[None]), pool, inputs,
+                            args.repeats)
                 words = np.empty(len(rows[0]), np.uint64)
                 c = seconds(lambda m, r: _read_rows(m.data, r, words), pool, inputs, args.repeats)
                 nbytes = len(rows[0]) * first.row_bytes

@@ -29,12 +29,12 @@ pytestmark = pytest.mark.skipif(not (kernels.available() and numba_vnni.availabl
 def _row_dots(qtype: Q, weights: np.ndarray, x: np.ndarray, threads: int = 2) -> np.ndarray:
     """Every row of ``weights`` (bytes) times ``x`` through ``numba_vnni.dot_rows``."""
     routine = kernels.ggml_routines().routines[qtype]
-    out = np.empty(weights.shape[0], np.float32)
+    out = np.empty((1, weights.shape[0]), np.float32)
     nk.use_threads(threads)
-    numba_vnni.dot_rows(int(qtype), routine.from_float, weights, np.arange(weights.shape[0]), x,
-                        np.zeros(routine.encoded_bytes(len(x)), np.uint8),
-                        np.zeros(numba_vnni.encoded_bytes(int(qtype), len(x)), np.uint8), out)
-    return out
+    numba_vnni.dot_rows(int(qtype), routine.from_float, weights, np.arange(weights.shape[0]), x[None],
+                        np.zeros((1, routine.encoded_bytes(len(x))), np.uint8),
+                        np.zeros((1, numba_vnni.encoded_bytes(int(qtype), len(x))), np.uint8), out)
+    return out[0]
 
 
 def _extreme_rows(qtype: Q, cols: int, rng) -> np.ndarray:
@@ -158,12 +158,12 @@ for qtype in (Q.Q4_0, Q.Q8_0):  # the plain-IR spelling of vpdpbusd computes the
     m = QuantMatrix(qtype, quantize(rng.standard_normal((64, 256)).astype(np.float32), qtype))
     x = rng.standard_normal(256).astype(np.float32)
     routine = kernels.ggml_routines().routines[qtype]
-    out = np.empty(64, np.float32)
-    numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, np.arange(64), x,
-                        np.zeros(routine.encoded_bytes(256), np.uint8),
-                        np.zeros(numba_vnni.encoded_bytes(int(qtype), 256), np.uint8), out)
+    out = np.empty((1, 64), np.float32)
+    numba_vnni.dot_rows(int(qtype), routine.from_float, m.data, np.arange(64), x[None],
+                        np.zeros((1, routine.encoded_bytes(256)), np.uint8),
+                        np.zeros((1, numba_vnni.encoded_bytes(int(qtype), 256)), np.uint8), out)
     want = kernels.matvec(m, x[None])[0]
-    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max(), qtype
+    assert np.abs(out[0] - want).max() <= 1e-5 * np.abs(want).max(), qtype
 model = load_runtime_model(sys.argv[1])
 model.mode = FFNMode.SPARSE
 assert model.compiled_decoder() is not None

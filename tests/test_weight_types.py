@@ -106,9 +106,9 @@ def test_compiled_kernels_given_a_type_they_have_no_code_for_raise(compiled):
         with pytest.raises(ValueError, match=message):
             axpy(int(UNCLAIMED), weights, rows, coeffs, out, 1)
     assert not out.any()
-    x = np.ones(128, np.float32)
+    x = np.ones((1, 128), np.float32)
     with pytest.raises(ValueError, match=message):
-        numba_vnni.dot_rows(int(UNCLAIMED), 0, weights, rows, x, np.zeros(256, np.uint8), np.zeros(4096, np.uint8),
-                            np.zeros(4, np.float32))
+        numba_vnni.dot_rows(int(UNCLAIMED), 0, weights, rows, x, np.zeros((1, 256), np.uint8),
+                            np.zeros((1, 4096), np.uint8), np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match=message):
         numba_vnni.encode(int(UNCLAIMED), np.zeros(256, np.uint8), np.zeros(4096, np.uint8), 128)

@@ -142,14 +142,12 @@ def matvec(m: QuantMatrix, x: np.ndarray, rows: np.ndarray | None = None) -> np.
     routine = ggml.routines[m.qtype]
     out = np.empty((x.shape[0], len(rows)), dtype=np.float32)
     x_encoded = np.empty((x.shape[0], routine.encoded_bytes(m.cols)), dtype=np.uint8)
-    if x.shape[0] == 1:  # one token (an output head): AVX-512 VNNI where the CPU has it
-        from powerinfer_tools.kernels import numba_vnni  # needs numba, which the compiled path has
+    from powerinfer_tools.kernels import numba_vnni  # needs numba, which the compiled path has
 
-        if numba_vnni.usable(int(m.qtype), m.cols):
-            scratch = np.empty(numba_vnni.encoded_bytes(int(m.qtype), m.cols), np.uint8)
-            numba_vnni.dot_rows(int(m.qtype), routine.from_float, weight_bytes(m), rows, x[0], x_encoded[0],
-                                scratch, out[0])
-            return out
+    if numba_vnni.usable(int(m.qtype), m.cols):  # AVX-512 VNNI where the CPU has it
+        scratch = np.empty((x.shape[0], numba_vnni.encoded_bytes(int(m.qtype), m.cols)), np.uint8)
+        numba_vnni.dot_rows(int(m.qtype), routine.from_float, weight_bytes(m), rows, x, x_encoded, scratch, out)
+        return out
     nk.dot_rows(routine.from_float, routine.vec_dot, weight_bytes(m), rows, x, x_encoded, out)
     return out
 

@@ -6,12 +6,12 @@ Two shapes of work, for the two halves of a sparse FFN; both take the weights as
 * ``dot_rows``: ``out[t, i] = W[rows[i]] · x[t]`` (gate/up, dense or gathered). Each product is one
   call to ggml's SIMD ``vec_dot``, whose address is passed in; threads split the rows.
 * ``axpy_rows``: ``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` (the down projection, stored transposed
-  as ``ffn_down_t``). Threads split the *output columns* into one contiguous share each, so a
-  thread's slice of ``out`` stays in L1, nobody synchronises, and every active row is read as one
-  contiguous stretch per thread. The work per 32-column block is one LLVM vector expression
-  (``_block_axpy``): numba's own loops here stay scalar, because LLVM cannot prove that ``out`` and
-  the weights do not overlap (one thread, weights in cache: the vector expression is an order of magnitude
-  faster).
+  as ``ffn_down_t``). Threads split the *rows*, each summing its run into partial outputs of its own;
+  each block of four rows is decoded once for all the tokens, and each token's output block loaded and
+  stored once for the four (``_rows_axpy``). ``axpy_selected`` (a prompt's tokens, each with its own
+  rows) splits the output columns instead. The work per 32-column block is one LLVM vector expression:
+  numba's own loops here stay scalar, because LLVM cannot prove that ``out`` and the weights do not
+  overlap (one thread, weights in cache: the vector expression is an order of magnitude faster).
 
 Function addresses and thread counts are arguments rather than globals or in-kernel calls, so
 ``cache=True`` can keep the machine code on disk (a baked-in address would be stale in the next
@@ -40,17 +40,17 @@ from powerinfer_tools.kernels.numba_cache import prepare_cache
 Q4_0 = int(weight_types.Q4_0)
 # Values a block decoder gives (``BLOCK_DECODERS``): a q4_0 or q8_0 block; f32/f16 rows are walked this many at a time
 BLOCK = WEIGHT_TYPES[weight_types.Q4_0].block_size
-# The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the one-token axpy spread over its
-# work: ``_row_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
+# The loops ask for the bytes of the active row PREFETCH_ROWS ahead (the axpy spread over its
+# work: ``_rows_axpy``): active rows are scattered, so the hardware prefetcher cannot guess the next one.
 # Measured on one thread, q4_0 5632x2048 cycling through 260 MB of copies: the hints made 10% of the rows come much
 # faster (matvec and axpy), and all rows faster too (matvec). 1, 4 or 8 rows ahead, or prefetching to L2 only, did
 # no better (then; with later kernels L2 pays for scattered rows: ``TO_L2``).
 PREFETCH_ROWS = 2
-# A decoded token's axpy adds this many rows per load and store of its partial sum (``_row_axpy``), where it used to
+# The axpy adds this many rows per load and store of a token's partial sum (``_rows_axpy``), where it used to
 # load and store every block of the partial for each row. ``python examples/bench_kernels.py --only-decoder-axpy``
 # against the one-row kernel (alternating runs, rows from memory): faster for q4_0 at 10-75% of the rows on
 # SmolLM2's and TinyLlama's down projections, and for q8_0 but where memory bounds both (75% of SmolLM2's). A
-# prototype with 8 rows did no better than 4. (The tuples of `_one_token_rows` are spelled out for four.)
+# prototype with 8 rows did no better than 4. (The tuples of `_four_rows` are spelled out for four.)
 ROWS_AT_ONCE = 4
 # The options of a loop compiled with fast floating point (LLVM may reorder its sums and assume no NaN or infinity):
 # NumPy's error model too, so that its divisions give inf or NaN as NumPy's do, where numba's default raises
@@ -414,33 +414,24 @@ def _times(builder, values, factor):
 @intrinsic
 def _block_axpy(typingctx, qtype, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens):
     """``f(qtype, out, out_stride, block, coeffs, coeffs_stride, tokens, n_tokens)`` (a type of ``AXPY_DECODERS``,
-    addresses and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for ``n_tokens`` tokens t:
-    the intp token ids stored at ``tokens``, or ``0 .. n_tokens-1`` where ``tokens`` is 0 (decoding's case, kept
-    free of the list's loads). The block is decoded once for all of them, by its type's decoder."""
+    addresses and byte strides) doing ``out[t][0:32] += coeffs[t] * decode(block)`` for the ``n_tokens`` tokens t
+    whose intp ids are stored at ``tokens``. The block is decoded once for all of them, by its type's decoder."""
     sig = types.void(*[types.intp] * 8)
 
     def codegen(context, builder, signature, args):
         qtype_, out_, out_stride_, block_, coeffs_, coeffs_stride_, tokens_, n_tokens_ = args
 
-        def add_to_each(values, token_of):
+        def block_axpy(decode):
+            values, scale = decode(builder, block_)
             with cgutils.for_range(builder, n_tokens_) as loop:
-                token = token_of(loop.index)
+                token = load(builder, builder.add(tokens_, builder.mul(loop.index, _INTP_BYTES)), _I64)
                 coeff = load(builder, builder.add(coeffs_, builder.mul(token, coeffs_stride_)), _FLOAT)
+                coeff = coeff if scale is None else builder.fmul(scale, coeff)  # as ``_rows_axpy``: the same sums
                 target = builder.inttoptr(builder.add(out_, builder.mul(token, out_stride_)),
                                           ir.VectorType(_FLOAT, BLOCK).as_pointer())
                 total = builder.fadd(builder.load(target, align=4), _times(builder, values, coeff),
                                      flags=("contract",))
                 builder.store(total, target, align=4)
-
-        def block_axpy(decode):
-            values = _times(builder, *decode(builder, block_))
-            listed = builder.icmp_unsigned("!=", tokens_, ir.Constant(tokens_.type, 0))
-            with builder.if_else(listed) as (from_list, in_order):
-                with from_list:
-                    add_to_each(values, lambda i: load(builder, builder.add(tokens_, builder.mul(i, _INTP_BYTES)),
-                                                       _I64))
-                with in_order:
-                    add_to_each(values, lambda i: i)
 
         switch_on_type(builder, qtype_, {t: functools.partial(block_axpy, d) for t, d in AXPY_DECODERS.items()})
         return context.get_dummy_value()
@@ -449,49 +440,58 @@ def _block_axpy(typingctx, qtype, out, out_stride, block, coeffs, coeffs_stride,
 
 
 @intrinsic
-def _row_axpy(typingctx, qtype, out, rows, coeffs, n_blocks, block_bytes, ahead):
-    """``f(qtype, out, rows, coeffs, n_blocks, block_bytes, ahead)`` doing one token's ``out[0:32n] += Σ_r coeffs[r]
-    × row r`` over a tuple of row addresses of a type of ``AXPY_DECODERS``, their float32 coefficients, and the
-    addresses of the rows the caller reads next (``ahead``): each block of ``out`` is loaded and stored once for
-    all of the rows, each row's block scale times its coefficient once, then one multiply-add per weight (no
-    per-block token loop, as ``_block_axpy`` has). The rows are added in order, so the sums are those of one row
-    at a time. Each block also asks the cache for the same block of the ``ahead`` rows: spread over the work like
-    this, rather than up front, the requests kept scattered q4_0 rows coming faster (a one-off comparison while
-    writing it, two threads)."""
+def _rows_axpy(typingctx, qtype, out, out_stride, n_tokens, rows, coeffs, coeffs_stride, n_blocks, block_bytes,
+               ahead):
+    """``f(qtype, out, out_stride, n_tokens, rows, coeffs, coeffs_stride, n_blocks, block_bytes, ahead)`` doing,
+    for each of ``n_tokens`` tokens t, ``out_t[0:32n] += Σ_r coeffs_t[r] × row r`` over a tuple of row addresses
+    of a type of ``AXPY_DECODERS``: token t's output at ``out + t·out_stride``, its float32 coefficients (one per
+    row, consecutive) at ``coeffs + t·coeffs_stride``; ``ahead``: the addresses of the rows the caller reads next.
+    Each block of the rows is decoded once for all the tokens, then each token's block of ``out`` is loaded and
+    stored once for all of the rows, each row's block scale times its coefficient once, one multiply-add per
+    weight (no per-row load and store of the output, as ``_block_axpy`` has). The rows are added in order, so
+    the sums are those of one row at a time. Each block also asks the cache for the same block of the ``ahead``
+    rows: spread over the work like this, rather than up front, the requests kept scattered q4_0 rows coming
+    faster (a one-off comparison while writing it, two threads)."""
     n_rows = rows.count
-    sig = types.void(types.intp, types.intp, types.UniTuple(types.intp, n_rows), types.UniTuple(types.float32, n_rows),
-                     types.intp, types.intp, types.UniTuple(types.intp, n_rows))
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.UniTuple(types.intp, n_rows), types.intp,
+                     types.intp, types.intp, types.intp, types.UniTuple(types.intp, n_rows))
 
     def codegen(context, builder, signature, args):
-        qtype_, out_, rows_, coeffs_, n_blocks_, block_bytes_, ahead_ = args
-        rows_, coeffs_, ahead_ = ([builder.extract_value(t, r) for r in range(n_rows)]
-                                  for t in (rows_, coeffs_, ahead_))
+        qtype_, out_, out_stride_, n_tokens_, rows_, coeffs_, coeffs_stride_, n_blocks_, block_bytes_, ahead_ = args
+        rows_, ahead_ = ([builder.extract_value(t, r) for r in range(n_rows)] for t in (rows_, ahead_))
 
-        def row_axpy(decode):
+        def rows_axpy(decode):
             with cgutils.for_range(builder, n_blocks_) as loop:
                 at = builder.mul(loop.index, block_bytes_)
-                target = builder.inttoptr(builder.add(out_, builder.mul(loop.index, ir.Constant(_I64, 4 * BLOCK))),
-                                          ir.VectorType(_FLOAT, BLOCK).as_pointer())
-                total = builder.load(target, align=4)
-                for row, coeff, next_row in zip(rows_, coeffs_, ahead_):
+                decoded = []
+                for row, next_row in zip(rows_, ahead_):
                     prefetch(builder, builder.add(next_row, at))
-                    values, scale = decode(builder, builder.add(row, at))
-                    factor = coeff if scale is None else builder.fmul(scale, coeff)
-                    total = builder.fadd(total, _times(builder, values, factor), flags=("contract",))
-                builder.store(total, target, align=4)
+                    decoded.append(decode(builder, builder.add(row, at)))
+                block_out = builder.add(out_, builder.mul(loop.index, ir.Constant(_I64, 4 * BLOCK)))
+                with cgutils.for_range(builder, n_tokens_) as token:
+                    target = builder.inttoptr(builder.add(block_out, builder.mul(token.index, out_stride_)),
+                                              ir.VectorType(_FLOAT, BLOCK).as_pointer())
+                    token_coeffs = builder.add(coeffs_, builder.mul(token.index, coeffs_stride_))
+                    total = builder.load(target, align=4)
+                    for r, (values, scale) in enumerate(decoded):
+                        coeff = load(builder, builder.add(token_coeffs, ir.Constant(_I64, 4 * r)), _FLOAT)
+                        factor = coeff if scale is None else builder.fmul(scale, coeff)
+                        total = builder.fadd(total, _times(builder, values, factor), flags=("contract",))
+                    builder.store(total, target, align=4)
 
-        switch_on_type(builder, qtype_, {t: functools.partial(row_axpy, decode) for t, decode in AXPY_DECODERS.items()})
+        switch_on_type(builder, qtype_, {t: functools.partial(rows_axpy, decode) for t, decode in AXPY_DECODERS.items()})
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(inline="always")
-def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_threads):
-    """``out[t] += coeffs[t, j] · W[rows[j]]`` for the tokens t of row j: all of them in order when
-    ``every_token`` (``starts`` and ``tokens`` unused), else ``tokens[starts[j]:starts[j + 1]]``."""
+def _axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads):
+    """``out[t] += coeffs[t, j] · W[rows[j]]`` for the tokens ``tokens[starts[j]:starts[j + 1]]`` of row j, the
+    threads splitting the output columns: a row's tokens are few and differ from row to row, so each thread keeps
+    its columns of every token's output in its cache."""
     refuse_unclaimed(AXPY_TYPES, qtype)
-    n_tokens, cols = out.shape
+    cols = out.shape[1]
     n_blocks = cols // BLOCK
     n_chunks = min(n_threads, n_blocks)
     w_addr, row_stride = weights.ctypes.data, weights.strides[0]
@@ -506,83 +506,84 @@ def _axpy(qtype, weights, rows, starts, tokens, every_token, coeffs, out, n_thre
             if j + PREFETCH_ROWS < n_rows:  # only this thread's share of that row
                 prefetch_span(w_addr + rows[j + PREFETCH_ROWS] * row_stride + first * block_bytes,
                                (stop - first) * block_bytes, order)
-            listed, count = (0, n_tokens) if every_token else (t_addr + starts[j] * 8, starts[j + 1] - starts[j])
-            _axpy_row(qtype, out_addr, out_stride, w_addr + rows[j] * row_stride, first, stop, block_bytes,
-                      c_addr + j * 4, c_stride, listed, count)
-
-
-@njit(inline="always")
-def _axpy_row(qtype, out_addr, out_stride, row_addr, first, stop, block_bytes, coeff_addr, c_stride, tokens_addr,
-              n_tokens):
-    """Blocks ``first .. stop-1`` of one weight row, times its coefficient, added to the listed tokens' outputs."""
-    for b in range(first, stop):
-        _block_axpy(qtype, out_addr + b * BLOCK * 4, out_stride, row_addr + b * block_bytes, coeff_addr, c_stride,
-                    tokens_addr, n_tokens)
+            row_addr, listed, count = w_addr + rows[j] * row_stride, t_addr + starts[j] * 8, starts[j + 1] - starts[j]
+            for b in range(first, stop):
+                _block_axpy(qtype, out_addr + b * BLOCK * 4, out_stride, row_addr + b * block_bytes, c_addr + j * 4,
+                            c_stride, listed, count)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
-    """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` over a column count that is a multiple of 32."""
-    _axpy(qtype, weights, rows, rows, rows, True, coeffs, out, n_threads)
+    """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` for every token t, the threads sharing the rows: each sums
+    its run of rows into partials of its own (one output row per token), added to ``out`` in thread order.
+    Splitting each row's columns between the threads instead made each thread's share of a 1152-byte q4_0 row
+    too short to stream, and loaded and stored every token's output block once per row: slower at every token
+    count from 1 to 32 (docs/lab/kernels.md, "axpy"). Columns a multiple of 32."""
+    _axpy_rows(qtype, weights, rows, coeffs, out, n_threads, coeffs.shape[0])
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def axpy_rows_one_token(qtype, weights, rows, coeffs, out, n_threads):
-    """One token's ``out[0] += Σ_j coeffs[0, j] · W[rows[j]]`` with the threads sharing the rows, not
-    each row's columns as ``axpy_rows`` does: each thread sums its run of rows into a partial of its own,
-    and the partials are added to ``out`` in thread order. Splitting a 1152-byte q4_0 row between two
-    threads made two threads slower than one (examples/bench_kernels.py); a
-    decoded token has one output row, so the partials cost one row per thread. Columns a multiple of 32."""
-    partial = one_token_partials(rows.shape[0], out.shape[1], n_threads)
-    _one_token_rows(qtype, weights, rows, coeffs, partial, 0, rows.shape[0])
+    """``axpy_rows`` of one token (a decoded one), its token count a constant the compiler folds away."""
+    _axpy_rows(qtype, weights, rows, coeffs, out, n_threads, 1)
+
+
+@njit(inline="always")
+def _axpy_rows(qtype, weights, rows, coeffs, out, n_threads, n_tokens):
+    partial = row_partials(rows.shape[0], n_tokens, out.shape[1], n_threads)
+    _rows_into_partials(qtype, weights, rows, coeffs, partial, 0, rows.shape[0], n_tokens)
     add_partials(partial, out)
 
 
 @njit(nogil=True, cache=True)
 def axpy_rows_one_token_part(qtype, weights, rows, coeffs, partial, first, total):
     """The rows at positions ``first ..`` of an ``axpy_rows_one_token`` over ``total`` rows, into its
-    ``partial`` (``one_token_partials``): a product whose rows come in consecutive parts (a neuron cache
+    ``partial`` (``row_partials``): a product whose rows come in consecutive parts (a neuron cache
     streaming them) sums exactly as the whole one does once ``add_partials`` ends it. One thread does
     every partial's share in turn (the same sums): a part is small, and its caller's disk reads keep
     the other cores busy, so a parallel region per part waited on threads descheduled by them."""
-    _one_token_rows(qtype, weights, rows, coeffs, partial, first, total)
+    _rows_into_partials(qtype, weights, rows, coeffs, partial, first, total, 1)
 
 
 @njit(nogil=True, cache=True)
-def one_token_partials(total, cols, n_threads):
-    return np.zeros((max(1, min(n_threads, total)), cols), np.float32)
+def row_partials(total, n_tokens, cols, n_threads):
+    """The partial sums of ``axpy_rows`` over ``total`` rows: ``n_tokens`` output rows for each thread's run."""
+    return np.zeros((max(1, min(n_threads, total)) * n_tokens, cols), np.float32)
 
 
 @njit(nogil=True, cache=True)
 def add_partials(partial, out):
-    for chunk in range(partial.shape[0]):
-        for c in range(out.shape[1]):
-            out[0, c] += partial[chunk, c]
+    n_tokens = out.shape[0]
+    for chunk in range(partial.shape[0] // n_tokens):
+        for t in range(n_tokens):
+            for c in range(out.shape[1]):
+                out[t, c] += partial[chunk * n_tokens + t, c]
 
 
 @njit(inline="always")
-def _one_token_rows(qtype, weights, rows, coeffs, partial, first, total):
-    """Rows ``rows`` (positions ``first ..`` of ``total``), times ``coeffs[0]``, each added to the partial
-    of the thread whose run of the ``total`` positions holds it."""
+def _rows_into_partials(qtype, weights, rows, coeffs, partial, first, total, n_tokens):
+    """Rows ``rows`` (positions ``first ..`` of ``total``), times ``coeffs``, each added to the partials of the
+    thread whose run of the ``total`` positions holds it."""
     refuse_unclaimed(AXPY_TYPES, qtype)
-    n_chunks, cols = partial.shape
+    n_chunks, cols = partial.shape[0] // n_tokens, partial.shape[1]
     n_blocks = cols // BLOCK
     block_bytes = weights.shape[1] // n_blocks
     w_addr, row_stride = weights.ctypes.data, weights.strides[0]
     p_addr, p_stride = partial.ctypes.data, partial.strides[0]
+    c_addr, c_stride = coeffs.ctypes.data, coeffs.strides[0]
     end = first + rows.shape[0]
     for chunk in prange(n_chunks):
         start, stop = max(first, chunk * total // n_chunks) - first, min(end, (chunk + 1) * total // n_chunks) - first
-        out = p_addr + chunk * p_stride
+        out = p_addr + chunk * n_tokens * p_stride
         j = start
         while j + ROWS_AT_ONCE <= stop:
-            _row_axpy(qtype, out, _four_rows(w_addr, row_stride, rows, j, stop),
-                           (coeffs[0, j], coeffs[0, j + 1], coeffs[0, j + 2], coeffs[0, j + 3]), n_blocks, block_bytes,
-                           _four_rows(w_addr, row_stride, rows, j + ROWS_AT_ONCE, stop))
+            _rows_axpy(qtype, out, p_stride, n_tokens, _four_rows(w_addr, row_stride, rows, j, stop), c_addr + j * 4,
+                       c_stride, n_blocks, block_bytes, _four_rows(w_addr, row_stride, rows, j + ROWS_AT_ONCE, stop))
             j += ROWS_AT_ONCE
         for j in range(j, stop):
             ahead = (w_addr + rows[min(j + PREFETCH_ROWS, stop - 1)] * row_stride,)
-            _row_axpy(qtype, out, (w_addr + rows[j] * row_stride,), (coeffs[0, j],), n_blocks, block_bytes, ahead)
+            _rows_axpy(qtype, out, p_stride, n_tokens, (w_addr + rows[j] * row_stride,), c_addr + j * 4, c_stride,
+                       n_blocks, block_bytes, ahead)
 
 
 @njit(inline="always")
@@ -598,7 +599,7 @@ def axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads):
     """``out[t] += coeffs[t, j] · W[rows[j]]`` for just the tokens ``t in tokens[starts[j]:starts[j + 1]]``
     that selected row j (a prompt, each token with its own neurons; ``tokens`` intp): each row is
     read and decoded once for all of its tokens, not once per token. Columns a multiple of 32."""
-    _axpy(qtype, weights, rows, starts, tokens, False, coeffs, out, n_threads)
+    _axpy_selected(qtype, weights, rows, starts, tokens, coeffs, out, n_threads)
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -282,17 +282,22 @@ GATE_UP_TYPES = type_mask(implementations(Kernel.VNNI_GATE_UP, {weight_types.Q4_
 
 @njit(parallel=True, nogil=True, cache=True)
 def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
-    """One token: ``out[i] = weights[rows[i]] · x`` (q4_0 or q8_0 rows, ``usable``; x float32, encoded into
-    the scratch ``x_q8_0`` and ``x_encoded``), the threads sharing the rows."""
+    """``out[t, i] = weights[rows[i]] · x[t]`` for each token t (q4_0 or q8_0 rows, ``usable``; x float32
+    ``[T, cols]``, each token encoded into its row of the scratch ``x_q8_0`` and ``x_encoded``), the threads
+    sharing the rows: each row is read from memory once for all the tokens."""
     refuse_unclaimed(_ROW_DOT_TYPES, qtype)
-    cols, n = x.shape[0], rows.shape[0]
-    ggml_from_float(from_float, x.ctypes.data, x_q8_0.ctypes.data, cols)
-    encode(qtype, x_q8_0, x_encoded, cols)
+    n_tokens, cols = x.shape
+    n = rows.shape[0]
+    for t in range(n_tokens):
+        ggml_from_float(from_float, x[t].ctypes.data, x_q8_0[t].ctypes.data, cols)
+        encode(qtype, x_q8_0[t], x_encoded[t], cols)
     w, row_bytes = weights.ctypes.data, weights.strides[0]
+    x_addr, x_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     order = in_order(rows)
     for i in prange(n):
-        out[i] = row_dot(qtype, w + rows[i] * row_bytes, x_encoded.ctypes.data, cols,
-                         w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes, order)
+        row, ahead = w + rows[i] * row_bytes, w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
+        for t in range(n_tokens):
+            out[t, i] = row_dot(qtype, row, x_addr + t * x_stride, cols, ahead, order)
 
 
 # --- whole matrices interleaved eight rows at a time (kernels.interleaved, ggml's block_q4_0x8) ----------

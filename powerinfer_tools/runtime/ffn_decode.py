@@ -266,7 +266,7 @@ def cached_ffn(x, w, s, cache: NeuronCache, active: np.ndarray, fns, n_threads: 
     resident = cache.resident(active)
     missing = np.flatnonzero(~resident)
     if len(missing) > cache.capacity - np.count_nonzero(cache.row_of[active[resident]] >= cache.n_pinned):
-        partial = nk.one_token_partials(len(active), x.shape[0], n_threads)
+        partial = nk.row_partials(len(active), 1, x.shape[0], n_threads)
         for first, stop in stream_in_order(cache, active):
             _range_ffn(w, s, cache.row_of[active[first:stop]], first, len(active), partial, fns)
         nk.add_partials(partial, x.reshape((1, -1)))
