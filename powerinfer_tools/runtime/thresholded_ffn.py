@@ -21,6 +21,7 @@ import functools
 
 import numpy as np
 
+from powerinfer_tools import kernels
 from powerinfer_tools.formats.activation_thresholds import clears, kept, only, thresholded
 from powerinfer_tools.formats.model_spec import FFNKind
 from powerinfer_tools.models.layers import gate_activation, gated
@@ -34,11 +35,13 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
     """The FFN of a thresholded layer (its ``ffn_plan.FFNPlan``) for the tokens ``h`` (on ``home``): TEAL's rule on
     the input, every neuron's gate product, the rules' choice (told to ``meter``, on the host, where given), then
     the kept neurons' up and down rows. One token reads only its kept neurons' rows (those of every neuron under
-    TEAL alone); a block of tokens (a prompt), where they keep few neurons each (a ReLU family's gate: a tenth),
-    each token's own from their up and ``ffn_down_t`` rows alone (``own_neurons``: the engine's
-    ``tokens_own_neurons``, None where it does not pay or apply), else every neuron's up and one down
-    projection: at the densities the SiLU rules keep (half the neurons per token) a prompt's tokens together
-    need nearly every row, read once here. Returns the output, then the neuron rows and the down rows read."""
+    TEAL alone); a block of tokens (a prompt, a batch's sequences), where they keep few neurons each (a ReLU
+    family's gate: a tenth), each token's own from their up and ``ffn_down_t`` rows alone (``own_neurons``: the
+    engine's ``tokens_own_neurons``, None where it does not pay or apply), else the up and down rows of the
+    neurons some token kept, masked, in a block short enough for the row kernels (``kernels.MAX_TOKENS``: a
+    batch's), or of every neuron in a longer one, whose products the matrix kernels compute faster whole: at the
+    densities the SiLU rules keep (half the neurons per token) a prompt's tokens together need nearly every row,
+    read once here. Returns the output, then the neuron rows and the down rows read."""
     t = plan.thresholds
     h = thresholded(h, t.ffn_in)
     gates = [_gate(kind, t, p, move(h, home, p.backend)) for p in partitions]
@@ -47,7 +50,7 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
         for p, (_, _, _, kept_here) in zip(partitions, gates):
             chosen[:, p.neurons] = move(kept_here, p.backend, host)
         meter(chosen)
-    own_rows = h.shape[0] == 1 and plan.choice is not Choice.TEAL  # TEAL alone keeps every neuron
+    kept_rows = h.shape[0] <= kernels.MAX_TOKENS and plan.choice is not Choice.TEAL  # TEAL alone keeps every neuron
     out, rows = None, 0
     for p, (x, gate_pre, gate, chosen) in zip(partitions, gates):
         computed = int(p.backend.xp.count_nonzero(chosen))
@@ -55,7 +58,7 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
         step.neurons_on_device += computed if p.backend.is_device else 0
         part, n = (None, 0) if h.shape[0] == 1 else _own_neurons(kind, t, p, x, gate_pre, chosen, own_neurons)
         if part is None:
-            part, n = _kept_rows(kind, t, p, x, gate, chosen, own_rows)
+            part, n = _kept_rows(kind, t, p, x, gate, chosen, kept_rows)
         rows += n
         part = move(part, p.backend, home)
         out = part if out is None else out + part
@@ -70,13 +73,15 @@ def _gate(kind: FFNKind, t, p, x):
     return x, gate_pre, gate, kept(gate, t.cats)
 
 
-def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, own_rows: bool):
-    """Partition ``p``'s output from its gate activations and its rows' up products: of one token's kept neurons
-    (``own_rows``), else of every neuron, masked; and the number of rows read."""
-    rows = p.backend.xp.asarray(p.row_of[p.neurons])
-    if own_rows:
-        keep = p.backend.xp.flatnonzero(chosen[0])
-        rows, gate, chosen = rows[keep], gate[:, keep], None
+def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, kept_rows: bool):
+    """Partition ``p``'s output from its gate activations and its rows' up products: of the neurons some token
+    kept (``kept_rows``), else of every neuron; masked where a token did not keep them; and the number of rows
+    read."""
+    xp = p.backend.xp
+    rows = xp.asarray(p.row_of[p.neurons])
+    if kept_rows:
+        keep = xp.flatnonzero(chosen.any(axis=0))
+        rows, gate, chosen = rows[keep], gate[:, keep], None if len(chosen) == 1 else chosen[:, keep]
     _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
     activated = gated(kind, gate, up_pre)
     if chosen is not None:
