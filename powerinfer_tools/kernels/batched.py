@@ -4,8 +4,9 @@ The predictor picks ~12% of a layer's neurons per token, but over a 128-token pr
 nearly all of them, and multiplying every token by the union (``runtime/backends.py``'s block
 products: weight rows dequantized, then BLAS) does ~8x the work the predictor asked for. Here a
 selected neuron's gate and up rows are read once and dotted with just the tokens that selected it,
-through ggml's ``vec_dot`` on x encoded once per token, as decoding does (so a prompt's rounding is
-a decoded token's); the down projection then reads each selected row of ``ffn_down_t`` once too and
+on x encoded once per token, as decoding does (so a prompt's rounding is a decoded token's):
+``numba_vnni.row_dot`` where the rows take it (``numba_vnni.usable``), else ggml's ``vec_dot``; the down
+projection then reads each selected row of ``ffn_down_t`` once too and
 adds it, weighted, to the outputs of the tokens that selected it (``axpy_selected``, the decoding
 kernel's block arithmetic: a token's sum is the one decoding computes, in the same row order).
 """
@@ -27,34 +28,49 @@ from powerinfer_tools.kernels.numba_kernels import (
     prefetch_span,
     use_threads,
 )
+from powerinfer_tools.kernels import numba_vnni
+from powerinfer_tools.kernels.numba_vnni import row_dot
 from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import activate
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _selected_dots(from_float, vec_dot, gate, up, rows, starts, tokens, x, x_encoded, gate_out, up_out, gate_given):
+def _selected_dots(routines, gate, up, rows, starts, tokens, x, x_q8_0, x_encoded, gate_out, up_out, gate_given):
     """``gate_out[t, i] = gate[rows[i]] · x[t]`` and ``up_out`` likewise, for the tokens
     ``t in tokens[starts[i]:starts[i + 1]]`` that selected neuron i; other entries are left alone. With
-    ``gate_given`` only ``up_out`` is computed (``gate`` is not read)."""
+    ``gate_given`` only ``up_out`` is computed (``gate`` is not read). ``routines``: ggml's ``from_float`` and
+    ``vec_dot`` addresses, and the ggml type of ``numba_vnni.row_dot`` (-1: ``vec_dot`` computes the products,
+    on ggml's encoding of x in ``x_encoded``; else that encoding goes to the scratch ``x_q8_0``, and
+    ``numba_vnni.encode``'s to ``x_encoded``)."""
+    from_float, vec_dot, vnni = routines
     n_tokens, cols = x.shape
     for t in prange(n_tokens):
-        ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
+        if vnni >= 0:
+            ggml_from_float(from_float, x[t].ctypes.data, x_q8_0[t].ctypes.data, cols)
+            numba_vnni.encode(vnni, x_q8_0[t], x_encoded[t], cols)
+        else:
+            ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
     row_bytes, xe, xe_stride = up.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
     g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
     n_rows, order = rows.shape[0], in_order(rows)
     for i in prange(n_rows):
+        ahead = rows[min(i + PREFETCH_ROWS, n_rows - 1)] * row_bytes
         if i + PREFETCH_ROWS < n_rows:  # tell the cache which rows come next (scattered ones: the prefetcher cannot)
-            ahead = rows[i + PREFETCH_ROWS] * row_bytes
             if not gate_given:
                 prefetch_span(gate.ctypes.data + ahead, row_bytes, order)
             prefetch_span(up.ctypes.data + ahead, row_bytes, order)
         g_row, u_row = gate.ctypes.data + rows[i] * row_bytes, up.ctypes.data + rows[i] * row_bytes
         for k in range(starts[i], starts[i + 1]):  # the row stays in L1 for all of its tokens
             t = tokens[k]
-            if not gate_given:
-                ggml_vec_dot(vec_dot, cols, g_out + t * out_stride + 4 * i, g_row, xe + t * xe_stride)
-            ggml_vec_dot(vec_dot, cols, u_out + t * out_stride + 4 * i, u_row, xe + t * xe_stride)
+            if vnni >= 0:
+                if not gate_given:
+                    gate_out[t, i] = row_dot(vnni, g_row, xe + t * xe_stride, cols, gate.ctypes.data + ahead, order)
+                up_out[t, i] = row_dot(vnni, u_row, xe + t * xe_stride, cols, up.ctypes.data + ahead, order)
+            else:
+                if not gate_given:
+                    ggml_vec_dot(vec_dot, cols, g_out + t * out_stride + 4 * i, g_row, xe + t * xe_stride)
+                ggml_vec_dot(vec_dot, cols, u_out + t * out_stride + 4 * i, u_row, xe + t * xe_stride)
 
 
 def handles(gate: QuantMatrix | None, up: QuantMatrix, down_t: QuantMatrix | None, gate_given: bool = False) -> bool:
@@ -80,14 +96,16 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     rows = np.ascontiguousarray(rows, dtype=np.intp)
     routine = kernels.ggml_routines().routines[up.qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
-    x_encoded = np.empty((n_tokens, routine.encoded_bytes(x.shape[1])), dtype=np.uint8)
+    ggml_encoded = np.empty((n_tokens, routine.encoded_bytes(up.cols)), dtype=np.uint8)
+    vnni = int(up.qtype) if numba_vnni.usable(int(up.qtype), up.cols) else -1
+    x_encoded = np.empty((n_tokens, numba_vnni.encoded_bytes(vnni, up.cols)), np.uint8) if vnni >= 0 else ggml_encoded
     given = gate_pre is not None
     gate_out = np.ascontiguousarray(gate_pre, dtype=np.float32) if given else np.zeros((n_tokens, n), np.float32)
     up_out = np.zeros((n_tokens, n), dtype=np.float32)
     use_threads(kernels.get_threads())
     up_rows = kernels.weight_bytes(up)
-    _selected_dots(routine.from_float, routine.vec_dot, up_rows if given else kernels.weight_bytes(gate), up_rows,
-                   rows, starts, token, x, x_encoded, gate_out, up_out, given)
+    _selected_dots((routine.from_float, routine.vec_dot, vnni), up_rows if given else kernels.weight_bytes(gate),
+                   up_rows, rows, starts, token, x, ggml_encoded, x_encoded, gate_out, up_out, given)
     activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (g, 0) is 0
     out = kernels.axpy_output(n_tokens, down_t.cols)
     axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), rows, starts, token, activated, out,
