@@ -2,7 +2,7 @@
 
     python examples/bench_kernels.py [--repeats 40] [--ref-repeats 7] [--pool-mb 1024]
                                      [--shapes tinyllama,llama7b] [--only-interleaved | --only-vnni |
-                                      --only-decoder-axpy | --only-prompt-bf16]
+                                      --only-decoder-axpy | --only-prompt-bf16 | --only-tokens]
 
 For TinyLlama (gate/up 5632x2048) and LLaMA-7B (11008x4096) shapes, q4_0 and q8_0, all rows and a
 random 10%, 1 and 2 threads, it times ``matvec`` (gate/up) and ``row_axpy`` (``ffn_down_t``, the same
@@ -13,7 +13,8 @@ the reference's median GB/s, and the ratio of medians over ``QuantMatrix.matmul`
 a fresh random row set, so weights come from memory rather than cache, as they do when a model
 decodes; a NumPy streaming read of the same pool gives the machine's memory speed at that moment.
 A table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
-the kernels. The reference's BLAS uses its own thread count throughout. The last table compares, for
+the kernels (``--only-tokens`` alone; with ``PYTHONPATH`` set to another checkout it compares two versions of
+the kernels for a batch's or a short prompt's tokens). The reference's BLAS uses its own thread count throughout. The last table compares, for
 a dense q4_0 matrix, ggml's products over rows interleaved eight at a time (``kernels.interleaved``)
 with ``matvec`` (one token: ``vec_dot`` row by row, or ``numba_vnni.row_dot`` on a CPU with AVX-512
 VNNI) and with the runtime's prompt path, dequantize + BLAS shared out to the kernel threads
@@ -127,7 +128,7 @@ def bench_tokens(args, rng):
     kernels.set_threads(2)
     kernels.MAX_TOKENS = 1 << 30  # take the compiled path at every T, to see where the line belongs
     print("\ncrossover, tinyllama q4_0, all rows, 2 threads: median ms, kernel / reference")
-    for tokens in (1, 4, 16, 32, 64, 256):
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 256):
         x = [(rng.standard_normal((tokens, n_cols), dtype=np.float32), None)]
         coeffs = [(rng.standard_normal((tokens, n_rows), dtype=np.float32), None)]
         times = [np.median(seconds(call, pool, inputs, args.ref_repeats)) * 1e3 for call, inputs in (
@@ -298,6 +299,7 @@ def main():
     parser.add_argument("--only-interleaved", action="store_true", help="just the interleaved table")
     parser.add_argument("--only-vnni", action="store_true", help="just the AVX-512 VNNI table")
     parser.add_argument("--only-decoder-axpy", action="store_true", help="just the one-token axpy table")
+    parser.add_argument("--only-tokens", action="store_true", help="just the crossover table (kernels by token count)")
     parser.add_argument("--only-prompt-bf16", action="store_true", help="just the prompt products' bfloat16 table")
     args = parser.parse_args()
     narrow = NARROW & set(args.shapes.split(","))
@@ -313,6 +315,9 @@ def main():
         return
     if args.only_prompt_bf16:
         bench_prompt_bf16(args, rng)
+        return
+    if args.only_tokens:
+        bench_tokens(args, rng)
         return
     if not (args.only_interleaved or args.only_vnni):
         bench_shapes(args, rng)
