@@ -13,8 +13,9 @@ the reference's median GB/s, and the ratio of medians over ``QuantMatrix.matmul`
 a fresh random row set, so weights come from memory rather than cache, as they do when a model
 decodes; a NumPy streaming read of the same pool gives the machine's memory speed at that moment.
 A table times T = 1..256 tokens, to find where the reference's dequantize + BLAS overtakes
-the kernels (``--only-tokens`` alone; with ``PYTHONPATH`` set to another checkout it compares two versions of
-the kernels for a batch's or a short prompt's tokens). The reference's BLAS uses its own thread count throughout. The last table compares, for
+the kernels (``--only-tokens`` alone; with ``PYTHONPATH`` set to another checkout it compares two
+versions of the kernels for a batch's or a short prompt's tokens). The reference's BLAS uses its own
+thread count throughout. The last table compares, for
 a dense q4_0 matrix, ggml's products over rows interleaved eight at a time (``kernels.interleaved``)
 with ``matvec`` (one token: ``vec_dot`` row by row, or ``numba_vnni.row_dot`` on a CPU with AVX-512
 VNNI) and with the runtime's prompt path, dequantize + BLAS shared out to the kernel threads
@@ -122,18 +123,19 @@ def bench_shapes(args, rng):
 
 
 def bench_tokens(args, rng):
-    """Dense q4_0 TinyLlama shape, 2 threads: kernel time against reference time as T grows."""
+    """Dense q4_0 TinyLlama shape from memory (the pool), 2 threads: kernel time against reference time as T grows."""
     n_rows, n_cols = SHAPES["tinyllama"]
-    pool = [random_matrix(Q.Q4_0, n_rows, n_cols, rng)]
+    pool = matrix_pool(Q.Q4_0, n_rows, n_cols, args.pool_mb, rng)
     kernels.set_threads(2)
     kernels.MAX_TOKENS = 1 << 30  # take the compiled path at every T, to see where the line belongs
-    print("\ncrossover, tinyllama q4_0, all rows, 2 threads: median ms, kernel / reference")
+    print("\ncrossover, tinyllama q4_0, all rows, from memory, 2 threads: median ms, kernel / reference")
     for tokens in (1, 2, 4, 8, 16, 32, 64, 256):
         x = [(rng.standard_normal((tokens, n_cols), dtype=np.float32), None)]
         coeffs = [(rng.standard_normal((tokens, n_rows), dtype=np.float32), None)]
-        times = [np.median(seconds(call, pool, inputs, args.ref_repeats)) * 1e3 for call, inputs in (
-            (lambda m, a: kernels.matvec(m, *a), x), (lambda m, a: m.matmul(*a), x),
-            (lambda m, a: kernels.row_axpy(m, *a), coeffs), (lambda m, a: m.weighted_row_sum(*a), coeffs),
+        times = [np.median(seconds(call, pool, inputs, repeats)) * 1e3 for call, inputs, repeats in (
+            (lambda m, a: kernels.matvec(m, *a), x, args.repeats), (lambda m, a: m.matmul(*a), x, args.ref_repeats),
+            (lambda m, a: kernels.row_axpy(m, *a), coeffs, args.repeats),
+            (lambda m, a: m.weighted_row_sum(*a), coeffs, args.ref_repeats),
         )]
         print("T={:>3}: matvec {:7.2f} / {:7.2f}   axpy {:7.2f} / {:7.2f}".format(tokens, *times))
 

@@ -479,7 +479,7 @@ def _rows_axpy(typingctx, qtype, out, out_stride, n_tokens, rows, coeffs, coeffs
                         total = builder.fadd(total, _times(builder, values, factor), flags=("contract",))
                     builder.store(total, target, align=4)
 
-        switch_on_type(builder, qtype_, {t: functools.partial(rows_axpy, decode) for t, decode in AXPY_DECODERS.items()})
+        switch_on_type(builder, qtype_, {t: functools.partial(rows_axpy, d) for t, d in AXPY_DECODERS.items()})
         return context.get_dummy_value()
 
     return sig, codegen
@@ -517,8 +517,10 @@ def axpy_rows(qtype, weights, rows, coeffs, out, n_threads):
     """``out[t] += Σ_j coeffs[t, j] · W[rows[j]]`` for every token t, the threads sharing the rows: each sums
     its run of rows into partials of its own (one output row per token), added to ``out`` in thread order.
     Splitting each row's columns between the threads instead made each thread's share of a 1152-byte q4_0 row
-    too short to stream, and loaded and stored every token's output block once per row: slower at every token
-    count from 1 to 32 (docs/lab/kernels.md, "axpy"). Columns a multiple of 32."""
+    too short to stream, and loaded and stored every token's output block once per row: slower from 1 to 32
+    tokens but for 16, as fast; above 32 (the matrix kernels' blocks: ``kernels.MAX_TOKENS``) the partials
+    outgrow the cache and it is the faster (docs/lab/kernels.md, "A batch's products"). Columns a multiple
+    of 32."""
     _axpy_rows(qtype, weights, rows, coeffs, out, n_threads, coeffs.shape[0])
 
 
