@@ -16,51 +16,28 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from serve_side_by_side import free_port, server  # a sibling example's: the server, up while in use
+
 WORDS = ("river town market grain merchant warehouse dock harbour ship cargo winter summer road bridge mill "
          "school church farm field orchard letter council railway station lamp street square").split()
-STARTUP_SECONDS = 300
 
 
 def words(count: int, seed: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(count))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(args, cache: bool) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def serve(args, cache: bool, port: int):
+    """`pitools serve` on ``port``, with its prompt cache or without (``--prompt-cache 0B``), while in use."""
     command = [sys.executable, "-c", "from powerinfer_tools.commands.cli import main; main()", "serve",
                str(args.model), "--port", str(port), "--threads", str(args.threads)]
-    if not cache:
-        command += ["--prompt-cache", "0B"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while True:
-        if process.poll() is not None:
-            raise SystemExit(f"pitools serve exited ({process.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit(f"pitools serve did not start in {STARTUP_SECONDS} s")
-        time.sleep(0.5)
+    return server(command + ([] if cache else ["--prompt-cache", "0B"]), port)
 
 
 def conversations(args, url: str) -> list[list[float]]:
@@ -101,13 +78,11 @@ def main() -> None:
     supplied = dict.fromkeys(found, 0)
     for _ in range(args.rounds):
         for name, cache in zip(found, (True, False)):
-            process, url = serve(args, cache)
-            try:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            with serve(args, cache, port):
                 found[name] += conversations(args, url)
                 supplied[name] += reused(url)
-            finally:
-                process.terminate()
-                process.wait(timeout=30)
     print(f"{args.conversations} conversations x {args.turns} turns, {args.rounds} rounds; median latency (s):")
     for name, latencies in found.items():
         first = statistics.median(turns[0] for turns in latencies)

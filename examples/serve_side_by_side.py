@@ -62,7 +62,9 @@ def commands(args, port: int) -> dict[str, list[str]]:
 
 
 @contextlib.contextmanager
-def server(command: list[str], port: int, log: Path):
+def server(command: list[str], port: int, log: Path = Path(os.devnull)):
+    """The server ``command`` starts, once it answers ``/health`` on ``port`` (its output in ``log``); stopped
+    after."""
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     try:

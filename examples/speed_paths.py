@@ -20,23 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
 from powerinfer_tools.runtime.generation import SamplingConfig
 
+from serve_side_by_side import free_port, server  # a sibling example's: the server, up while in use
+
 PROMPT = "The river town grew slowly through the nineteenth century, as merchants built warehouses along the docks"
 # Sampled, not greedy: a synthetic model's greedy text repeats two tokens, whose rows then stay in the caches (a
 # token costs less than one of text); each way draws the same tokens from the same seed.
 TEMPERATURE, SEED = 0.8, 0
-STARTUP_SECONDS = 300
 
 
 def pitools(*args: str) -> list[str]:
@@ -67,40 +66,18 @@ def through_worker(llm, tokens: int) -> float:
     return rate[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def through_serve(args) -> float:
     port = free_port()
     command = pitools("serve", str(args.model), "--port", str(port), "--threads", str(args.threads), "--mode",
                       args.mode)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"pitools serve exited ({process.returncode})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"pitools serve did not start in {STARTUP_SECONDS} s")
-            time.sleep(0.5)
+    with server(command, port):
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         request = {"model": model, "prompt": PROMPT, "max_tokens": args.tokens, "temperature": TEMPERATURE,
                    "seed": SEED}
         httpx.post(f"{url}/v1/completions", json=request, timeout=600).raise_for_status()
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
-        return float(re.search(r"^pitools_generation_tokens_per_second ([\d.e+-]+)$", metrics, re.M).group(1))
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    return float(re.search(r"^pitools_generation_tokens_per_second ([\d.e+-]+)$", metrics, re.M).group(1))
 
 
 def through_bench(args) -> float:
