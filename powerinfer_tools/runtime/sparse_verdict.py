@@ -28,7 +28,7 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.engine import TokenStats
 
-STEPS = 8  # decoded tokens timed in each mode
+STEPS = 16  # decoded tokens timed in each mode
 # The modes alternate by blocks of this many timed steps, each block after one untimed step: a step right after the
 # other mode's is slower (sparse most: its scattered rows find the caches and TLB holding dense's), which
 # alternating step by step would time at every step, where decoding in one mode never pays it.
