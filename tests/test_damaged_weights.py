@@ -23,7 +23,9 @@ from powerinfer_tools.runtime import warmup
 from powerinfer_tools.runtime.llm import LLM
 from powerinfer_tools.runtime.loader import load_runtime_model
 
-MATRIX = "blk.1.ffn_up.weight"  # a layer's FFN: its NaN reaches the next layer's RMS norm, the logits after it
+# A layer's attention output, which every token reads whole: its NaN reaches the next layer's RMS norm, the logits
+# after it. (A sparse FFN reads only the rows of the neurons its tokens keep: a NaN in a row none keeps is never read.)
+MATRIX = "blk.1.attn_output.weight"
 
 
 def poisoned(data: np.ndarray, value: float) -> np.ndarray:
