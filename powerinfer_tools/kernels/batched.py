@@ -45,11 +45,10 @@ def _selected_dots(routines, gate, up, rows, starts, tokens, x, x_q8_0, x_encode
     ``numba_vnni.encode``'s to ``x_encoded``)."""
     from_float, vec_dot, vnni = routines
     n_tokens, cols = x.shape
-    for t in prange(n_tokens):
-        if vnni >= 0:
-            ggml_from_float(from_float, x[t].ctypes.data, x_q8_0[t].ctypes.data, cols)
-            numba_vnni.encode(vnni, x_q8_0[t], x_encoded[t], cols)
-        else:
+    if vnni >= 0:
+        numba_vnni.encode_tokens(vnni, from_float, x, x_q8_0, x_encoded)
+    else:
+        for t in prange(n_tokens):
             ggml_from_float(from_float, x[t].ctypes.data, x_encoded[t].ctypes.data, cols)
     row_bytes, xe, xe_stride = up.strides[0], x_encoded.ctypes.data, x_encoded.strides[0]
     g_out, u_out, out_stride = gate_out.ctypes.data, up_out.ctypes.data, gate_out.strides[0]
@@ -63,7 +62,7 @@ def _selected_dots(routines, gate, up, rows, starts, tokens, x, x_q8_0, x_encode
         g_row, u_row = gate.ctypes.data + rows[i] * row_bytes, up.ctypes.data + rows[i] * row_bytes
         for k in range(starts[i], starts[i + 1]):  # the row stays in L1 for all of its tokens
             t = tokens[k]
-            if vnni >= 0:
+            if vnni >= 0:  # row_dot's own hints for the next row too: spread over its work, they pay beside those above
                 if not gate_given:
                     gate_out[t, i] = row_dot(vnni, g_row, xe + t * xe_stride, cols, gate.ctypes.data + ahead, order)
                 up_out[t, i] = row_dot(vnni, u_row, xe + t * xe_stride, cols, up.ctypes.data + ahead, order)

@@ -268,6 +268,15 @@ def encode(qtype, x_q8_0, out, cols):
     _encode_groups(qtype, x_q8_0.ctypes.data, out.ctypes.data, cols)
 
 
+@njit(nogil=True, cache=True)
+def encode_tokens(qtype, from_float, x, x_q8_0, x_encoded):
+    """Each token's row of ``x [T, cols]`` as ``row_dot`` takes it: ggml's q8_0 encoding (``from_float``) into its
+    row of the scratch ``x_q8_0``, then ``encode``'s into its row of ``x_encoded``."""
+    for t in range(x.shape[0]):
+        ggml_from_float(from_float, x[t].ctypes.data, x_q8_0[t].ctypes.data, x.shape[1])
+        encode(qtype, x_q8_0[t], x_encoded[t], x.shape[1])
+
+
 @njit(inline="always")
 def row_dot_q4_0_rows(row, x, n_groups, ahead, order):
     """``row_dot_q4_0`` for a row among rows read in order (``order``: ``numba_kernels.in_order``) or not."""
@@ -288,9 +297,7 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     refuse_unclaimed(_ROW_DOT_TYPES, qtype)
     n_tokens, cols = x.shape
     n = rows.shape[0]
-    for t in range(n_tokens):
-        ggml_from_float(from_float, x[t].ctypes.data, x_q8_0[t].ctypes.data, cols)
-        encode(qtype, x_q8_0[t], x_encoded[t], cols)
+    encode_tokens(qtype, from_float, x, x_q8_0, x_encoded)
     w, row_bytes = weights.ctypes.data, weights.strides[0]
     x_addr, x_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     order = in_order(rows)
