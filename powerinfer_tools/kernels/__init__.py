@@ -3,6 +3,7 @@
     matvec(m, x, rows)        x [T, cols] @ W[rows].T  -> [T, len(rows)]   gate/up, dense or gathered
     row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
+    causal_attention(q, k, v, ...)                                        a prompt's attention (numba_attention)
     block_matmul, block_row_sum                                           matvec's and row_axpy's products
                                                                           for a prompt: dequantized for BLAS
     bf16_matmul, bf16_row_sum                                             the same in bfloat16 products (AVX-512
@@ -38,6 +39,7 @@ from powerinfer_tools.kernels.interleaved import ROWS, InterleavedQ4, can_interl
 from powerinfer_tools.kernels.quant import QuantMatrix
 
 MAX_TOKENS = 32  # above this the reference's dequantize + BLAS is faster (docs/lab/kernels.md, "crossover")
+ATTENTION_MIN_TOKENS = 4  # a tile of numba_attention's (its QUERIES): fewer queries take NumPy's attention
 
 _threads = os.cpu_count() or 1
 _reference_reason: str | None = None  # set by use_reference: this process keeps to the NumPy reference
@@ -293,6 +295,36 @@ def bf16_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None) ->
     slabs = np.empty((threads, numba_bf16.slab_bytes(len(rows))), dtype=np.uint8)
     numba_bf16.row_sum(weight_bytes(m), rows, coeffs, out, slabs, np.empty((threads, numba_bf16.TOKENS, 32),
                                                                                dtype=np.float32))
+    return out
+
+
+def attention_takes(n_tokens: int, head_dim: int) -> bool:
+    """Whether ``causal_attention`` computes a block of ``n_tokens`` queries of heads of ``head_dim`` here: the
+    compiled kernels in use, heads it takes, and a block of at least ``ATTENTION_MIN_TOKENS`` (a batch's one token
+    per sequence stays with NumPy: the kernel transposes every key first, for the tiles of a prompt)."""
+    if n_tokens < ATTENTION_MIN_TOKENS or not available():
+        return False
+    from powerinfer_tools.kernels import numba_attention
+
+    return numba_attention.takes(head_dim)
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, window: int | None,
+                     scale: float) -> np.ndarray:
+    """``models.layers.attention(q, keys, values, start, window, scale)`` (its scale given), compiled
+    (``numba_attention``; ``attention_takes``): float32 ``[T, heads · hd]``, equal up to summation order."""
+    from powerinfer_tools.kernels import numba_attention
+
+    n_tokens, n_heads, head_dim = q.shape
+    n_keys, n_kv = keys.shape[:2]
+    # The kernel trusts shapes (a mismatch would read past the buffers), so check here.
+    if keys.shape != values.shape or keys.shape[2] != head_dim or n_heads % n_kv or n_keys != start + n_tokens:
+        raise ValueError(f"attention of q {q.shape} at {start} over keys {keys.shape}, values {values.shape}")
+    out = np.empty((n_tokens, n_heads * head_dim), dtype=np.float32)
+    threads = _backend()[0].use_threads(_threads)
+    numba_attention.causal_attention(*(np.ascontiguousarray(a, dtype=np.float32) for a in (q, keys, values)), start,
+                                     window or 0, np.float32(scale),
+                                     *numba_attention.scratch(n_tokens, n_heads, n_keys, n_kv, head_dim, threads), out)
     return out
 
 
