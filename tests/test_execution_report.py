@@ -69,8 +69,8 @@ def test_the_sparse_bundled_model_decodes_every_layer_on_the_compiled_decoder(sp
     down = "bfloat16 products (AVX-512 BF16)" if numba_bf16.available() else "dequantized for BLAS"
     rows = "ggml GEMM on an interleaved copy" if kernels.ggml_routines().interleaved else down  # x86 with AVX2
     assert report[-1] == ("prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons "
-                          f"(kernels.batched) while they are under 30% of them, else their union | rows q4_0: {rows} | "
-                          f"ffn_down_t q4_0: {down}")
+                          f"(kernels.batched) while they are under 30% of them, else their union | attention: "
+                          f"compiled tiles (numba_attention) | rows q4_0: {rows} | ffn_down_t q4_0: {down}")
     description = LLM.load(sparse_bundled, mode="sparse").description
     assert description.startswith("runtime, sparse FFN, neurons: predictor in every layer, ")
     assert description.endswith(", tokens decoded by the compiled decoder")

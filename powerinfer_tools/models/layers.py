@@ -149,6 +149,11 @@ class KVCache:
             setattr(self, name, grown)
 
 
+def score_scale(head_dim: int, scale: Optional[float]) -> float:
+    """What attention multiplies its scores by: ``scale``, or 1/sqrt(head_dim) where the model names none."""
+    return head_dim ** -0.5 if scale is None else scale
+
+
 def attention(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, sliding_window: Optional[int] = None,
     scale: Optional[float] = None,
@@ -166,7 +171,7 @@ def attention(
     # [kv_heads, group * T, hd] @ [kv_heads, hd, S]: each KV head serves `group` query heads, all in one
     # batched product (einsum contracts these without BLAS: an order of magnitude slower on a 128-token prompt).
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_tokens, head_dim)
-    scale = q.dtype.type(head_dim ** -0.5 if scale is None else scale)
+    scale = q.dtype.type(score_scale(head_dim, scale))
     scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1)
     query_pos = start + xp.arange(n_tokens)[:, None]
     key_pos = xp.arange(keys.shape[0])[None, :]
@@ -189,15 +194,16 @@ KVStore = Callable[[np.ndarray, np.ndarray], tuple]  # this step's (k, v) -> eve
 
 
 HeadNorm = Callable[[np.ndarray], np.ndarray]  # a norm over each head of ``[T, heads, head_dim]``
+Attend = Callable[..., np.ndarray]  # ``attention`` or another computing it (a CPU backend's, for prompts)
 
 
 def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore,
                    start: int, rotate: Optional[Rotation] = None,
-                   qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None) -> np.ndarray:
+                   qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None, attend: Attend = attention) -> np.ndarray:
     """Causal self-attention ``[T, heads * hd]`` of layer ``layer``'s projected ``q [T, heads * hd]`` and
     ``k, v [T, kv_heads * hd]`` at positions from ``start``: split into heads, norm q and k per head
     (``qk_norms``, Gemma 3), ``rotate`` them (RoPE models), append k and v to the cache through ``store``,
-    attend within the layer's window (``ModelSpec.layer_window``). The output projection is the caller's."""
+    ``attend`` within the layer's window (``ModelSpec.layer_window``). The output projection is the caller's."""
     n = q.shape[0]
     q = q.reshape(n, spec.n_heads, spec.head_dim)
     k = k.reshape(n, spec.n_kv_heads, spec.head_dim)
@@ -207,7 +213,7 @@ def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v:
     if rotate is not None:
         q, k = rotate(q), rotate(k)
     keys, values = store(k, v)
-    return attention(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
+    return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
 
 
 def decoder_layer(x: np.ndarray, attend: Callable, feed_forward: Callable, attn_norm: Callable, ffn_norm: Callable,

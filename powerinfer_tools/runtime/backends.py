@@ -19,6 +19,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
+from powerinfer_tools.models.layers import attention, score_scale
 from powerinfer_tools.runtime.host_memory import keep_freed_memory
 from powerinfer_tools.xp import cupy_or_none
 
@@ -70,6 +71,13 @@ class CpuBackend:
         if kernels.bf16_row_sums(m):
             return kernels.bf16_row_sum(m, coeffs, rows)
         return self._blocks.row_sum(m, coeffs, rows)
+
+    def attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, window: int | None,
+                  scale: float | None) -> np.ndarray:
+        """``layers.attention``, a prompt's compiled (``kernels.causal_attention``) where the kernels take it."""
+        if kernels.attention_takes(len(q), q.shape[2]):
+            return kernels.causal_attention(q, keys, values, start, window, score_scale(q.shape[2], scale))
+        return attention(q, keys, values, start, window, scale)
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return array
@@ -172,6 +180,7 @@ class DeviceBackend:
     """Common part of the GPU backends: a memory pool with a budget and transfer counters."""
 
     is_device = True
+    attention = staticmethod(attention)
 
     def matmul(self, m: QuantMatrix, x, rows=None):
         return m.matmul(x, rows)

@@ -433,7 +433,8 @@ class RuntimeModel(Engine):
             if rope is not None:
                 rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
                                  sin=d.backend.xp.asarray(rope[1]))
-            outs.append(self_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, rotate, qk_norms))
+            outs.append(self_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, rotate, qk_norms,
+                                       d.backend.attention))
         out = d.backend.matmul(d.wo, outs[0] if len(outs) == 1 else d.backend.xp.concatenate(outs))
         return out + b["o"] if "o" in b else out
 

@@ -7,7 +7,7 @@ what ``pitools run --verbose`` prints, ``pitools bench`` records and ``LLM.descr
         + 0.3516 KiB a neuron
     output head: q8_0, ggml vec_dot
     prompts (blocks of tokens): general path | sparse FFN: each token's own chosen neurons (kernels.batched)
-        while they are under 30% of them, else their union
+        while they are under 30% of them, else their union | attention: compiled tiles (numba_attention)
 
 A layer's line tells how a decoded token runs it: by the compiled decoder (``compiled_decode``) or, when
 that refuses the model, the step or this layer, by the general path (``RuntimeModel._layer``), and then
@@ -59,7 +59,8 @@ def execution_report(model) -> list[str]:
             lines.append(_group_line(first, layers[first:i]))
             first = i
     lines.append(f"output head: {one_token_product(model.output, model.head_backend)}")
-    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}{_prompt_products(model)}")
+    lines.append(f"prompts (blocks of tokens): general path | {_prompt_ffn(model)}{_prompt_attention(model)}"
+                 f"{_prompt_products(model)}")
     return lines
 
 
@@ -140,6 +141,16 @@ def _prompt_ffn(model) -> str:
     if taking == 0:
         return f"{model.mode.value} FFN: the union of the tokens' chosen neurons for every token"
     return f"{model.mode.value} FFN: {own} their union, in {taking} of {len(cpu)} CPU partitions; the union elsewhere"
+
+
+def _prompt_attention(model) -> str:
+    """How a block of tokens attends on the host (``CpuBackend.attention``): in the compiled kernel's tiles where
+    ``kernels.attention_takes`` a prompt of the model's heads, else by the NumPy reference; nothing to say where
+    every layer's attention is on a device."""
+    if all(layer.dense.backend.is_device for layer in model.layers):
+        return ""
+    compiled = kernels.attention_takes(kernels.ATTENTION_MIN_TOKENS, model.spec.head_dim)
+    return f" | attention: {'compiled tiles (numba_attention)' if compiled else REFERENCE}"
 
 
 def _prompt_products(model) -> str:
