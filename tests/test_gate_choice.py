@@ -18,6 +18,8 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.constants import PREDICTOR_COMPUTED_KEY, neuron_frequency_key
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model
+from powerinfer_tools.runtime import engine
+from powerinfer_tools.runtime.engine import TokenStats
 from powerinfer_tools.runtime.gate_choice import GATE_CHOOSES
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -63,6 +65,25 @@ def test_the_gate_computes_only_the_firing_neurons_and_what_dense_computes(predi
     by_predictor = load_runtime_model(predicted_file, neuron_choice="predictor")
     by_predictor.mode = FFNMode.SPARSE
     assert np.abs(_logits(by_predictor) - theirs).max() / np.abs(theirs).max() > 1e-3  # what the gate avoids
+
+
+def test_a_long_prompt_computes_every_neuron_with_the_same_sums(predicted_file, sparse_tiny, monkeypatch):
+    """From ``WHOLE_GATE_DENSE_TOKENS`` tokens a prompt computes the gate-chosen layers as dense mode does: every
+    neuron, and the logits of sparse mode's own paths (and of the reference engine)."""
+    tokens = np.arange(engine.WHOLE_GATE_DENSE_TOKENS) % 250 + 3
+    reference = load_model(Checkpoint(sparse_tiny))
+    theirs = reference.forward(tokens, reference.new_cache())
+    model = load_runtime_model(predicted_file, neuron_choice="gate")
+    model.mode = FFNMode.SPARSE
+    logits = {}
+    for limit in (engine.WHOLE_GATE_DENSE_TOKENS, len(tokens) + 1):  # then the sparse paths alone
+        monkeypatch.setattr(engine, "WHOLE_GATE_DENSE_TOKENS", limit)
+        model.stats = TokenStats()
+        logits[limit] = model.forward(tokens, model.new_cache())
+        computed = model.stats.neurons_active / model.stats.neurons_total
+        assert computed == 1.0 if limit == len(tokens) else computed < 0.5, (limit, computed)
+    for ours in logits.values():
+        assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-5
 
 
 def test_the_gate_misses_no_firing_neuron_where_predictors_do(predicted_file):

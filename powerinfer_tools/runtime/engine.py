@@ -32,7 +32,7 @@ from powerinfer_tools.models.layers import (
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
 from powerinfer_tools.runtime.ffn import FFNPartition, Predictor
-from powerinfer_tools.runtime.ffn_plan import Choice, FFNPlan, plan_ffn
+from powerinfer_tools.runtime.ffn_plan import Cache, Choice, FFNPlan, plan_ffn
 from powerinfer_tools.runtime.neuron_cache import CacheCounters, compute_cached
 from powerinfer_tools.runtime.generation import context_window, finite_logits
 from powerinfer_tools.runtime.selection_meter import SelectionMeter
@@ -455,6 +455,8 @@ class RuntimeModel(Engine):
         """One FFN (the layer's, or its expert ``unit``'s) over the tokens ``h``, its neurons split in
         ``partitions``: the rules' (``thresholded_ffn``) or the neurons ``_select`` chooses; counts what it reads
         (``FFNPlan.bytes_read``)."""
+        if self.firing_meter is None and takes_every_neuron(plan, h.shape[0]):
+            plan = self.ffn_plans[FFNMode.DENSE][layer.index]
         step.neurons_total += plan.d_ff * h.shape[0]
         if plan.choice.thresholded:
             meter = None
@@ -559,6 +561,22 @@ def _thresholded():
 # the two cross between 28% and 39% (`python examples/prompt_paths.py MODEL.powerinfer.gguf` times both at each
 # share, on the realistic synthetic model, whose predictors compute 56% of the neurons).
 OWN_NEURONS_DENSITY = 0.3
+
+
+# A block of at least this many tokens computes an FFN whose whole gate chooses its neurons (a ReLU family's:
+# ``Choice.WHOLE_GATE``) as dense mode does, with the same sums (a neuron that does not fire adds relu's exact
+# zero): from about here the matrix kernels compute every neuron faster than sparse mode's paths take the rows
+# of each token's own neurons or of their union (``python examples/prompt_modes.py MODEL.powerinfer.gguf``: on
+# the realistic TinyLlama-shape file, whose tokens keep a tenth of the neurons, and a 4-layer LLaMA-7B-shape
+# one, dense mode was slower up to 64 tokens, as fast at 96-128, faster beyond).
+WHOLE_GATE_DENSE_TOKENS = 128
+
+
+def takes_every_neuron(plan: FFNPlan, n_tokens: int) -> bool:
+    """Whether a block of ``n_tokens`` computes ``plan``'s layer as dense mode does (``WHOLE_GATE_DENSE_TOKENS``):
+    its rows in memory (under a RAM budget dense mode would stream every neuron from disk) and on the host."""
+    return (plan.choice is Choice.WHOLE_GATE and n_tokens >= WHOLE_GATE_DENSE_TOKENS and plan.cache is Cache.NONE
+            and plan.device is None)
 
 
 def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray, gate_pre=None):
