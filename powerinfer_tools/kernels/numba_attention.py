@@ -128,8 +128,8 @@ def causal_attention(q, keys, values, start, window, scale, keys_t, queries, sco
     """``out [T, heads·hd]``: attention of ``q [T, heads, hd]`` at positions ``start ..`` over ``keys, values
     [S, kv_heads, hd]`` (C-contiguous, S = start + T), each query seeing the positions up to its own and, where
     ``window`` > 0, above its own less ``window``; scores times ``scale``. Scratch, float32 (``scratch``):
-    ``keys_t [kv_heads, hd, key_width(S)]``, ``queries [heads, T + QUERIES, hd]``, and each thread's ``scores
-    [threads, QUERIES, key_width(S)]`` and ``sums [threads, QUERIES, hd]``."""
+    ``keys_t [kv_heads, hd, width]``, ``queries [heads, T + QUERIES, hd]``, and each thread's ``scores
+    [threads, QUERIES, width]`` and ``sums [threads, QUERIES, hd]``, ``width`` as ``scratch`` gives it."""
     n_tokens, n_heads, head_dim = q.shape
     n_keys, n_kv = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
