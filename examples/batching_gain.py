@@ -6,7 +6,7 @@ A server that batches B requests runs one forward pass over B tokens (one per se
 one-token passes. This times exactly that on the runtime: B sequences, each after a 32-token prompt of its own,
 decoded by B one-token forward passes (the compiled decoder) against one ``RuntimeModel.forward_batch`` (each
 weight read once for all, each sequence attending over its own cache). The ratio of the two per-token times is
-what batching B sequences gains per step (``runtime.batching``'s ``MIN_BATCH`` is where it starts to pay).
+what batching B sequences gains per step (the server's steps time both ways: ``runtime.batching``'s ``_StepChoice``).
 Prints, per B, the medians of ``--repeats`` runs, alternating the two.
 """
 
@@ -44,7 +44,7 @@ def time_one_by_one(model, tokens: np.ndarray, b: int) -> float:
 def time_together(model, tokens: np.ndarray, b: int) -> float:
     caches = prompted(model, tokens, b)
     start = time.perf_counter()
-    model.forward_batch(tokens[PROMPT : PROMPT + b], caches)
+    model.forward_batch([tokens[PROMPT + i : PROMPT + i + 1] for i in range(b)], caches)
     return time.perf_counter() - start
 
 

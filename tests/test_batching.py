@@ -32,7 +32,7 @@ def _logits_one_by_one_and_batched(model, prompts: list[np.ndarray], steps: int)
     for _ in range(steps):
         tokens = np.array(last)
         one = np.concatenate([model.forward(tokens[i : i + 1], a, all_logits=False) for i, a in enumerate(alone)])
-        batch = model.forward_batch(tokens, together)
+        batch = model.forward_batch([tokens[i : i + 1] for i in range(len(tokens))], together)
         errors.append(relative_error(batch, one))
         last = list(np.argmax(one, axis=1))
     return errors
@@ -54,6 +54,28 @@ def test_a_sparse_batch_computes_each_sequences_neurons(synthesized_tiny):
     errors = _logits_one_by_one_and_batched(model, prompts, steps=4)
     # q4_0: x is encoded as q8_0 by the one-token kernels, as float rows by a block's union of neurons
     assert max(errors) < 0.15, errors
+
+
+def test_prompts_joining_a_step_are_computed_as_they_alone_would_be(bundled_gguf):
+    model = load_runtime_model(bundled_gguf("f32"))
+    model.mode = FFNMode.DENSE
+    vocab = model.spec.vocab_size
+    running = [np.arange(1, 1 + n) * 7 % vocab for n in (3, 6)]  # sequences decoding: a prompt read already
+    joining = [np.arange(2, 2 + n) * 5 % vocab for n in (4, 9)]  # prompts starting in the step
+    alone, together = ([model.new_cache() for _ in range(4)] for _ in range(2))
+    for prompt, a, b in zip(running, alone, together):
+        model.forward(prompt, a, all_logits=False)
+        model.forward(prompt, b, all_logits=False)
+    blocks = [joining[0], np.array([11]), joining[1], np.array([12])]
+    order = [alone[2], alone[0], alone[3], alone[1]]
+    one = np.concatenate([model.forward(block, a, all_logits=False) for block, a in zip(blocks, order)])
+    batch = model.forward_batch(blocks, [together[2], together[0], together[3], together[1]])
+    assert batch.shape == one.shape == (4, vocab)
+    assert relative_error(batch, one) < 1e-4  # float32 sums in another order, nothing else
+    # and the caches hold the same keys afterwards: the next step of each agrees too
+    nxt = [np.array([13 + i]) for i in range(4)]
+    one = np.concatenate([model.forward(t, a, all_logits=False) for t, a in zip(nxt, alone)])
+    assert relative_error(model.forward_batch(nxt, together), one) < 1e-4
 
 
 def _greedy_tokens(decoder: BatchDecoder, prompt: list[int], n: int) -> list[int]:

@@ -1,11 +1,14 @@
 """Continuous batching: the generations running at once decoded together, one forward pass per step.
 
-A server's requests each become a ``Sequence``: its prompt computed when it starts (beyond what the prompt
-cache holds of it: ``prompt_cache``), its first token sampled, then one token per ``step``, in which every
-running sequence's last token goes through one forward pass (``RuntimeModel.forward_batch``: each weight read
-once for all of them, each sequence attending over its own KV cache), or, where that measured slower on this
-model and machine, through one compiled pass each (``_StepChoice``). Sequences join and leave between steps;
-each samples from its own logits with its own sampler, stop tokens and window, as ``Generation`` does for one.
+A server's requests each become a ``Sequence``, which joins the batch with its prompt (beyond what the prompt
+cache holds of it: ``prompt_cache``) still to compute. Each ``step`` samples one token of every sequence: every
+running sequence's last token and every joining sequence's prompt go through one forward pass
+(``RuntimeModel.forward_batch``: each weight read once for all of their rows, each sequence attending over its
+own KV cache), so that the running generations go on while a prompt is computed, and prompts that arrive
+together are computed as one block. A step of running sequences alone takes, where that measured faster on this
+model and machine, one compiled pass per sequence instead (``_StepChoice``). Sequences join and leave between
+steps; each samples from its own logits with its own sampler, stop tokens and window, as ``Generation`` does for
+one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Sequence:
     generation: Generation  # its sampler, stop tokens and window
     caches: object  # the engine's cache(s) for it: what ``forward`` extends
     stats: GenerationStats
+    unread: np.ndarray  # the prompt's tokens its caches do not hold yet: computed by its first step
     tokens: list[int] = field(default_factory=list)  # sampled so far
 
     @property
@@ -42,11 +46,13 @@ class Sequence:
 
 @dataclass
 class BatchCounters:
-    """What the steps of a ``BatchDecoder`` computed: steps, the sequences' tokens they decoded, their time, and
-    the steps of more than one sequence computed in one forward pass (the others: one pass per sequence)."""
+    """What the steps of a ``BatchDecoder`` computed: steps, the tokens they sampled (one per sequence), the
+    prompt tokens they computed (of sequences joining), their time, and the steps of more than one sequence
+    computed in one forward pass (the others: one pass per sequence)."""
 
     steps: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
     seconds: float = 0.0
     batched: int = 0
 
@@ -93,41 +99,45 @@ class BatchDecoder:
         self._choice = _StepChoice()
 
     def start(self, prompt: list[int], max_tokens: int, sampling: SamplingConfig) -> Sequence:
-        """A sequence of ``prompt`` (ids, checked as ``LLM.prompt_ids`` checks them), its prompt computed and its
-        first token sampled (none where ``max_tokens`` is 0 or the prompt fills the window)."""
+        """A sequence of ``prompt`` (ids, checked as ``LLM.prompt_ids`` checks them), to join the next ``step``:
+        that step computes its prompt and samples its first token (none where ``max_tokens`` is 0 or the prompt
+        fills the window: it is finished already, and nothing is computed)."""
         eos = self.engine.spec.eos_token_id
         generation = Generation(None, prompt, max_tokens, Sampler(sampling), [eos] if eos is not None else [],
                                 self.llm.context_size)
         stats = GenerationStats(prompt_tokens=len(prompt), context_size=self.llm.context_size)
         caches, reused = self.prompt_cache.reuse(prompt) if self.prompt_cache is not None else (None, 0)
-        sequence = Sequence(prompt, generation, self.engine.new_cache() if caches is None else caches, stats)
         stats.prompt_reused = reused
-        start = time.perf_counter()
-        logits = self._last_logits(np.asarray(prompt[reused:], dtype=np.int64), sequence.caches)
-        stats.prompt_seconds = time.perf_counter() - start
-        if not generation.finished:
-            sequence.tokens.append(generation.next_token(logits))
-        return sequence
+        return Sequence(prompt, generation, self.engine.new_cache() if caches is None else caches, stats,
+                        np.asarray(prompt[reused:], dtype=np.int64))
 
     def step(self, sequences: list[Sequence]) -> None:
-        """Each of ``sequences`` (none finished) samples its next token, from one forward pass over their last."""
-        tokens = np.array([s.tokens[-1] for s in sequences], dtype=np.int64)
-        together = self.batched and len(sequences) > 1 and self._choice.together(len(sequences))
+        """Each of ``sequences`` (none finished) samples its next token (a joining one: its first, after its
+        prompt), from one forward pass over their last tokens and prompts."""
+        blocks = [s.unread if len(s.unread) else np.array(s.tokens[-1:], dtype=np.int64) for s in sequences]
+        joining = [len(s.unread) > 0 for s in sequences]
+        decoding = self.batched and len(sequences) > 1 and not any(joining)  # a step the choice times
+        # A step with a prompt in it runs as one pass: the prompt's rows go through every product anyway.
+        together = self.batched and len(sequences) > 1 and (any(joining) or self._choice.together(len(sequences)))
         start = time.perf_counter()
         if together:
-            logits = self.engine.forward_batch(tokens, [s.caches for s in sequences])
+            logits = self.engine.forward_batch(blocks, [s.caches for s in sequences])
         else:
-            logits = [self._last_logits(tokens[i : i + 1], s.caches) for i, s in enumerate(sequences)]
+            logits = [self._last_logits(block, s.caches) for block, s in zip(blocks, sequences)]
         elapsed = time.perf_counter() - start
-        if self.batched and len(sequences) > 1:
+        if decoding:
             self._choice.record(len(sequences), together, elapsed)
         self.counters.steps += 1
         self.counters.tokens += len(sequences)
+        self.counters.prompt_tokens += sum(len(s.unread) for s in sequences)
         self.counters.seconds += elapsed
         self.counters.batched += together
-        for sequence, row in zip(sequences, logits):
-            sequence.stats.decode_steps += 1
-            sequence.stats.generation_seconds += elapsed  # each waited for the whole step
+        for sequence, row, joined in zip(sequences, logits, joining):
+            if joined:  # it waited for the whole step, as the others did
+                sequence.stats.prompt_seconds, sequence.unread = elapsed, sequence.unread[:0]
+            else:
+                sequence.stats.decode_steps += 1
+                sequence.stats.generation_seconds += elapsed
             sequence.tokens.append(sequence.generation.next_token(row))
 
     def finish(self, sequence: Sequence) -> None:
@@ -136,7 +146,7 @@ class BatchDecoder:
         g, stats = sequence.generation, sequence.stats
         stats.generated_tokens = g.sampled
         stats.stopped_at_window, stats.stopped_at_eos = g.stopped_at_window, g.stopped_at_token
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and not len(sequence.unread):  # (its caches hold what it read)
             self.prompt_cache.keep(sequence.prompt + sequence.tokens, sequence.caches)
 
     def _last_logits(self, tokens: np.ndarray, caches) -> np.ndarray:

@@ -234,16 +234,19 @@ class RuntimeModel(Engine):
         return self._checked(lambda: self._logits(tokens, caches, all_logits))
 
     @runs_model_work
-    def forward_batch(self, tokens: np.ndarray, caches: list[list[KVCache]]) -> np.ndarray:
-        """Logits ``[B, vocab]`` of B sequences' next tokens in one forward pass: ``tokens[b]`` follows what
-        ``caches[b]`` hold. Every product multiplies the B rows at once, so each weight is read once for all of
-        them, and each layer's FFN computes them as its plan computes a block of tokens (dense: whole; sparse: the
-        union of their neurons, or each its own while they choose few: ``tokens_own_neurons``); attention is each
-        sequence's over its own cache. A batch of one is ``forward``'s step (the compiled decoder's)."""
-        if len(tokens) == 1:
-            return self._checked(lambda: self._logits(np.asarray(tokens), caches[0], all_logits=False))
-        spans = [_Span(slice(b, b + 1), cache, cache[0].length) for b, cache in enumerate(caches)]
-        return self._checked(lambda: self._general_logits(np.asarray(tokens), spans, all_logits=True))
+    def forward_batch(self, blocks: list[np.ndarray], caches: list[list[KVCache]]) -> np.ndarray:
+        """Logits ``[B, vocab]`` of the last token of each of B sequences' blocks, in one forward pass: ``blocks[b]``
+        (a running sequence's last token, or a joining one's prompt) follows what ``caches[b]`` hold. Every product
+        multiplies all the blocks' rows at once, so each weight is read once for all of them, and each layer's FFN
+        computes them as its plan computes a block of tokens (dense: whole; sparse: the union of their neurons, or
+        each its own while they choose few: ``tokens_own_neurons``); attention is each sequence's over its own
+        cache. One block is ``forward``'s (a token's: the compiled decoder's step)."""
+        if len(blocks) == 1:
+            return self._checked(lambda: self._logits(np.asarray(blocks[0]), caches[0], all_logits=False))
+        ends = np.cumsum([len(block) for block in blocks])
+        spans = [_Span(slice(end - len(block), end), cache, cache[0].length)
+                 for block, cache, end in zip(blocks, caches, ends)]
+        return self._checked(lambda: self._general_logits(np.concatenate(blocks), spans, ends - 1))
 
     def _checked(self, compute) -> np.ndarray:
         """``compute()``'s logits, refused when they are not finite."""
@@ -259,14 +262,14 @@ class RuntimeModel(Engine):
         span = _Span(slice(0, len(tokens)), caches, caches[0].length)
         decoder = self.compiled_decoder()
         if decoder is None or self.firing_meter is not None or not decoder.usable(self.mode, len(tokens), caches):
-            return self._general_logits(np.asarray(tokens), [span], all_logits)
+            return self._general_logits(np.asarray(tokens), [span], slice(None) if all_logits else slice(-1, None))
         step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
         x = decoder.forward(self._embedded(tokens, [span]), caches, self.mode, step)  # computes its own rotations
         return self._head(x if all_logits else x[-1:], self.host, step)
 
-    def _general_logits(self, tokens: np.ndarray, spans: list["_Span"], all_logits: bool) -> np.ndarray:
+    def _general_logits(self, tokens: np.ndarray, spans: list["_Span"], logit_rows) -> np.ndarray:
         """The general path: layer by layer, the rows of every span at once (one sequence's block of tokens, or
-        one token of each sequence of a batch)."""
+        a block of each sequence of a batch); the logits of ``logit_rows`` (an index of the rows)."""
         x, where = self._embedded(tokens, spans), self.host
         step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
         ropes = [self._ropes(span.start, span.count) for span in spans]
@@ -277,7 +280,7 @@ class RuntimeModel(Engine):
                 where = backend
                 sequences = [(span.rows, span.caches[i], span.start, rope_of(i)) for span, rope_of in zip(spans, ropes)]
                 x = self._layer(i, layer, plan, x, sequences, step)
-        return self._head(x if all_logits else x[-1:], where, step)
+        return self._head(x[logit_rows], where, step)
 
     def _embedded(self, tokens: np.ndarray, spans: list["_Span"]) -> np.ndarray:
         """The tokens' embeddings ``[T, d_model]``, each span's rows at its positions; refused before anything is

@@ -76,9 +76,11 @@ class ServerMetrics:
         metric("generation_tokens_per_second", "gauge", "Tokens per second of one generation (its decoding steps), "
                "over all requests.", [("", rate)])
         metric("batch_steps_total", "counter", "Decoding steps: one forward pass over every running generation's next "
-               "token.", [("", steps.steps)])
+               "token and the prompts of those joining.", [("", steps.steps)])
         metric("batch_tokens_total", "counter", "Tokens those steps decoded (a step decodes one per generation).",
                [("", steps.tokens)])
+        metric("batch_prompt_tokens_total", "counter", "Prompt tokens those steps computed (of generations joining).",
+               [("", steps.prompt_tokens)])
         metric("batch_seconds_total", "counter", "Seconds spent in decoding steps.", [("", steps.seconds)])
         metric("batch_steps_together_total", "counter", "Decoding steps of several generations computed as one "
                "forward pass (the others: a compiled pass per generation, where that measured faster).",

@@ -2,8 +2,8 @@
 ``runtime.batching``), more waiting in a bounded first-come-first-served queue.
 
 One thread (``pitools-batch``) runs the model: between two steps it drops the generations whose clients have
-gone, starts those waiting while slots are free (each one's prompt computed, beyond what the prompt cache
-holds), then decodes every running generation's next token in one forward pass. Each generation's text
+gone, starts those waiting while slots are free, then computes, in one forward pass, every running generation's
+next token and the prompts of those starting (beyond what the prompt cache holds). Each generation's text
 (stop strings cut) travels back to the event loop as it is produced, as do its start and end, so that the
 counts of requests waiting and running change on the event loop only.
 
@@ -173,20 +173,19 @@ class Scheduler:
             r.job.post(_Ended(ShuttingDown()))
 
     def _start(self, job: Job) -> Optional[_Running]:
-        """``job`` in a slot, its prompt computed and first token taken; None where it ended already (cancelled,
-        the server stopping, its prompt failing, a first token that ends it)."""
+        """``job`` in a slot, its sequence to join the next step (which computes its prompt); None where it ended
+        already (cancelled, the server stopping, nothing to generate)."""
         if job.cancelled.is_set() or self.closing:
             job.post(_Ended(ShuttingDown() if self.closing else None))
             return None
         job.post(_STARTED)
         try:
             sequence = self.decoder.start(job.prompt_ids, job.max_tokens, job.sampling)
-        except Exception as exc:  # the model failed on it: its request answers so, the others go on
+        except Exception as exc:  # (its prompt cache's copy): its request answers so, the others go on
             job.post(_Ended(exc))
             return None
         job.stats = sequence.stats
         running = _Running(job, sequence, TextPieces(self.llm.tokenizer.decode), StopStrings(job.stops))
-        self._take(running)
         return None if self._ended(running) else running
 
     def _step(self, running: list[_Running]) -> list[_Running]:
