@@ -173,15 +173,16 @@ def attention(
     qg = q.reshape(n_tokens, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n_tokens, head_dim)
     scale = q.dtype.type(score_scale(head_dim, scale))
     scores = (qg @ keys.transpose(1, 2, 0)).reshape(n_kv, group, n_tokens, -1)
-    query_pos = start + xp.arange(n_tokens)[:, None]
-    key_pos = xp.arange(keys.shape[0])[None, :]
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
     # The softmax in place, in the product's own array: a new array at each step made a 512-token prompt of the
     # TinyLlama-shaped model slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
     scores *= scale
-    scores += xp.where(visible, q.dtype.type(0), q.dtype.type(-np.inf))  # the positions a query may not see
+    if n_tokens > 1 or (sliding_window is not None and keys.shape[0] > sliding_window):  # (one query sees all)
+        query_pos = start + xp.arange(n_tokens)[:, None]
+        key_pos = xp.arange(keys.shape[0])[None, :]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        scores += xp.where(visible, q.dtype.type(0), q.dtype.type(-np.inf))  # the positions a query may not see
     scores -= scores.max(axis=-1, keepdims=True)
     weights = xp.exp(scores, out=scores)
     weights /= weights.sum(axis=-1, keepdims=True)
@@ -201,9 +202,17 @@ def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v:
                    start: int, rotate: Optional[Rotation] = None,
                    qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None, attend: Attend = attention) -> np.ndarray:
     """Causal self-attention ``[T, heads * hd]`` of layer ``layer``'s projected ``q [T, heads * hd]`` and
-    ``k, v [T, kv_heads * hd]`` at positions from ``start``: split into heads, norm q and k per head
-    (``qk_norms``, Gemma 3), ``rotate`` them (RoPE models), append k and v to the cache through ``store``,
-    ``attend`` within the layer's window (``ModelSpec.layer_window``). The output projection is the caller's."""
+    ``k, v [T, kv_heads * hd]`` at positions from ``start``: ``attention_heads``, then ``cached_attention``. The
+    output projection is the caller's."""
+    q, k, v = attention_heads(spec, q, k, v, rotate, qk_norms)
+    return cached_attention(spec, layer, q, k, v, store, start, attend)
+
+
+def attention_heads(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, rotate: Optional[Rotation] = None,
+                    qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None) -> tuple[np.ndarray, ...]:
+    """Projected ``q [T, heads * hd]``, ``k, v [T, kv_heads * hd]`` split into heads, q and k normed per head
+    (``qk_norms``, Gemma 3) and rotated (``rotate``, RoPE models). Each row on its own: the rows of several
+    sequences go through at once (a batch's, each rotated by its own positions' tables)."""
     n = q.shape[0]
     q = q.reshape(n, spec.n_heads, spec.head_dim)
     k = k.reshape(n, spec.n_kv_heads, spec.head_dim)
@@ -212,6 +221,13 @@ def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v:
         q, k = qk_norms[0](q), qk_norms[1](k)
     if rotate is not None:
         q, k = rotate(q), rotate(k)
+    return q, k, v
+
+
+def cached_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore,
+                     start: int, attend: Attend = attention) -> np.ndarray:
+    """``[T, heads * hd]``: one sequence's heads (``attention_heads``) at positions from ``start``, k and v appended
+    to its cache through ``store``, attending within the layer's window (``ModelSpec.layer_window``)."""
     keys, values = store(k, v)
     return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
 

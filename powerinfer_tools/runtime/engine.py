@@ -22,12 +22,13 @@ from powerinfer_tools.kernels.quant import QuantMatrix
 from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
+    attention_heads,
+    cached_attention,
     decoder_layer,
     embedding_scale,
     mix_experts,
     normalize,
     rope_tables,
-    self_attention,
     stored_rotation,
 )
 from powerinfer_tools.runtime.backends import CpuBackend, move, single_threaded_blas
@@ -53,6 +54,11 @@ class _Span:
     def count(self) -> int:
         """Its tokens."""
         return self.rows.stop - self.rows.start
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Its tokens' positions in its sequence."""
+        return np.arange(self.start, self.start + self.count)
 
 
 @dataclass
@@ -272,14 +278,14 @@ class RuntimeModel(Engine):
         a block of each sequence of a batch); the logits of ``logit_rows`` (an index of the rows)."""
         x, where = self._embedded(tokens, spans), self.host
         step = TokenStats(steps=1, tokens=len(tokens), bytes_read=self.static_bytes)  # and each FFN's, by its plan
-        ropes = [self._ropes(span.start, span.count) for span in spans]
+        rope_of = self._ropes(np.concatenate([span.positions for span in spans]))
         with single_threaded_blas():
             for i, (layer, plan) in enumerate(zip(self.layers, self.ffn_plans[self.mode])):
                 backend = layer.dense.backend
                 x = move(x, where, backend)
                 where = backend
-                sequences = [(span.rows, span.caches[i], span.start, rope_of(i)) for span, rope_of in zip(spans, ropes)]
-                x = self._layer(i, layer, plan, x, sequences, step)
+                sequences = [(span.rows, span.caches[i], span.start) for span in spans]
+                x = self._layer(i, layer, plan, x, sequences, rope_of(i), step)
         return self._head(x[logit_rows], where, step)
 
     def _embedded(self, tokens: np.ndarray, spans: list["_Span"]) -> np.ndarray:
@@ -294,8 +300,7 @@ class RuntimeModel(Engine):
         if (scale := embedding_scale(s)) is not None:
             x = x * np.float32(scale)
         if self.positions is not None:
-            at = np.concatenate([np.arange(span.start, span.start + span.count) for span in spans])
-            x = x + self.positions[at + s.position_offset]
+            x = x + self.positions[np.concatenate([span.positions for span in spans]) + s.position_offset]
         return x
 
     def _head(self, x, where, step: TokenStats) -> np.ndarray:
@@ -317,16 +322,15 @@ class RuntimeModel(Engine):
         raise PitoolsError(f"{self.path}: the model's logits are not finite (NaN or infinity), though every weight in "
                            "the file is: its activations overflowed, or the file changed while it was being read")
 
-    def _ropes(self, start: int, n_tokens: int):
-        """``rope_of(i)``: layer ``i``'s cos/sin tables for positions ``start ..`` (None without rotary
+    def _ropes(self, positions: np.ndarray):
+        """``rope_of(i)``: layer ``i``'s cos/sin tables for the rows at ``positions`` (None without rotary
         embeddings), made once per (theta, scaling): one set, or Gemma 3's global and local ones."""
         s, ropes = self.spec, {}
 
         def rope_of(i: int):
             theta, scaling = s.layer_rope(i)
             if theta is not None and (theta, scaling) not in ropes:
-                ropes[theta, scaling] = rope_tables(np.arange(start, start + n_tokens), s.head_dim, theta, scaling,
-                                                    np.float32)
+                ropes[theta, scaling] = rope_tables(positions, s.head_dim, theta, scaling, np.float32)
             return ropes.get((theta, scaling))
 
         return rope_of
@@ -337,7 +341,8 @@ class RuntimeModel(Engine):
         backend, start = self.layers[i].dense.backend, cache.length
         with single_threaded_blas():
             out = self._layer(i, self.layers[i], self.ffn_plans[self.mode][i], move(x, self.host, backend),
-                              [(slice(0, len(x)), cache, start, self._ropes(start, len(x))(i))], step)
+                              [(slice(0, len(x)), cache, start)], self._ropes(np.arange(start, start + len(x)))(i),
+                              step)
         return move(out, backend, self.host)
 
     def compiled_decoder(self):
@@ -397,9 +402,9 @@ class RuntimeModel(Engine):
 
         return execution_report(self)
 
-    def _layer(self, i: int, layer: RuntimeLayer, plan: FFNPlan, x, sequences: list[tuple], step: TokenStats):
-        """Layer ``i`` for the rows ``x``; ``sequences``: (their rows, the layer's cache they follow, its length,
-        their rotations) of each sequence the rows belong to (``_attention``)."""
+    def _layer(self, i: int, layer: RuntimeLayer, plan: FFNPlan, x, sequences: list[tuple], rope, step: TokenStats):
+        """Layer ``i`` for the rows ``x``; ``sequences``: (their rows, the layer's cache they follow, its length)
+        of each sequence the rows belong to; ``rope``: every row's rotation tables (``_attention``)."""
         d = layer.dense
 
         def ffn(h, residual):
@@ -410,35 +415,34 @@ class RuntimeModel(Engine):
 
         post_norms = None if d.post_attn_norm is None else (partial(self._norm, d.post_attn_norm),
                                                             partial(self._norm, d.post_ffn_norm))
-        return decoder_layer(x, lambda h: self._attention(i, d, h, sequences), ffn,
+        return decoder_layer(x, lambda h: self._attention(i, d, h, sequences, rope), ffn,
                              partial(self._norm, d.attn_norm), partial(self._norm, d.ffn_norm), self.spec.pre_norm,
                              post_norms)
 
-    def _attention(self, i: int, d: DenseBlock, h, sequences: list[tuple]):
-        """Attention of the rows ``h``: the projections of every row at once, each sequence's rows (``rows``, a
-        slice) attending over its own ``cache`` from position ``start``, rotated by ``rope``."""
-        b = d.biases
+    def _attention(self, i: int, d: DenseBlock, h, sequences: list[tuple], rope):
+        """Attention of the rows ``h``: the projections, head norms and rotations (by ``rope``'s tables) of every
+        row at once, then each sequence's rows (``rows``, a slice) attending over its own ``cache`` from position
+        ``start``."""
+        b, xp = d.biases, d.backend.xp
 
         def project(w: QuantMatrix | InterleavedQ4, key: str):
             y = d.backend.matmul(w, h)
             return y + b[key] if key in b else y
 
-        q, k, v = project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v")
         qk_norms = None if d.q_norm is None else (partial(self._norm, d.q_norm), partial(self._norm, d.k_norm))
+        rotate = None if rope is None else partial(stored_rotation(self.spec), cos=xp.asarray(rope[0]),
+                                                   sin=xp.asarray(rope[1]))
+        q, k, v = attention_heads(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), rotate,
+                                  qk_norms)
         outs = []
-        for rows, cache, start, rope in sequences:
+        for rows, cache, start in sequences:
             def store(keys, values, cache=cache):
                 keys_values = cache.store(0, keys, values)
                 cache.advance(keys.shape[0])
                 return keys_values
 
-            rotate = None
-            if rope is not None:
-                rotate = partial(stored_rotation(self.spec), cos=d.backend.xp.asarray(rope[0]),
-                                 sin=d.backend.xp.asarray(rope[1]))
-            outs.append(self_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, rotate, qk_norms,
-                                       d.backend.attention))
-        out = d.backend.matmul(d.wo, outs[0] if len(outs) == 1 else d.backend.xp.concatenate(outs))
+            outs.append(cached_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, d.backend.attention))
+        out = d.backend.matmul(d.wo, outs[0] if len(outs) == 1 else xp.concatenate(outs))
         return out + b["o"] if "o" in b else out
 
     # -- FFN: each layer's as its plan for the mode says (``ffn_plan``) ---------------------------------------
