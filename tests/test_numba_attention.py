@@ -1,6 +1,7 @@
 """A prompt's compiled attention (kernels/numba_attention.py) against ``layers.attention`` in float64: every shape
 the tiles meet (a short last tile, keys already cached, a window that ends inside a tile, grouped and plain heads,
-both value widths), scores far apart (its exp's floor), and which blocks the CPU backend hands it."""
+both value widths), scores far apart (its exp's floor), and which blocks the CPU backend hands it; and a batch's
+step, one query per sequence over caches of their own lengths (``one_query_each``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from numba import njit
 from powerinfer_tools import kernels
 from powerinfer_tools.kernels import numba_attention
 from powerinfer_tools.kernels import numba_kernels as nk
-from powerinfer_tools.models.layers import attention, score_scale
+from powerinfer_tools.models.layers import KVCache, attention, attention_each, score_scale
 from powerinfer_tools.runtime.backends import CpuBackend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernels are unavailable")
@@ -79,8 +80,8 @@ def test_exp_within_float32_rounding():
 
 
 def test_the_cpu_backend_takes_prompts_alone():
-    """A block of a tile's tokens or more takes the kernel; fewer (a batch's one token a sequence), and heads the
-    value sums do not divide, keep NumPy's."""
+    """A block of a tile's tokens or more takes the kernel; fewer, and heads the value sums do not divide, keep
+    NumPy's."""
     assert kernels.attention_takes(kernels.ATTENTION_MIN_TOKENS, 64)
     assert kernels.ATTENTION_MIN_TOKENS == numba_attention.QUERIES
     assert not kernels.attention_takes(kernels.ATTENTION_MIN_TOKENS - 1, 64)
@@ -97,3 +98,41 @@ def test_refuses_mismatched_shapes():
     q, keys, values = inputs(1, 8, 0, 4, 2, 64)
     with pytest.raises(ValueError, match="attention of q"):
         kernels.causal_attention(q, keys[:-1], values[:-1], 0, None, 0.125)
+
+
+@pytest.mark.parametrize("lengths, n_heads, n_kv, head_dim, window", [
+    ([1, 2], 2, 1, 64, None),              # a first token: one key
+    ([17, 100, 33, 64], 32, 4, 64, None),  # TinyLlama's heads, caches past and on blocks of the exp's lanes
+    ([45, 3, 300], 4, 1, 256, 20),         # Gemma 3's heads and local window: one within it, two past it
+    ([70, 16], 6, 6, 80, 16),              # no grouping; a window ending on a block's edge
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_query_each_equals_the_reference(lengths, n_heads, n_kv, head_dim, window, threads):
+    rng = np.random.default_rng(sum(lengths) + head_dim)
+    q = rng.standard_normal((len(lengths), n_heads, head_dim)).astype(np.float32)
+    caches = [KVCache(1, n_kv, head_dim, np.float32) for _ in lengths]  # as the engine keeps them: rows of a buffer
+    stored = [c.store(0, *(rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for _ in range(2)))
+              for c, n in zip(caches, lengths)]
+    scale = score_scale(head_dim, None)
+    expected = attention_each(q.astype(np.float64), [(k.astype(np.float64), v.astype(np.float64)) for k, v in stored],
+                              window, scale)
+    kernels.set_threads(threads)
+    try:
+        got = kernels.one_query_each(q, stored, window, scale)
+    finally:
+        kernels.set_threads(nk.numba.config.NUMBA_NUM_THREADS)
+    assert got.shape == (len(lengths), n_heads * head_dim) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    np.testing.assert_array_equal(CpuBackend().attention_each(q, stored, window, None), got)
+
+
+def test_one_query_each_refuses_mismatched_shapes():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    keys = rng.standard_normal((5, 2, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="one query each"):
+        kernels.one_query_each(q, [(keys, keys[:-1]), (keys, keys)], None, 0.125)
+    with pytest.raises(ValueError, match="one query each"):
+        kernels.one_query_each(q, [(keys, keys)], None, 0.125)  # a sequence short
+    with pytest.raises(ValueError, match="one query each"):
+        kernels.one_query_each(q, [(keys[:, :1, :32], keys[:, :1, :32])] * 2, None, 0.125)

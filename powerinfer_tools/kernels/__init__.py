@@ -4,6 +4,7 @@
     row_axpy(m, coeffs, rows) coeffs [T, k] @ W[rows]  -> [T, cols]        down projection (ffn_down_t)
     interleaved_matmul(p, x)  x [T, cols] @ W.T        -> [T, rows]        a q4_0 matrix used whole, any T
     causal_attention(q, k, v, ...)                                        a prompt's attention (numba_attention)
+    one_query_each(q, stored, ...)                                        a batch's step's attention (numba_attention)
     block_matmul, block_row_sum                                           matvec's and row_axpy's products
                                                                           for a prompt: dequantized for BLAS
     bf16_matmul, bf16_row_sum                                             the same in bfloat16 products (AVX-512
@@ -300,8 +301,8 @@ def bf16_row_sum(m: QuantMatrix, coeffs: np.ndarray, rows: np.ndarray | None) ->
 
 def attention_takes(n_tokens: int, head_dim: int) -> bool:
     """Whether ``causal_attention`` computes a block of ``n_tokens`` queries of heads of ``head_dim`` here: the
-    compiled kernels in use, heads it takes, and a block of at least ``ATTENTION_MIN_TOKENS`` (a batch's one token
-    per sequence stays with NumPy: the kernel transposes every key first, for the tiles of a prompt)."""
+    compiled kernels in use, heads it takes, and a block of at least ``ATTENTION_MIN_TOKENS`` (the kernel transposes
+    every key first, for the tiles of a prompt: a batch's one token per sequence takes ``one_query_each``)."""
     if n_tokens < ATTENTION_MIN_TOKENS or not available():
         return False
     from powerinfer_tools.kernels import numba_attention
@@ -325,6 +326,34 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
     numba_attention.causal_attention(*(np.ascontiguousarray(a, dtype=np.float32) for a in (q, keys, values)), start,
                                      window or 0, np.float32(scale),
                                      *numba_attention.scratch(n_tokens, n_heads, n_keys, n_kv, head_dim, threads), out)
+    return out
+
+
+def one_query_each(q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], window: int | None,
+                   scale: float) -> np.ndarray:
+    """``models.layers.attention_each(q, stored, window, scale)`` (its scale given), compiled
+    (``numba_attention.one_query_each``; the compiled kernels in use): float32 ``[B, heads · hd]``, equal up to
+    summation order."""
+    from powerinfer_tools.kernels import numba_attention
+
+    n_sequences, n_heads, head_dim = q.shape
+    keys = [np.ascontiguousarray(k, dtype=np.float32) for k, _ in stored]  # (a cache's rows are: no copy)
+    values = [np.ascontiguousarray(v, dtype=np.float32) for _, v in stored]
+    n_kv = keys[0].shape[1] if keys else 0
+    # The kernel reads the caches through their addresses, trusting these shapes: check them here.
+    if (len(stored) != n_sequences or n_kv == 0 or n_heads % n_kv
+            or any(k.shape != v.shape or not len(k) or k.shape[1:] != (n_kv, head_dim) for k, v in zip(keys, values))):
+        raise ValueError(f"one query each of q {q.shape} over keys {[k.shape for k in keys]}, "
+                         f"values {[v.shape for v in values]}")
+    lengths = np.array([len(k) for k in keys], dtype=np.int64)
+    firsts = np.maximum(lengths - window, 0) if window else np.zeros_like(lengths)
+    out = np.empty((n_sequences, n_heads * head_dim), dtype=np.float32)
+    _backend()[0].use_threads(_threads)
+    numba_attention.one_query_each(np.ascontiguousarray(q, dtype=np.float32),
+                                   np.array([k.ctypes.data for k in keys], dtype=np.int64),
+                                   np.array([v.ctypes.data for v in values], dtype=np.int64), lengths, firsts, n_kv,
+                                   np.float32(scale), numba_attention.each_scratch(n_sequences, n_heads, lengths.max()),
+                                   out)
     return out
 
 

@@ -11,13 +11,17 @@ head, which share their keys and values, and for each tile:
   ``KEYS`` keys' values, multiplied into every query's ``KEYS`` sums held in registers (``_sums_of_rows``);
 * takes each token's softmax over the keys it sees, with a vector exp (``_exp_in_place``) instead of libm's;
 * adds the values up the same way, ``head_dim`` wide, each value row loaded once for the tile's tokens.
+
+A batch's step has one query per sequence, each over its own cache: ``one_query_each`` takes them all in one
+call, each thread a share of the (sequence, head) pairs, the same vector exp: NumPy's attention, called per
+sequence, spent most of its time on a dozen small array operations per call.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -195,6 +199,57 @@ def _tile(q_at, keys_t, values, start, window, first, last, scores, score_rows, 
             _add_values_wide(weights, seen_end - block_from, rows, value_stride, outs)
         else:
             _add_values_narrow(weights, seen_end - block_from, rows, value_stride, outs)
+
+
+@intrinsic
+def _floats_at(typingctx, addr):
+    """The float32 pointer at the integer address ``addr`` (for ``carray``)."""
+    sig = types.CPointer(types.float32)(types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], _F32.as_pointer())
+
+    return sig, codegen
+
+
+def each_scratch(n_sequences: int, n_heads: int, longest: int) -> np.ndarray:
+    """``one_query_each``'s score rows, ``[sequences · heads, width]``: room for the longest cache, whole blocks of
+    ``EXP_LANES`` from any multiple of it below a window's first key."""
+    return np.empty((n_sequences * n_heads, (longest + EXP_LANES - 1) // EXP_LANES * EXP_LANES), np.float32)
+
+
+@njit(parallel=True, nogil=True, cache=True, **FAST_FLOATS)
+def one_query_each(q, key_at, value_at, lengths, firsts, n_kv, scale, scores, out):
+    """``out [B, heads·hd]``: attention of each sequence's one query ``q[b] [heads, hd]``, at its last position,
+    over its own keys and values: float32 ``[lengths[b], n_kv, hd]`` C-contiguous at the addresses ``key_at[b]``,
+    ``value_at[b]``, from position ``firsts[b]`` (a window's first; else 0); scores times ``scale``. ``scores``:
+    ``each_scratch``'s."""
+    n_sequences, n_heads, head_dim = q.shape
+    group = n_heads // n_kv
+    for i in prange(n_sequences * n_heads):
+        b, h = i // n_heads, i % n_heads
+        n, first, kv = lengths[b], firsts[b], h // group
+        keys = carray(_floats_at(key_at[b]), (n, n_kv, head_dim))
+        values = carray(_floats_at(value_at[b]), (n, n_kv, head_dim))
+        row, q_h = scores[i], q[b, h]
+        block_from, block_end = first // EXP_LANES * EXP_LANES, (n + EXP_LANES - 1) // EXP_LANES * EXP_LANES
+        row[block_from:first] = -np.inf
+        row[n:block_end] = -np.inf
+        top = np.float32(-np.inf)
+        for s in range(first, n):
+            total = np.float32(0.0)
+            for d in range(head_dim):
+                total += q_h[d] * keys[s, kv, d]
+            row[s] = total * scale
+            top = max(top, row[s])
+        norm = np.float32(1.0) / _exp_in_place(row.ctypes.data + 4 * block_from,
+                                               (block_end - block_from) // EXP_LANES, top)
+        o = out[b, h * head_dim : (h + 1) * head_dim]
+        o[:] = 0.0
+        for s in range(first, n):
+            weight = row[s] * norm
+            for d in range(head_dim):
+                o[d] += weight * values[s, kv, d]
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

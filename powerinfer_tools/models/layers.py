@@ -190,6 +190,14 @@ def attention(
     return out.reshape(n_kv, group, n_tokens, head_dim).transpose(2, 0, 1, 3).reshape(n_tokens, n_heads * head_dim)
 
 
+def attention_each(q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], sliding_window: Optional[int] = None,
+                   scale: Optional[float] = None) -> np.ndarray:
+    """``[B, heads * hd]``: a batch's step, each of B sequences' one query ``q[b] [heads, hd]`` at its last
+    position over its own ``stored[b]`` (keys, values ``[S_b, kv_heads, hd]``): ``attention`` per sequence."""
+    return array_namespace(q).concatenate([attention(q[b : b + 1], keys, values, len(keys) - 1, sliding_window, scale)
+                                           for b, (keys, values) in enumerate(stored)])
+
+
 Rotation = Callable[[np.ndarray], np.ndarray]  # rotary embedding of ``[T, heads, head_dim]``
 KVStore = Callable[[np.ndarray, np.ndarray], tuple]  # this step's (k, v) -> every key and value so far
 
@@ -202,10 +210,12 @@ def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v:
                    start: int, rotate: Optional[Rotation] = None,
                    qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None, attend: Attend = attention) -> np.ndarray:
     """Causal self-attention ``[T, heads * hd]`` of layer ``layer``'s projected ``q [T, heads * hd]`` and
-    ``k, v [T, kv_heads * hd]`` at positions from ``start``: ``attention_heads``, then ``cached_attention``. The
-    output projection is the caller's."""
+    ``k, v [T, kv_heads * hd]`` at positions from ``start``: their heads (``attention_heads``), k and v appended to
+    the cache through ``store``, ``attend`` within the layer's window (``ModelSpec.layer_window``). The output
+    projection is the caller's."""
     q, k, v = attention_heads(spec, q, k, v, rotate, qk_norms)
-    return cached_attention(spec, layer, q, k, v, store, start, attend)
+    keys, values = store(k, v)
+    return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
 
 
 def attention_heads(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, rotate: Optional[Rotation] = None,
@@ -222,14 +232,6 @@ def attention_heads(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray
     if rotate is not None:
         q, k = rotate(q), rotate(k)
     return q, k, v
-
-
-def cached_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, store: KVStore,
-                     start: int, attend: Attend = attention) -> np.ndarray:
-    """``[T, heads * hd]``: one sequence's heads (``attention_heads``) at positions from ``start``, k and v appended
-    to its cache through ``store``, attending within the layer's window (``ModelSpec.layer_window``)."""
-    keys, values = store(k, v)
-    return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
 
 
 def decoder_layer(x: np.ndarray, attend: Callable, feed_forward: Callable, attn_norm: Callable, ffn_norm: Callable,

@@ -19,7 +19,7 @@ from powerinfer_tools import kernels
 from powerinfer_tools.errors import PitoolsError, install_hint
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels.quant import QuantMatrix
-from powerinfer_tools.models.layers import attention, score_scale
+from powerinfer_tools.models.layers import attention, attention_each, score_scale
 from powerinfer_tools.runtime.host_memory import keep_freed_memory
 from powerinfer_tools.xp import cupy_or_none
 
@@ -78,6 +78,14 @@ class CpuBackend:
         if kernels.attention_takes(len(q), q.shape[2]):
             return kernels.causal_attention(q, keys, values, start, window, score_scale(q.shape[2], scale))
         return attention(q, keys, values, start, window, scale)
+
+    def attention_each(self, q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], window: int | None,
+                       scale: float | None) -> np.ndarray:
+        """``layers.attention_each``, in one compiled call (``kernels.one_query_each``) where the kernels are in
+        use."""
+        if kernels.available():
+            return kernels.one_query_each(q, stored, window, score_scale(q.shape[2], scale))
+        return attention_each(q, stored, window, scale)
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return array
@@ -181,6 +189,7 @@ class DeviceBackend:
 
     is_device = True
     attention = staticmethod(attention)
+    attention_each = staticmethod(attention_each)
 
     def matmul(self, m: QuantMatrix, x, rows=None):
         return m.matmul(x, rows)

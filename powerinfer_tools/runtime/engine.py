@@ -23,7 +23,6 @@ from powerinfer_tools.models.layers import (
     KVCache,
     Norm,
     attention_heads,
-    cached_attention,
     decoder_layer,
     embedding_scale,
     mix_experts,
@@ -421,28 +420,30 @@ class RuntimeModel(Engine):
 
     def _attention(self, i: int, d: DenseBlock, h, sequences: list[tuple], rope):
         """Attention of the rows ``h``: the projections, head norms and rotations (by ``rope``'s tables) of every
-        row at once, then each sequence's rows (``rows``, a slice) attending over its own ``cache`` from position
-        ``start``."""
-        b, xp = d.biases, d.backend.xp
+        row at once, then each sequence's rows (``rows``, a slice) stored in its ``cache`` and attending over it
+        from position ``start``: a batch's step of one token per sequence in one call (``attention_each``)."""
+        b, backend = d.biases, d.backend
 
         def project(w: QuantMatrix | InterleavedQ4, key: str):
-            y = d.backend.matmul(w, h)
+            y = backend.matmul(w, h)
             return y + b[key] if key in b else y
 
         qk_norms = None if d.q_norm is None else (partial(self._norm, d.q_norm), partial(self._norm, d.k_norm))
-        rotate = None if rope is None else partial(stored_rotation(self.spec), cos=xp.asarray(rope[0]),
-                                                   sin=xp.asarray(rope[1]))
+        rotate = None if rope is None else partial(stored_rotation(self.spec), cos=backend.xp.asarray(rope[0]),
+                                                   sin=backend.xp.asarray(rope[1]))
         q, k, v = attention_heads(self.spec, project(d.wq, "q"), project(d.wk, "k"), project(d.wv, "v"), rotate,
                                   qk_norms)
-        outs = []
-        for rows, cache, start in sequences:
-            def store(keys, values, cache=cache):
-                keys_values = cache.store(0, keys, values)
-                cache.advance(keys.shape[0])
-                return keys_values
-
-            outs.append(cached_attention(self.spec, i, q[rows], k[rows], v[rows], store, start, d.backend.attention))
-        out = d.backend.matmul(d.wo, outs[0] if len(outs) == 1 else xp.concatenate(outs))
+        stored = []
+        for rows, cache, _ in sequences:
+            stored.append(cache.store(0, k[rows], v[rows]))
+            cache.advance(rows.stop - rows.start)
+        window, scale = self.spec.layer_window(i), self.spec.attention_scale
+        if len(sequences) > 1 and len(h) == len(sequences):
+            out = backend.attention_each(q, stored, window, scale)
+        else:
+            out = backend.xp.concatenate([backend.attention(q[rows], keys, values, start, window, scale)
+                                          for (rows, _, start), (keys, values) in zip(sequences, stored)])
+        out = backend.matmul(d.wo, out)
         return out + b["o"] if "o" in b else out
 
     # -- FFN: each layer's as its plan for the mode says (``ffn_plan``) ---------------------------------------

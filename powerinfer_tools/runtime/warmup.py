@@ -151,6 +151,10 @@ def exercise(engine, modes=None, prompt_lengths: tuple[int, ...] = PROMPT_LENGTH
                 step(np.arange(1, length + 1) % vocab)
                 for token in range(decoded):
                     step(np.array([token + 1]) % vocab)
+            if decoded:  # a server's step: two sequences' first tokens, then a token each over its own cache
+                caches = [engine.new_cache() for _ in range(2)]
+                for first in (1, 3):
+                    engine.forward_batch([np.array([first]) % vocab, np.array([first + 1]) % vocab], caches)
     finally:
         engine.mode, engine.stats, engine.checks_logits = saved
 
