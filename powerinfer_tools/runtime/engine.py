@@ -587,17 +587,22 @@ def takes_every_neuron(plan: FFNPlan, n_tokens: int) -> bool:
             and plan.device is None)
 
 
-def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray, gate_pre=None):
+def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, mask: np.ndarray, gate_pre=None,
+                       columns=slice(None)):
     """A partition's output for a block of tokens, each computing only the neurons ``mask`` gives it
-    (``kernels.batched``; ``gate_pre``: their gate products, where the gate chose them): a prompt's union of
-    predicted neurons is nearly all of them, ~8x the work of each token's own. None where that path does not
-    apply (``computes_tokens_own_neurons``) or the tokens choose too many of the neurons for it to pay
-    (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way)."""
-    if (not computes_tokens_own_neurons(p, gate_pre is not None) or not mask.size
-            or np.count_nonzero(mask) >= OWN_NEURONS_DENSITY * mask.size):
+    (``kernels.batched``; ``gate_pre``: their gate products, where the gate chose them; of both, the ``columns``
+    that are ``ids``'s, every one they choose among them): a prompt's union of predicted neurons is nearly all of
+    them, ~8x the work of each token's own. None where the tokens choose too many of the neurons for it to pay
+    (``OWN_NEURONS_DENSITY``; none at all: nothing to compute either way) or that path does not apply
+    (``computes_tokens_own_neurons``): decided before the columns are copied out."""
+    chosen = np.count_nonzero(mask)
+    if not chosen or chosen >= OWN_NEURONS_DENSITY * len(h) * len(ids):
+        return None
+    if not computes_tokens_own_neurons(p, gate_pre is not None):
         return None
     from powerinfer_tools.kernels import batched
-    return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask, gate_pre)
+    return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask[:, columns],
+                                None if gate_pre is None else gate_pre[:, columns])
 
 
 def computes_tokens_own_neurons(p: FFNPartition, gate_given: bool = False) -> bool:

@@ -56,9 +56,10 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
         computed = int(p.backend.xp.count_nonzero(chosen))
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
-        part, n = (None, 0) if h.shape[0] == 1 else _own_neurons(kind, t, p, x, gate_pre, chosen, own_neurons)
+        union = p.backend.xp.flatnonzero(chosen.any(axis=0))  # the neurons some token kept
+        part, n = (None, 0) if h.shape[0] == 1 else _own_neurons(kind, t, p, x, gate_pre, chosen, union, own_neurons)
         if part is None:
-            part, n = _kept_rows(kind, t, p, x, gate, chosen, kept_rows)
+            part, n = _kept_rows(kind, t, p, x, gate, chosen, union if kept_rows else None)
         rows += n
         part = move(part, p.backend, home)
         out = part if out is None else out + part
@@ -73,15 +74,13 @@ def _gate(kind: FFNKind, t, p, x):
     return x, gate_pre, gate, kept(gate, t.cats)
 
 
-def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, kept_rows: bool):
+def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, union):
     """Partition ``p``'s output from its gate activations and its rows' up products: of the neurons some token
-    kept (``kept_rows``), else of every neuron; masked where a token did not keep them; and the number of rows
-    read."""
-    xp = p.backend.xp
-    rows = xp.asarray(p.row_of[p.neurons])
-    if kept_rows:
-        keep = xp.flatnonzero(chosen.any(axis=0))
-        rows, gate, chosen = rows[keep], gate[:, keep], None if len(chosen) == 1 else chosen[:, keep]
+    kept (``union``, their indices), else (None) of every neuron; masked where a token did not keep them; and the
+    number of rows read."""
+    rows = p.backend.xp.asarray(p.row_of[p.neurons])
+    if union is not None:
+        rows, gate, chosen = rows[union], gate[:, union], None if len(chosen) == 1 else chosen[:, union]
     _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
     activated = gated(kind, gate, up_pre)
     if chosen is not None:
@@ -89,17 +88,14 @@ def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, kept_rows: bool):
     return p.backend.row_sum(p.down_t, thresholded(activated, t.ffn_down), rows), len(rows)
 
 
-def _own_neurons(kind: FFNKind, t, p, x, gate_pre, chosen, own_neurons):
-    """A block's partition output from each token's own kept neurons, their gate products given, and the rows
-    read (the union of theirs); None where ``own_neurons`` declines (a device's partition, among others), or
-    TEAL's rule on the down projection's input is to be applied too."""
+def _own_neurons(kind: FFNKind, t, p, x, gate_pre, chosen, union, own_neurons):
+    """A block's partition output from each token's own kept neurons (among ``union``, those some token kept),
+    their gate products given, and the rows read (the union's); None where ``own_neurons`` declines (a device's
+    partition, among others), or TEAL's rule on the down projection's input is to be applied too."""
     if t.ffn_down is not None or p.backend.is_device:
         return None, 0
-    used = chosen.any(axis=0)
-    # every neuron chosen by some token (a prompt at the rules' densities): views, not copies of the block
-    union = slice(None) if used.all() else np.flatnonzero(used)
-    ids = p.neurons[union]
-    return own_neurons(kind, p, x, ids, chosen[:, union], gate_pre[:, union]), len(ids)
+    columns = slice(None) if len(union) == chosen.shape[1] else union  # (a prompt's: every neuron, no copies)
+    return own_neurons(kind, p, x, p.neurons[columns], chosen, gate_pre, columns), len(union)
 
 
 # --- the compiled decoder's thresholds (its loops: ``thresholded_decode``)
