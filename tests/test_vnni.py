@@ -27,14 +27,15 @@ pytestmark = pytest.mark.skipif(not (kernels.available() and numba_vnni.availabl
 
 
 def _row_dots(qtype: Q, weights: np.ndarray, x: np.ndarray, threads: int = 2) -> np.ndarray:
-    """Every row of ``weights`` (bytes) times ``x`` through ``numba_vnni.dot_rows``."""
+    """Every row of ``weights`` (bytes) times each token of ``x [T, cols]`` through ``numba_vnni.dot_rows``."""
     routine = kernels.ggml_routines().routines[qtype]
-    out = np.empty((1, weights.shape[0]), np.float32)
+    n_tokens, cols = x.shape
+    out = np.empty((n_tokens, weights.shape[0]), np.float32)
     nk.use_threads(threads)
-    numba_vnni.dot_rows(int(qtype), routine.from_float, weights, np.arange(weights.shape[0]), x[None],
-                        np.zeros((1, routine.encoded_bytes(len(x))), np.uint8),
-                        np.zeros((1, numba_vnni.encoded_bytes(int(qtype), len(x))), np.uint8), out)
-    return out[0]
+    numba_vnni.dot_rows(int(qtype), routine.from_float, weights, np.arange(weights.shape[0]), x,
+                        np.zeros((n_tokens, routine.encoded_bytes(cols)), np.uint8),
+                        np.zeros((n_tokens, numba_vnni.encoded_bytes(int(qtype), cols)), np.uint8), out)
+    return out
 
 
 def _extreme_rows(qtype: Q, cols: int, rng) -> np.ndarray:
@@ -52,19 +53,21 @@ def _extreme_rows(qtype: Q, cols: int, rng) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("cols", [128, 384, 2048])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_row_dot_is_the_product_with_x_as_q8_0(qtype, cols, threads):
+@pytest.mark.parametrize("n_tokens", [1, 6])  # six: four unpacked together (``row_dots``), then two alone
+def test_row_dot_is_the_product_with_x_as_q8_0(qtype, cols, threads, n_tokens):
     """Against float64 NumPy on gguf's own dequantization of the weights and of x's q8_0 encoding: equal
-    up to float32 summation order, extreme rows included."""
+    up to float32 summation order, extreme rows included, each token's own."""
     rng = np.random.default_rng(cols)
     w = _extreme_rows(qtype, cols, rng)
-    x = rng.standard_normal(cols).astype(np.float32) * np.where(np.arange(cols) % 97 == 0, 40, 1).astype(np.float32)
+    spikes = np.where(np.arange(cols) % 97 == 0, 40, 1).astype(np.float32)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32) * spikes
     got = _row_dots(qtype, w, x, threads)
     weights = dequantize(w, qtype).astype(np.float64)
-    seen = dequantize(quantize(x[None], Q.Q8_0), Q.Q8_0)[0].astype(np.float64)
-    want = weights @ seen
-    scale = np.abs(weights) @ np.abs(seen)
+    seen = dequantize(quantize(x, Q.Q8_0), Q.Q8_0).astype(np.float64)
+    want = seen @ weights.T
+    scale = np.abs(seen) @ np.abs(weights).T
     assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-30)
-    assert got[2] == 0
+    assert not got[:, 2].any()
 
 
 def test_a_one_token_matvec_takes_it_and_agrees_with_vec_dot(monkeypatch):

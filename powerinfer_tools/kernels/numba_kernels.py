@@ -379,9 +379,9 @@ AXPY_TYPES = type_mask(AXPY_DECODERS)
 
 def switch_on_type(builder, qtype, cases):
     """Emit the code of ``cases[t]`` (``{ggml type: emitter}``, each called with no arguments) for the type whose
-    id is the integer value ``qtype``, and return the values they return as one (None where they return none).
-    Another type traps: the entry points of the compiled kernels refuse every type outside their table first
-    (``refuse_unclaimed``), so none reaches here."""
+    id is the integer value ``qtype``, and return the values they return as one (None where they return none; a
+    list of one per position where they return lists). Another type traps: the entry points of the compiled
+    kernels refuse every type outside their table first (``refuse_unclaimed``), so none reaches here."""
     done, other = builder.append_basic_block("typed"), builder.append_basic_block("no_case_for_type")
     switch = builder.switch(qtype, other)
     results = []
@@ -397,8 +397,15 @@ def switch_on_type(builder, qtype, cases):
     builder.position_at_end(done)
     if not results or results[0][0] is None:
         return None
-    value = builder.phi(results[0][0].type)
-    for result, block in results:
+    if isinstance(results[0][0], list):
+        return [meet(builder, [(values[i], block) for values, block in results]) for i in range(len(results[0][0]))]
+    return meet(builder, results)
+
+
+def meet(builder, incoming):
+    """The value of ``incoming``'s (value, block) pairs whose block the code came from: one phi."""
+    value = builder.phi(incoming[0][0].type)
+    for result, block in incoming:
         value.add_incoming(result, block)
     return value
 

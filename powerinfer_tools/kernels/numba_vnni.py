@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, implementations
 from powerinfer_tools.kernels.numba_kernels import (BLOCK, PREFETCH_ROWS, TO_L1, TO_L2, compiles_for, const,
-                                                     ggml_from_float, in_order, lane_sum, load, offset, prefetch,
+                                                     ggml_from_float, in_order, lane_sum, load, meet, offset, prefetch,
                                                      refuse_unclaimed, splat, store, switch_on_type, type_mask, vec)
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 
@@ -129,24 +129,28 @@ def _weight_operands(builder, fmt: _Rows, quants):
     return [builder.xor(quants, const(_I8, 64, [0x80] * 64))]
 
 
-def _group_product(builder, fmt: _Rows, row_group, x_group):
-    """16 float lanes whose sum is one group's share of the dot product (see the module doc)."""
+def _group_products(builder, fmt: _Rows, row_group, x_groups):
+    """Per input of ``x_groups`` (the same group of each), 16 float lanes whose sum is the group's share of its dot
+    product (see the module doc): the group's weights and scales are loaded and unpacked once for all of them."""
     first = load(builder, row_group, vec(_I8, 64))
     tail = fmt.group_bytes - 64  # the second load ends where the group ends
     second = load(builder, offset(builder, row_group, tail), vec(_I8, 64))
     where = [fmt.block_bytes * k + 2 + j for k in range(fmt.blocks) for j in range(fmt.quant_bytes)]
     quants = builder.shuffle_vector(first, second, const(_I32, 64, [p if p < 64 else 64 + p - tail for p in where]))
-    operands = 64 * fmt.operands
-    sums = load(builder, offset(builder, x_group, operands + 4 * _LANES), vec(_I32, _LANES))  # the offsets
-    for i, weights in enumerate(_weight_operands(builder, fmt, quants)):
-        sums = _vpdpbusd(builder, sums, weights, load(builder, offset(builder, x_group, 64 * i), vec(_I8, 64)))
+    weights = _weight_operands(builder, fmt, quants)
     lanes = _LANES // fmt.blocks
     words = builder.bitcast(first, vec(_I16, 32))  # block k's scale is word block_bytes * k / 2
     scales = builder.shuffle_vector(words, words, const(_I32, _LANES, [fmt.block_bytes // 2 * (lane // lanes)
                                                                         for lane in range(_LANES)]))
     scales = builder.fpext(builder.bitcast(scales, vec(_HALF, _LANES)), vec(_F32, _LANES))
-    scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), vec(_F32, _LANES)))
-    return builder.fmul(builder.sitofp(sums, vec(_F32, _LANES)), scales, flags=("contract",))
+    operands, products = 64 * fmt.operands, []
+    for x_group in x_groups:
+        sums = load(builder, offset(builder, x_group, operands + 4 * _LANES), vec(_I32, _LANES))  # the offsets
+        for i, w in enumerate(weights):
+            sums = _vpdpbusd(builder, sums, w, load(builder, offset(builder, x_group, 64 * i), vec(_I8, 64)))
+        x_scales = builder.fmul(scales, load(builder, offset(builder, x_group, operands), vec(_F32, _LANES)))
+        products.append(builder.fmul(builder.sitofp(sums, vec(_F32, _LANES)), x_scales, flags=("contract",)))
+    return products
 
 
 def _row_dot(fmt: _Rows, locality: int):
@@ -167,15 +171,22 @@ def _row_dot(fmt: _Rows, locality: int):
 
 def _emit_row_dot(builder, fmt: _Rows, locality: int, row, x, n_groups, ahead):
     """``row_dot``'s code: the float32 dot product of the row at address ``row`` with x (see below)."""
-    total = cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, _LANES), [0.0] * _LANES))
+    return _emit_row_dots(builder, fmt, locality, row, [x], n_groups, ahead)[0]
+
+
+def _emit_row_dots(builder, fmt: _Rows, locality: int, row, xs, n_groups, ahead):
+    """The float32 dot products of the row at address ``row`` with each input at the addresses ``xs``, each group
+    of the row loaded once for all of them."""
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(vec(_F32, _LANES), [0.0] * _LANES)) for _ in xs]
     with cgutils.for_range(builder, n_groups) as loop:
         at = builder.mul(loop.index, ir.Constant(_I64, fmt.group_bytes))
         for last_byte in (0, fmt.group_bytes - 1):  # a group spans two cache lines at most
             prefetch(builder, builder.add(ahead, builder.add(at, ir.Constant(_I64, last_byte))), locality)
-        x_group = builder.add(x, builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes)))
-        product = _group_product(builder, fmt, builder.add(row, at), x_group)
-        builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
-    return lane_sum(builder, builder.load(total))
+        x_at = builder.mul(loop.index, ir.Constant(_I64, fmt.encoded_group_bytes))
+        products = _group_products(builder, fmt, builder.add(row, at), [builder.add(x, x_at) for x in xs])
+        for total, product in zip(totals, products):
+            builder.store(builder.fadd(builder.load(total), product, flags=("contract",)), total)
+    return [lane_sum(builder, builder.load(total)) for total in totals]
 
 
 # The dot product of the row at address ``row`` (``n_groups`` groups) with the input ``encode`` wrote at address
@@ -195,23 +206,45 @@ def row_dot(typingctx, qtype, row, x, cols, ahead, order):
 
     def codegen(context, builder, signature, args):
         qtype_, row_, x_, cols_, ahead_, order_ = args
-
-        def dot(fmt):
-            n_groups = builder.udiv(cols_, ir.Constant(cols_.type, fmt.group_cols))
-            dots = []
-            with builder.if_else(order_) as branches:
-                for branch, locality in zip(branches, (TO_L1, TO_L2)):  # rows in order, scattered rows
-                    with branch:
-                        dot_value = _emit_row_dot(builder, fmt, locality, row_, x_, n_groups, ahead_)
-                        dots.append((dot_value, builder.block))
-            value = builder.phi(_F32)
-            for dot_value, block in dots:
-                value.add_incoming(dot_value, block)
-            return value
-
-        return switch_on_type(builder, qtype_, {t: functools.partial(dot, fmt) for t, fmt in _FORMATS.items()})
+        return _emit_typed_row_dots(builder, qtype_, row_, [x_], cols_, ahead_, order_)[0]
 
     return sig, codegen
+
+
+TOKENS_AT_ONCE = 4  # the inputs ``row_dots`` takes at once (a batch's step of four sequences in one call)
+
+
+@intrinsic
+def row_dots(typingctx, qtype, row, xs, cols, ahead, order):
+    """``row_dot`` of one row with each of the inputs at the addresses ``xs`` (a tuple), the row's groups loaded and
+    unpacked once for all of them: a tuple of their dot products."""
+    count = xs.count
+    sig = types.UniTuple(types.float32, count)(types.intp, types.intp, types.UniTuple(types.intp, count), types.intp,
+                                               types.intp, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        qtype_, row_, xs_, cols_, ahead_, order_ = args
+        xs_values = [builder.extract_value(xs_, i) for i in range(count)]
+        dots = _emit_typed_row_dots(builder, qtype_, row_, xs_values, cols_, ahead_, order_)
+        return context.make_tuple(builder, signature.return_type, dots)
+
+    return sig, codegen
+
+
+def _emit_typed_row_dots(builder, qtype_, row_, xs, cols_, ahead_, order_):
+    """``_emit_row_dots`` for ``qtype_``'s format (switched on at run time) and the order the rows are read in."""
+
+    def dots(fmt):
+        n_groups = builder.udiv(cols_, ir.Constant(cols_.type, fmt.group_cols))
+        branch_dots = []
+        with builder.if_else(order_) as branches:
+            for branch, locality in zip(branches, (TO_L1, TO_L2)):  # rows in order, scattered rows
+                with branch:
+                    branch_dots.append((_emit_row_dots(builder, fmt, locality, row_, xs, n_groups, ahead_),
+                                        builder.block))
+        return [meet(builder, [(values[i], block) for values, block in branch_dots]) for i in range(len(xs))]
+
+    return switch_on_type(builder, qtype_, {t: functools.partial(dots, fmt) for t, fmt in _FORMATS.items()})
 
 
 def _emit_encode_group(builder, fmt: _Rows, blocks, out):
@@ -293,7 +326,8 @@ GATE_UP_TYPES = type_mask(implementations(Kernel.VNNI_GATE_UP, {weight_types.Q4_
 def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     """``out[t, i] = weights[rows[i]] · x[t]`` for each token t (q4_0 or q8_0 rows, ``usable``; x float32
     ``[T, cols]``, each token encoded into its row of the scratch ``x_q8_0`` and ``x_encoded``), the threads
-    sharing the rows: each row is read from memory once for all the tokens."""
+    sharing the rows: each row is read from memory once for all the tokens, and unpacked once for four at a time
+    (``row_dots``)."""
     refuse_unclaimed(_ROW_DOT_TYPES, qtype)
     n_tokens, cols = x.shape
     n = rows.shape[0]
@@ -301,9 +335,14 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     w, row_bytes = weights.ctypes.data, weights.strides[0]
     x_addr, x_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     order = in_order(rows)
+    in_fours = n_tokens - n_tokens % TOKENS_AT_ONCE
     for i in prange(n):
         row, ahead = w + rows[i] * row_bytes, w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
-        for t in range(n_tokens):
+        for t in range(0, in_fours, TOKENS_AT_ONCE):  # (TOKENS_AT_ONCE spelled out: four)
+            x = x_addr + t * x_stride
+            out[t, i], out[t + 1, i], out[t + 2, i], out[t + 3, i] = row_dots(
+                qtype, row, (x, x + x_stride, x + 2 * x_stride, x + 3 * x_stride), cols, ahead, order)
+        for t in range(in_fours, n_tokens):
             out[t, i] = row_dot(qtype, row, x_addr + t * x_stride, cols, ahead, order)
 
 
