@@ -335,6 +335,12 @@ def dot_rows(qtype, from_float, weights, rows, x, x_q8_0, x_encoded, out):
     w, row_bytes = weights.ctypes.data, weights.strides[0]
     x_addr, x_stride = x_encoded.ctypes.data, x_encoded.strides[0]
     order = in_order(rows)
+    if n_tokens < TOKENS_AT_ONCE:  # (a loop of its own: one token's, an output head's, runs faster so)
+        for i in prange(n):
+            row, ahead = w + rows[i] * row_bytes, w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
+            for t in range(n_tokens):
+                out[t, i] = row_dot(qtype, row, x_addr + t * x_stride, cols, ahead, order)
+        return
     in_fours = n_tokens - n_tokens % TOKENS_AT_ONCE
     for i in prange(n):
         row, ahead = w + rows[i] * row_bytes, w + rows[min(i + PREFETCH_ROWS, n - 1)] * row_bytes
