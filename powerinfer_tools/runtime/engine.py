@@ -441,8 +441,9 @@ class RuntimeModel(Engine):
         if len(sequences) > 1 and len(h) == len(sequences):
             out = backend.attention_each(q, stored, window, scale)
         else:
-            out = backend.xp.concatenate([backend.attention(q[rows], keys, values, start, window, scale)
-                                          for (rows, _, start), (keys, values) in zip(sequences, stored)])
+            outs = [backend.attention(q[rows], keys, values, start, window, scale)
+                    for (rows, _, start), (keys, values) in zip(sequences, stored)]
+            out = outs[0] if len(outs) == 1 else backend.xp.concatenate(outs)
         out = backend.matmul(d.wo, out)
         return out + b["o"] if "o" in b else out
 
