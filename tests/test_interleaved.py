@@ -205,8 +205,8 @@ def test_a_gate_that_chooses_is_interleaved_and_a_prompt_computes_with_it(synthe
     own = []
     tokens_own_neurons = engine.tokens_own_neurons
 
-    def spied(kind, p, h, ids, mask, gate_pre=None):
-        own.append((gate_pre is not None, tokens_own_neurons(kind, p, h, ids, mask, gate_pre)))
+    def spied(kind, p, h, ids, mask, gate_pre=None, columns=slice(None)):
+        own.append((gate_pre is not None, tokens_own_neurons(kind, p, h, ids, mask, gate_pre, columns)))
         return own[-1][1]
 
     monkeypatch.setattr(engine, "tokens_own_neurons", spied)
