@@ -12,9 +12,10 @@ head, which share their keys and values, and for each tile:
 * takes each token's softmax over the keys it sees, with a vector exp (``_exp_in_place``) instead of libm's;
 * adds the values up the same way, ``head_dim`` wide, each value row loaded once for the tile's tokens.
 
-A batch's step has one query per sequence, each over its own cache: ``one_query_each`` takes them all in one
-call, each thread a share of the (sequence, head) pairs, the same vector exp: NumPy's attention, called per
-sequence, spent most of its time on a dozen small array operations per call.
+One query over a cache, a head at a time (``one_head``), is what a decoded token attends (``runtime.compiled_decode``)
+and, for each of its sequences, a batch's step: ``one_query_each`` takes them all in one call, each thread a share
+of the (sequence, head) pairs, with the same vector exp (NumPy's attention, called per sequence, spent most of its
+time on a dozen small array operations per call).
 """
 
 from __future__ import annotations
@@ -212,10 +213,16 @@ def _floats_at(typingctx, addr):
     return sig, codegen
 
 
-def each_scratch(n_sequences: int, n_heads: int, longest: int) -> np.ndarray:
-    """``one_query_each``'s score rows, ``[sequences · heads, width]``: room for the longest cache, whole blocks of
+@njit(inline="always")
+def score_width(longest: int) -> int:
+    """The length of a score row ``one_head`` takes for caches of up to ``longest`` positions: whole blocks of
     ``EXP_LANES`` from any multiple of it below a window's first key."""
-    return np.empty((n_sequences * n_heads, (longest + EXP_LANES - 1) // EXP_LANES * EXP_LANES), np.float32)
+    return (longest + EXP_LANES - 1) // EXP_LANES * EXP_LANES
+
+
+def each_scratch(n_sequences: int, n_heads: int, longest: int) -> np.ndarray:
+    """``one_query_each``'s score rows, ``[sequences · heads, score_width(longest)]``."""
+    return np.empty((n_sequences * n_heads, score_width(longest)), np.float32)
 
 
 @njit(parallel=True, nogil=True, cache=True, **FAST_FLOATS)
@@ -228,28 +235,35 @@ def one_query_each(q, key_at, value_at, lengths, firsts, n_kv, scale, scores, ou
     group = n_heads // n_kv
     for i in prange(n_sequences * n_heads):
         b, h = i // n_heads, i % n_heads
-        n, first, kv = lengths[b], firsts[b], h // group
-        keys = carray(_floats_at(key_at[b]), (n, n_kv, head_dim))
-        values = carray(_floats_at(value_at[b]), (n, n_kv, head_dim))
-        row, q_h = scores[i], q[b, h]
-        block_from, block_end = first // EXP_LANES * EXP_LANES, (n + EXP_LANES - 1) // EXP_LANES * EXP_LANES
-        row[block_from:first] = -np.inf
-        row[n:block_end] = -np.inf
-        top = np.float32(-np.inf)
-        for s in range(first, n):
-            total = np.float32(0.0)
-            for d in range(head_dim):
-                total += q_h[d] * keys[s, kv, d]
-            row[s] = total * scale
-            top = max(top, row[s])
-        norm = np.float32(1.0) / _exp_in_place(row.ctypes.data + 4 * block_from,
-                                               (block_end - block_from) // EXP_LANES, top)
-        o = out[b, h * head_dim : (h + 1) * head_dim]
-        o[:] = 0.0
-        for s in range(first, n):
-            weight = row[s] * norm
-            for d in range(head_dim):
-                o[d] += weight * values[s, kv, d]
+        keys = carray(_floats_at(key_at[b]), (lengths[b], n_kv, head_dim))
+        values = carray(_floats_at(value_at[b]), (lengths[b], n_kv, head_dim))
+        one_head(q[b, h], keys, values, h // group, firsts[b], lengths[b], scale, scores[i],
+                 out[b, h * head_dim : (h + 1) * head_dim])
+
+
+@njit(inline="always", **FAST_FLOATS)
+def one_head(q_h, keys, values, kv, first, n, scale, row, o):
+    """``o [hd]``: one head's query ``q_h`` attending over positions ``first .. n - 1`` of ``keys, values [S, kv_heads,
+    hd]``, its KV head ``kv``, scores times ``scale``, through ``row`` (``score_width(n)`` floats or more): a batch's
+    step (``one_query_each``) and one decoded token (``runtime.compiled_decode``)."""
+    head_dim = q_h.shape[0]
+    block_from, block_end = first // EXP_LANES * EXP_LANES, score_width(n)
+    row[block_from:first] = -np.inf
+    row[n:block_end] = -np.inf
+    top = np.float32(-np.inf)
+    for s in range(first, n):
+        total = np.float32(0.0)
+        for d in range(head_dim):
+            total += q_h[d] * keys[s, kv, d]
+        row[s] = total * scale
+        top = max(top, row[s])
+    norm = np.float32(1.0) / _exp_in_place(row.ctypes.data + 4 * block_from, (block_end - block_from) // EXP_LANES,
+                                           top)
+    o[:] = 0.0
+    for s in range(first, n):
+        weight = row[s] * norm
+        for d in range(head_dim):
+            o[d] += weight * values[s, kv, d]
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

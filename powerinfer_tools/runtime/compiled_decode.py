@@ -41,6 +41,7 @@ from powerinfer_tools.formats.architecture import RopePairs
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.kernels import numba_interleaved, numba_vnni
+from powerinfer_tools.kernels.numba_attention import one_head, score_width
 from powerinfer_tools.kernels import numba_kernels as nk
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
 from powerinfer_tools.kernels import weight_bytes
@@ -206,29 +207,12 @@ def _add_bias(x, bias):
 @njit(parallel=True, nogil=True, cache=True, **nk.FAST_FLOATS)
 def _attend(q, keys, values, first, last, n_heads, scale, scores, out):
     """Causal attention of one query at position ``last`` over cached positions ``first .. last``, its scores
-    multiplied by ``scale``."""
+    multiplied by ``scale`` (``numba_attention.one_head``, a head each)."""
     head_dim = keys.shape[2]
     group = n_heads // keys.shape[1]
     for h in prange(n_heads):
-        kv = h // group
-        q_h, score = q[h * head_dim : (h + 1) * head_dim], scores[h]
-        top = np.float32(-np.inf)
-        for s in range(first, last + 1):
-            total = np.float32(0.0)
-            for j in range(head_dim):
-                total += q_h[j] * keys[s, kv, j]
-            score[s] = total * scale
-            top = max(top, score[s])
-        norm = np.float32(0.0)
-        for s in range(first, last + 1):
-            score[s] = math.exp(score[s] - top)
-            norm += score[s]
-        o = out[h * head_dim : (h + 1) * head_dim]
-        o[:] = 0.0
-        for s in range(first, last + 1):
-            weight = score[s] / norm
-            for j in range(head_dim):
-                o[j] += weight * values[s, kv, j]
+        one_head(q[h * head_dim : (h + 1) * head_dim], keys, values, h // group, first, last + 1, scale, scores[h],
+                 out[h * head_dim : (h + 1) * head_dim])
 
 
 @njit(nogil=True, cache=True)
@@ -335,7 +319,7 @@ class CompiledDecoder:
         scratch = new_scratch(
             h, f32(q_width), f32(kv_width), f32(kv_width),  # h q k v
             f32(q_width), f32(s.d_model), np.zeros((1, encoded), np.uint8),  # attended o x_encoded
-            np.zeros((s.n_heads, max_context), np.float32), f32(hidden),  # scores (attention) hidden
+            np.zeros((s.n_heads, score_width(max_context)), np.float32), f32(hidden),  # scores (attention) hidden
             active, f32(s.d_ff), f32(s.d_ff), f32(s.d_ff),  # active gate_out up_out act
             np.arange(s.d_ff, dtype=np.intp), f32(s.d_ff),  # all_rows predicted
             np.zeros(s.d_ff, np.intp),  # down_rows
