@@ -8,7 +8,9 @@ on x encoded once per token, as decoding does (so a prompt's rounding is a decod
 ``numba_vnni.row_dot`` where the rows take it (``numba_vnni.usable``), else ggml's ``vec_dot``; the down
 projection then reads each selected row of ``ffn_down_t`` once too and
 adds it, weighted, to the outputs of the tokens that selected it (``axpy_selected``, the decoding
-kernel's block arithmetic: a token's sum is the one decoding computes, in the same row order).
+kernel's block arithmetic: a token's sum is the one decoding computes, in the same row order). A long block whose
+whole gate chooses (``runtime.thresholded_ffn``) takes its tokens' up products alone (``selected_up``): every row
+of its down projection is then read, faster by the matrix kernels than by ``axpy_selected`` from there.
 """
 
 from __future__ import annotations
@@ -87,11 +89,55 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     """FFN output ``[T, d_model]`` of ``x [T, d_model]`` where token t computes the neurons at ``rows[i]``
     for which ``mask[t, i]`` is set, and no others (``handles`` must be true); ``gate_pre [T, len(rows)]``:
     their gate products, already computed (the gate is then not read)."""
+    grouped = _by_neuron(mask)
+    gate_out, up_out = _products(gate, up, rows, x, grouped, gate_pre)
+    activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (g, 0) is 0
+    out = kernels.axpy_output(len(x), down_t.cols)
+    axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), np.ascontiguousarray(rows, dtype=np.intp),
+                  *grouped, activated, out, kernels.get_threads())
+    return out
+
+
+def selected_up(up: QuantMatrix, rows: np.ndarray, x: np.ndarray, mask: np.ndarray,
+                gate_pre: np.ndarray) -> np.ndarray:
+    """``up[rows[i]] · x[t]`` ``[T, len(rows)]`` where ``mask[t, i]`` is set, 0 elsewhere (``handles`` with the gate
+    given must be true): a long block's up products, whose down projection then reads every row
+    (``runtime.thresholded_ffn``)."""
+    return _products(None, up, rows, x, _by_neuron(mask), gate_pre)[1]
+
+
+def _by_neuron(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``mask [T, n]``'s set entries grouped by neuron: ``(starts [n + 1], tokens)``, neuron i's tokens (ascending)
+    at ``tokens[starts[i]:starts[i + 1]]``."""
+    starts = np.zeros(mask.shape[1] + 1, dtype=np.intp)
+    tokens = np.empty(np.count_nonzero(mask), dtype=np.intp)
+    _group_by_neuron(np.ascontiguousarray(mask, dtype=np.bool_), starts, tokens)
+    return starts, tokens
+
+
+@njit(nogil=True, cache=True)
+def _group_by_neuron(mask, starts, tokens):
+    """``_by_neuron``'s two passes over the mask in its own order (NumPy's ``nonzero`` of its transpose took half
+    of a long block's up products)."""
     n_tokens, n = mask.shape
-    neuron, token = np.nonzero(mask.T)  # grouped by neuron, tokens ascending
-    token = token.astype(np.intp)
-    starts = np.zeros(n + 1, dtype=np.intp)
-    np.cumsum(np.bincount(neuron, minlength=n), out=starts[1:])
+    for t in range(n_tokens):
+        for i in range(n):
+            starts[i + 1] += mask[t, i]
+    for i in range(n):
+        starts[i + 1] += starts[i]
+    at = starts[:-1].copy()
+    for t in range(n_tokens):
+        for i in range(n):
+            if mask[t, i]:
+                tokens[at[i]] = t
+                at[i] += 1
+
+
+def _products(gate: QuantMatrix | None, up: QuantMatrix, rows: np.ndarray, x: np.ndarray, grouped,
+              gate_pre: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The gate (``gate_pre`` where given) and up products ``[T, len(rows)]`` of the (neuron, token) pairs
+    ``grouped`` (``_by_neuron``), 0 elsewhere (``_selected_dots``)."""
+    n_tokens, n = len(x), len(rows)
     rows = np.ascontiguousarray(rows, dtype=np.intp)
     routine = kernels.ggml_routines().routines[up.qtype]
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -104,12 +150,8 @@ def selected_ffn(kind: FFNKind, gate: QuantMatrix, up: QuantMatrix, down_t: Quan
     use_threads(kernels.get_threads())
     up_rows = kernels.weight_bytes(up)
     _selected_dots((routine.from_float, routine.vec_dot, vnni), up_rows if given else kernels.weight_bytes(gate),
-                   up_rows, rows, starts, token, x, ggml_encoded, x_encoded, gate_out, up_out, given)
-    activated = activate(kind, gate_out, up_out)  # 0 where not selected: every gated activation of (g, 0) is 0
-    out = kernels.axpy_output(n_tokens, down_t.cols)
-    axpy_selected(int(down_t.qtype), kernels.weight_bytes(down_t), rows, starts, token, activated, out,
-                  kernels.get_threads())
-    return out
+                   up_rows, rows, *grouped, x, ggml_encoded, x_encoded, gate_out, up_out, given)
+    return gate_out, up_out
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)
