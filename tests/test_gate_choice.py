@@ -11,6 +11,7 @@ from gguf_fixtures import random_predictors, rewrite_gguf, save_predictors
 from tiny_models import TINY_RELU_LLAMA
 
 from powerinfer_tools import kernels
+from powerinfer_tools.kernels import batched
 from powerinfer_tools.benchmarking.agreement import decode_agreement
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
@@ -67,21 +68,27 @@ def test_the_gate_computes_only_the_firing_neurons_and_what_dense_computes(predi
     assert np.abs(_logits(by_predictor) - theirs).max() / np.abs(theirs).max() > 1e-3  # what the gate avoids
 
 
-def test_a_long_prompt_computes_every_neuron_with_the_same_sums(predicted_file, sparse_tiny, monkeypatch):
-    """From ``WHOLE_GATE_DENSE_TOKENS`` tokens a prompt computes the gate-chosen layers as dense mode does: every
-    neuron, and the logits of sparse mode's own paths (and of the reference engine)."""
-    tokens = np.arange(engine.WHOLE_GATE_DENSE_TOKENS) % 250 + 3
+def test_a_long_prompt_reads_every_down_row_with_the_same_sums(predicted_file, sparse_tiny, monkeypatch):
+    """From ``EVERY_DOWN_ROW_TOKENS`` tokens a prompt computes the gate-chosen layers from each token's own up
+    products and every down row: the neurons and the logits of sparse mode's own paths, of dense mode and of the
+    reference engine, with every down row read."""
+    tokens = np.arange(engine.EVERY_DOWN_ROW_TOKENS) % 250 + 3
     reference = load_model(Checkpoint(sparse_tiny))
     theirs = reference.forward(tokens, reference.new_cache())
     model = load_runtime_model(predicted_file, neuron_choice="gate")
-    model.mode = FFNMode.SPARSE
-    logits = {}
-    for limit in (engine.WHOLE_GATE_DENSE_TOKENS, len(tokens) + 1):  # then the sparse paths alone
-        monkeypatch.setattr(engine, "WHOLE_GATE_DENSE_TOKENS", limit)
+    own_up, selected_up = [], batched.selected_up
+    monkeypatch.setattr(batched, "selected_up", lambda *args: own_up.append(1) or selected_up(*args))
+    logits, computed = {}, {}
+    for mode, limit in ((FFNMode.SPARSE, engine.EVERY_DOWN_ROW_TOKENS), (FFNMode.SPARSE, len(tokens) + 1),
+                        (FFNMode.DENSE, len(tokens) + 1)):  # then the sparse paths alone, then dense mode
+        monkeypatch.setattr(engine, "EVERY_DOWN_ROW_TOKENS", limit)
+        model.mode = mode
         model.stats = TokenStats()
-        logits[limit] = model.forward(tokens, model.new_cache())
-        computed = model.stats.neurons_active / model.stats.neurons_total
-        assert computed == 1.0 if limit == len(tokens) else computed < 0.5, (limit, computed)
+        logits[mode, limit] = model.forward(tokens, model.new_cache())
+        computed[mode, limit] = model.stats.neurons_active / model.stats.neurons_total
+    assert len(own_up) == model.spec.n_layers  # the long block took its tokens' up products in every layer, once
+    assert computed[FFNMode.SPARSE, len(tokens)] == computed[FFNMode.SPARSE, len(tokens) + 1] < 0.5, computed
+    assert computed[FFNMode.DENSE, len(tokens) + 1] == 1.0
     for ours in logits.values():
         assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-5
 

@@ -464,15 +464,14 @@ class RuntimeModel(Engine):
         """One FFN (the layer's, or its expert ``unit``'s) over the tokens ``h``, its neurons split in
         ``partitions``: the rules' (``thresholded_ffn``) or the neurons ``_select`` chooses; counts what it reads
         (``FFNPlan.bytes_read``)."""
-        if self.firing_meter is None and takes_every_neuron(plan, h.shape[0]):
-            plan = self.ffn_plans[FFNMode.DENSE][layer.index]
         step.neurons_total += plan.d_ff * h.shape[0]
         if plan.choice.thresholded:
             meter = None
             if self.firing_meter is not None:  # the whole gate's choice, metered as a predictor's would be
                 meter = partial(self.firing_meter.add, layer.index, fired=self._firing(layer, partitions, h))
+            own = (None, tokens_own_up) if reads_every_down_row(plan, h.shape[0]) else (tokens_own_neurons, None)
             out, rows, down_rows = _thresholded().ffn(self.spec.ffn, plan, partitions, h, layer.dense.backend,
-                                                      self.host, step, tokens_own_neurons, meter)
+                                                      self.host, step, *own, meter=meter)
         else:
             active, mask = self._select(layer, plan, partitions, predictor, h, residual)
             out, rows = self._compute(layer, partitions, h, active, mask, step)
@@ -572,19 +571,21 @@ def _thresholded():
 OWN_NEURONS_DENSITY = 0.3
 
 
-# A block of at least this many tokens computes an FFN whose whole gate chooses its neurons (a ReLU family's:
-# ``Choice.WHOLE_GATE``) as dense mode does, with the same sums (a neuron that does not fire adds relu's exact
-# zero): from about here the matrix kernels compute every neuron faster than sparse mode's paths take the rows
-# of each token's own neurons or of their union (``python examples/prompt_modes.py MODEL.powerinfer.gguf``: on
-# the realistic TinyLlama-shape file, whose tokens keep a tenth of the neurons, and a 4-layer LLaMA-7B-shape
-# one, dense mode was slower up to 64 tokens, as fast at 96-128, faster beyond).
-WHOLE_GATE_DENSE_TOKENS = 128
+# A block of at least this many tokens of an FFN whose whole gate chooses its neurons (a ReLU family's:
+# ``Choice.WHOLE_GATE``) computes each token's own up products, then reads every row of the down projection with
+# the matrix kernels (``thresholded_ffn``; a neuron a token did not keep adds relu's exact zero): from about here
+# that is faster than each token's own down rows (``tokens_own_neurons``) and than dense mode's every neuron
+# (``python examples/prompt_modes.py MODEL.powerinfer.gguf`` times the three by length; docs/lab/kernels.md: on
+# the realistic TinyLlama-shape file, whose tokens keep a tenth of the neurons, from 48 tokens; on a 4-layer
+# LLaMA-7B-shape one, even at 64, ahead from 128).
+EVERY_DOWN_ROW_TOKENS = 64
 
 
-def takes_every_neuron(plan: FFNPlan, n_tokens: int) -> bool:
-    """Whether a block of ``n_tokens`` computes ``plan``'s layer as dense mode does (``WHOLE_GATE_DENSE_TOKENS``):
-    its rows in memory (under a RAM budget dense mode would stream every neuron from disk) and on the host."""
-    return (plan.choice is Choice.WHOLE_GATE and n_tokens >= WHOLE_GATE_DENSE_TOKENS and plan.cache is Cache.NONE
+def reads_every_down_row(plan: FFNPlan, n_tokens: int) -> bool:
+    """Whether a block of ``n_tokens`` computes ``plan``'s layer from its tokens' own up products and every down
+    row (``EVERY_DOWN_ROW_TOKENS``): its rows in memory (under a RAM budget every row would stream from disk) and
+    on the host."""
+    return (plan.choice is Choice.WHOLE_GATE and n_tokens >= EVERY_DOWN_ROW_TOKENS and plan.cache is Cache.NONE
             and plan.device is None)
 
 
@@ -604,6 +605,16 @@ def tokens_own_neurons(kind, p: FFNPartition, h: np.ndarray, ids: np.ndarray, ma
     from powerinfer_tools.kernels import batched
     return batched.selected_ffn(kind, p.gate, p.up, p.down_t, p.row_of[ids], h, mask[:, columns],
                                 None if gate_pre is None else gate_pre[:, columns])
+
+
+def tokens_own_up(p: FFNPartition, h: np.ndarray, mask: np.ndarray, gate_pre: np.ndarray):
+    """A partition's up products ``[T, len(p.neurons)]`` for a block of tokens, each token's only where ``mask``
+    gives it the neuron (``kernels.batched.selected_up``; ``gate_pre``: every neuron's gate products), 0 elsewhere;
+    None where that path does not apply (``computes_tokens_own_neurons``)."""
+    if not computes_tokens_own_neurons(p, gate_given=True):
+        return None
+    from powerinfer_tools.kernels import batched
+    return batched.selected_up(p.up, p.row_of[p.neurons], h, mask, gate_pre)
 
 
 def computes_tokens_own_neurons(p: FFNPartition, gate_given: bool = False) -> bool:

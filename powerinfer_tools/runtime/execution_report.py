@@ -29,8 +29,8 @@ from powerinfer_tools import kernels
 from powerinfer_tools.formats.constants import PowerInferTensor, block_part
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES
 from powerinfer_tools.kernels.interleaved import InterleavedQ4
-from powerinfer_tools.runtime.engine import (OWN_NEURONS_DENSITY, WHOLE_GATE_DENSE_TOKENS, computes_tokens_own_neurons,
-                                             takes_every_neuron)
+from powerinfer_tools.runtime.engine import (EVERY_DOWN_ROW_TOKENS, OWN_NEURONS_DENSITY, computes_tokens_own_neurons,
+                                             reads_every_down_row)
 from powerinfer_tools.runtime.ffn_plan import Choice, Phrase, phrase_text
 
 REFERENCE = "NumPy reference"
@@ -197,8 +197,8 @@ def _thresholded_prompt_ffn(model, plans) -> str:
     """``thresholded_ffn.ffn``: every neuron's gate, the mask of the rule (or of the gate's choice), then each
     token's kept neurons from up and ``ffn_down_t`` alone where that applies (a CPU partition that
     ``computes_tokens_own_neurons`` given the gate products, no TEAL on the down projection's input) and they
-    are few enough, else every neuron's up; a long block of a layer the whole gate chooses for, as dense mode
-    (``takes_every_neuron``)."""
+    are few enough, else every neuron's up; a long block of a layer the whole gate chooses for, each token's own up
+    products and every down row (``reads_every_down_row``)."""
     mask = "the gate's choice" if model.spec.ffn.sparse else "the thresholds' mask"
     cpu = [(plan, p) for layer, plan in zip(model.layers, plans) for p in _partitions(layer)
            if not p.backend.is_device]
@@ -207,8 +207,9 @@ def _thresholded_prompt_ffn(model, plans) -> str:
     if taking == 0:
         return f"sparse FFN: every neuron's gate and up, then {mask}"
     where = "" if taking == len(cpu) else f" (in {taking} of {len(cpu)} CPU partitions; elsewhere every neuron's up)"
-    whole = sum(takes_every_neuron(plan, WHOLE_GATE_DENSE_TOKENS) for plan in plans)
-    blocks = "" if not whole else (f"; from {WHOLE_GATE_DENSE_TOKENS} tokens every neuron, as dense mode (exact)"
+    whole = sum(reads_every_down_row(plan, EVERY_DOWN_ROW_TOKENS) for plan in plans)
+    blocks = "" if not whole else (f"; from {EVERY_DOWN_ROW_TOKENS} tokens each token's own up rows and every "
+                                   "down row (exact)"
                                    + ("" if whole == len(plans) else f", in {whole} of {len(plans)} layers"))
     return (f"sparse FFN: every neuron's gate, {mask}, then each token's kept neurons from up and down alone "
             f"(kernels.batched) while under {OWN_NEURONS_DENSITY:.0%} of them, else every neuron's up{where}{blocks}")

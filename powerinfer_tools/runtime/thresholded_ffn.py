@@ -31,7 +31,7 @@ from powerinfer_tools.runtime.ffn_plan import Choice
 # --- the general path (NumPy, on any backend)
 
 
-def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter=None):
+def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, own_up=None, meter=None):
     """The FFN of a thresholded layer (its ``ffn_plan.FFNPlan``) for the tokens ``h`` (on ``home``): TEAL's rule on
     the input, every neuron's gate product, the rules' choice (told to ``meter``, on the host, where given), then
     the kept neurons' up and down rows. One token reads only its kept neurons' rows (those of every neuron under
@@ -41,7 +41,9 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
     neurons some token kept, masked, in a block short enough for the row kernels (``kernels.MAX_TOKENS``: a
     batch's), or of every neuron in a longer one, whose products the matrix kernels compute faster whole: at the
     densities the SiLU rules keep (half the neurons per token) a prompt's tokens together need nearly every row,
-    read once here. Returns the output, then the neuron rows and the down rows read."""
+    read once here. A long block of a layer the whole gate chooses for (``own_up``: the engine's
+    ``tokens_own_up``, given from ``engine.EVERY_DOWN_ROW_TOKENS``) takes each token's own up products and
+    every down row. Returns the output, then the neuron rows and the down rows read."""
     t = plan.thresholds
     h = thresholded(h, t.ffn_in)
     gates = [_gate(kind, t, p, move(h, home, p.backend)) for p in partitions]
@@ -51,19 +53,23 @@ def ffn(kind: FFNKind, plan, partitions, h, home, host, step, own_neurons, meter
             chosen[:, p.neurons] = move(kept_here, p.backend, host)
         meter(chosen)
     kept_rows = h.shape[0] <= kernels.MAX_TOKENS and plan.choice is not Choice.TEAL  # TEAL alone keeps every neuron
-    out, rows = None, 0
+    out, rows, down_rows = None, 0, 0
     for p, (x, gate_pre, gate, chosen) in zip(partitions, gates):
         computed = int(p.backend.xp.count_nonzero(chosen))
         step.neurons_active += computed
         step.neurons_on_device += computed if p.backend.is_device else 0
         union = p.backend.xp.flatnonzero(chosen.any(axis=0))  # the neurons some token kept
-        part, n = (None, 0) if h.shape[0] == 1 else _own_neurons(kind, t, p, x, gate_pre, chosen, union, own_neurons)
+        part, n, up_pre = None, 0, None
+        if h.shape[0] > 1 and own_neurons is not None:
+            part, n = _own_neurons(kind, t, p, x, gate_pre, chosen, union, own_neurons)
+        elif own_up is not None:
+            up_pre = own_up(p, x, chosen, gate_pre)
         if part is None:
-            part, n = _kept_rows(kind, t, p, x, gate, chosen, union if kept_rows else None)
-        rows += n
+            part, n = _kept_rows(kind, t, p, x, gate, chosen, union if kept_rows and up_pre is None else None, up_pre)
+        rows, down_rows = rows + (n if up_pre is None else len(union)), down_rows + n
         part = move(part, p.backend, home)
         out = part if out is None else out + part
-    return out, rows, rows
+    return out, rows, down_rows
 
 
 def _gate(kind: FFNKind, t, p, x):
@@ -74,14 +80,15 @@ def _gate(kind: FFNKind, t, p, x):
     return x, gate_pre, gate, kept(gate, t.cats)
 
 
-def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, union):
-    """Partition ``p``'s output from its gate activations and its rows' up products: of the neurons some token
-    kept (``union``, their indices), else (None) of every neuron; masked where a token did not keep them; and the
-    number of rows read."""
+def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, union, up_pre=None):
+    """Partition ``p``'s output from its gate activations and its rows' up products (``up_pre``: every neuron's,
+    where the caller has them): of the neurons some token kept (``union``, their indices), else (None) of every
+    neuron; masked where a token did not keep them; and the number of rows read."""
     rows = p.backend.xp.asarray(p.row_of[p.neurons])
     if union is not None:
         rows, gate, chosen = rows[union], gate[:, union], None if len(chosen) == 1 else chosen[:, union]
-    _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
+    if up_pre is None:
+        _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
     activated = gated(kind, gate, up_pre)
     if chosen is not None:
         activated = only(activated, chosen)
