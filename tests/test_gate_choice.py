@@ -71,7 +71,7 @@ def test_the_gate_computes_only_the_firing_neurons_and_what_dense_computes(predi
 def test_a_long_prompt_reads_every_down_row_with_the_same_sums(predicted_file, sparse_tiny, monkeypatch):
     """From ``EVERY_DOWN_ROW_TOKENS`` tokens a prompt computes the gate-chosen layers from each token's own up
     products and every down row: the neurons and the logits of sparse mode's own paths, of dense mode and of the
-    reference engine, with every down row read."""
+    reference engine."""
     tokens = np.arange(engine.EVERY_DOWN_ROW_TOKENS) % 250 + 3
     reference = load_model(Checkpoint(sparse_tiny))
     theirs = reference.forward(tokens, reference.new_cache())
