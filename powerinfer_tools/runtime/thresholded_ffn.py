@@ -82,13 +82,16 @@ def _gate(kind: FFNKind, t, p, x):
 
 def _kept_rows(kind: FFNKind, t, p, x, gate, chosen, union, up_pre=None):
     """Partition ``p``'s output from its gate activations and its rows' up products (``up_pre``: every neuron's,
-    where the caller has them): of the neurons some token kept (``union``, their indices), else (None) of every
-    neuron; masked where a token did not keep them; and the number of rows read."""
+    where the caller has them, 0 where a token did not keep the neuron): of the neurons some token kept (``union``,
+    their indices), else (None) of every neuron; masked where a token did not keep them; and the number of rows
+    read."""
     rows = p.backend.xp.asarray(p.row_of[p.neurons])
     if union is not None:
         rows, gate, chosen = rows[union], gate[:, union], None if len(chosen) == 1 else chosen[:, union]
     if up_pre is None:
         _, up_pre = p.pre_activations(x, rows, gate=False)  # the gate's product is given
+    elif chosen is not None:
+        chosen = None  # masked already: a gated activation of (g, 0) is 0
     activated = gated(kind, gate, up_pre)
     if chosen is not None:
         activated = only(activated, chosen)
