@@ -62,6 +62,7 @@ class Kernel(enum.Enum):
     COMPILED_DECODE = "compiled decoder"  # kernels.numba_dequant: rows as float32, compiled (dequantize_rows)
     AXPY = "axpy"  # numba_kernels' axpy over rows: ffn_down_t's (kernels.row_axpy, the compiled decoder, batched)
     VNNI_ROW_DOT = "VNNI row dot"  # numba_vnni.dot_rows: one token's rows with AVX-512 VNNI (kernels.matvec)
+    VNNI_VEC_DOT = "VNNI vec_dot"  # numba_kquants: ggml's vec_dot interface, one row with AVX-512 VNNI (k-quants)
     VNNI_GATE_UP = "VNNI gate/up rows"  # the compiled decoder's gate and up rows through numba_vnni (ffn_decode)
     INTERLEAVED = "interleaved gemv/gemm"  # kernels.interleaved's layout, ggml's gemv/gemm over it, numba_vnni's
     BF16_ROW_SUM = "bfloat16 row sum"  # numba_bf16.row_sum: a prompt's axpy over ffn_down_t in bfloat16 products
@@ -123,6 +124,8 @@ class WeightType:
 
 # A quantized type without kernels of ours but the bfloat16 matmul: computed by ggml's vec_dot and to_float
 _GGML_QUANTIZED = frozenset({Kernel.BF16_MATMUL})
+# A k-quant whose rows numba_kquants multiplies with one token in place of ggml's vec_dot (q4_k)
+_KQUANT_VNNI = frozenset({Kernel.BF16_MATMUL, Kernel.VNNI_VEC_DOT})
 
 WEIGHT_TYPES = {
     t.qtype: t
@@ -140,9 +143,9 @@ WEIGHT_TYPES = {
         WeightType(Q4_1, Q8_1, _GGML_QUANTIZED),
         WeightType(Q5_0, Q8_0, _GGML_QUANTIZED),
         WeightType(Q5_1, Q8_1, _GGML_QUANTIZED),
-        WeightType(Q4_K, Q8_K, _GGML_QUANTIZED),
+        WeightType(Q4_K, Q8_K, _KQUANT_VNNI),
         WeightType(Q5_K, Q8_K, _GGML_QUANTIZED),
-        WeightType(Q6_K, Q8_K, _GGML_QUANTIZED),
+        WeightType(Q6_K, Q8_K, _GGML_QUANTIZED),  # ggml's vec_dot keeps up with memory (docs/lab/kernels.md)
         # Q3_K_M's and Q2_K's k-quants; IQ4_XS, and IQ4_NL (where an IQ4_XS file's rows are not whole 256-value blocks)
         WeightType(Q2_K, Q8_K, _GGML_QUANTIZED),
         WeightType(Q3_K, Q8_K, _GGML_QUANTIZED),

@@ -29,6 +29,7 @@ CHECKED_AT_IMPORT = {
     Kernel.AXPY: "powerinfer_tools.kernels.numba_kernels",
     Kernel.VNNI_ROW_DOT: "powerinfer_tools.kernels.numba_vnni",
     Kernel.VNNI_GATE_UP: "powerinfer_tools.kernels.numba_vnni",
+    Kernel.VNNI_VEC_DOT: "powerinfer_tools.kernels.numba_kquants",
     Kernel.INTERLEAVED: "powerinfer_tools.kernels.interleaved",
     Kernel.BF16_ROW_SUM: "powerinfer_tools.kernels.numba_bf16",
     Kernel.NARROW_ROW_DOT: "powerinfer_tools.kernels.numba_kernels",

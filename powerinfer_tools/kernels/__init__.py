@@ -90,8 +90,10 @@ def describe() -> str:
         return f"NumPy reference ({backend})"
     ggml = backend[1]
     gemv = ", q4_0 interleaved for its gemv/gemm" if ggml.interleaved else ""
-    return (f"compiled: numba loops + ggml vec_dot{gemv} from {ggml.library} (llama-cpp-python {ggml.version}), "
-            f"{_threads} threads")
+    ours = sorted(WEIGHT_TYPES[qtype].name for qtype in ggml.vec_dots_of_ours)
+    vec_dots = f" (AVX-512 VNNI vec_dot of ours for {', '.join(ours)})" if ours else ""
+    return (f"compiled: numba loops + ggml vec_dot{vec_dots}{gemv} from {ggml.library} "
+            f"(llama-cpp-python {ggml.version}), {_threads} threads")
 
 
 def ggml_routines() -> ggml_ops.GgmlCpu | None:
@@ -394,7 +396,10 @@ def _backend():
     except ImportError as exc:
         return f"numba is not installed ({exc})"
     try:
-        return numba_kernels, ggml_ops.load()
+        ggml = ggml_ops.load()
+        from powerinfer_tools.kernels import numba_kquants
+
+        return numba_kernels, ggml.with_vec_dots(numba_kquants.vec_dot_addresses(), numba_kquants.__name__)
     except ggml_ops.GgmlUnavailable as exc:
         return str(exc)
 

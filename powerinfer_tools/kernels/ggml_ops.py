@@ -27,6 +27,8 @@ library that fails any check is refused, never used.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +108,19 @@ class GgmlCpu:
     library: Path
     version: str
     interleaved: InterleavedRoutines | None  # None where ggml would not use that layout on this CPU
+    vec_dots_of_ours: frozenset[Q] = frozenset()  # the types whose vec_dot is not ggml's (``with_vec_dots``)
+
+    def with_vec_dots(self, vec_dots: Mapping[int, int], where: str) -> GgmlCpu:
+        """These routines with the ``vec_dot`` of each type in ``vec_dots`` (by ggml type id: the address of a
+        function with ggml's interface that takes the same encoding of x) in place of ggml's, each checked as
+        ggml's are at load; ``where`` names their module in an error."""
+        routines = dict(self.routines)
+        for type_id, address in vec_dots.items():
+            qtype = Q(type_id)
+            routines[qtype] = dataclasses.replace(routines[qtype], vec_dot=address)
+            _check_numerics(qtype, routines[qtype], where)
+        return dataclasses.replace(self, routines=routines,
+                                   vec_dots_of_ours=self.vec_dots_of_ours | {Q(t) for t in vec_dots})
 
 
 def load() -> GgmlCpu:
