@@ -96,6 +96,13 @@ def describe() -> str:
             f"(llama-cpp-python {ggml.version}), {_threads} threads")
 
 
+def vec_dot_name(qtype) -> str:
+    """Whose ``vec_dot`` multiplies one token's rows of ``qtype`` here: ``AVX-512 VNNI vec_dot`` where
+    ``numba_kquants``'s stands in for ggml's (``GgmlCpu.with_vec_dots``), else ``ggml vec_dot``."""
+    ggml = ggml_routines()
+    return "AVX-512 VNNI vec_dot" if ggml is not None and qtype in ggml.vec_dots_of_ours else "ggml vec_dot"
+
+
 def ggml_routines() -> ggml_ops.GgmlCpu | None:
     """The checked ggml routines the compiled kernels call, or None when they cannot load."""
     backend = _backend()

@@ -559,7 +559,7 @@ def attention_kernel(d) -> str:
     """How one token's q/k/v/o products of the attention ``d`` (a ``DenseBlock``) run here."""
     if isinstance(d.wq, InterleavedQ4):  # attn_gemv (one layout for the four: layer_refusal)
         return _interleaved_kernel()
-    return f"{_type_names((d.wq, d.wk, d.wv, d.wo))} rows, ggml vec_dot"
+    return _rows((d.wq, d.wk, d.wv, d.wo))
 
 
 def ffn_kernels(layer, plan: FFNPlan) -> tuple[str, str]:
@@ -568,18 +568,18 @@ def ffn_kernels(layer, plan: FFNPlan) -> tuple[str, str]:
     p = _units(layer)[0][0]
     whole = _interleaved_kernel()
     vnni = rows_take_vnni.py_func(numba_vnni.available(), int(p.gate.qtype), p.up.cols)
-    rows = f"{_type_name(p.up)} rows, {'AVX-512 VNNI' if vnni else 'ggml vec_dot'}"
+    rows = f"{_type_name(p.up)} rows, AVX-512 VNNI" if vnni else _rows((p.up,))
     if plan.gate_up is GateUp.WHOLE:  # up_gemv beside the gate's (both interleaved: loader._partition)
         gate_up = whole
     elif plan.gate_up is GateUp.GATE_WHOLE:  # ``whole_products``: gemv where interleaved, else every row
-        gate = whole if isinstance(p.gate, InterleavedQ4) else f"{_type_name(p.gate)} rows, ggml vec_dot"
+        gate = whole if isinstance(p.gate, InterleavedQ4) else _rows((p.gate,))
         gate_up = f"gate whole ({gate}), up {rows}"
     else:
         gate_up = rows
     if plan.down is Down.ROWS:
         down = f"{_DOWN_T} {_type_name(p.down_t)}, axpy of ours"
     else:
-        down = whole if isinstance(p.down, InterleavedQ4) else f"{_DOWN} {_type_name(p.down)} rows, ggml vec_dot"
+        down = whole if isinstance(p.down, InterleavedQ4) else f"{_DOWN} {_rows((p.down,))}"
     return gate_up, down
 
 
@@ -596,6 +596,16 @@ def _type_name(m: QuantMatrix | InterleavedQ4) -> str:
 def _type_names(matrices) -> str:
     """The matrices' distinct types, in order: ``q4_k/q6_k``."""
     return "/".join(dict.fromkeys(_type_name(m) for m in matrices))
+
+
+def _rows(matrices) -> str:
+    """The matrices' types, in order, each with whose ``vec_dot`` takes its rows (``kernels.vec_dot_name``):
+    ``q4_k rows, AVX-512 VNNI vec_dot + q6_k rows, ggml vec_dot``; types that share one, together: ``q4_0/q8_0 rows,
+    ggml vec_dot``."""
+    by_kernel = {}
+    for m in matrices:
+        by_kernel.setdefault(kernels.vec_dot_name(m.qtype), {})[_type_name(m)] = None  # (a dict: ordered, once)
+    return " + ".join(f"{'/'.join(names)} rows, {kernel}" for kernel, names in by_kernel.items())
 
 
 prepare_cache(globals())  # stale machine code flushed, the rest loaded without the compiler (kernels.numba_cache)

@@ -104,7 +104,7 @@ def one_token_product(m, backend) -> str:
         return f"{name}, {REFERENCE}"
     from powerinfer_tools.kernels import numba_vnni
 
-    return f"{name}, {'AVX-512 VNNI' if numba_vnni.usable(int(m.qtype), m.cols) else 'ggml vec_dot'}"
+    return f"{name}, {'AVX-512 VNNI' if numba_vnni.usable(int(m.qtype), m.cols) else kernels.vec_dot_name(m.qtype)}"
 
 
 def _down_product(p) -> str:
