@@ -1,7 +1,7 @@
 """q4_K rows times one token with AVX-512 VNNI, behind ggml's own ``vec_dot`` interface.
 
-Most of a Q4_K_M file's bytes are q4_K rows, and ggml's ``vec_dot`` for them is 256-bit code whose arithmetic, not
-memory, bounds a token here (docs/lab/kernels.md, "k-quants"). The function here takes the same arguments as ggml's
+Most of a Q4_K_M file's bytes are q4_K rows, and ggml's ``vec_dot`` for them is 256-bit code whose arithmetic held
+a token back here (docs/lab/kernels.md, "k-quants"). The function here takes the same arguments as ggml's
 and the same input, ggml's own q8_K encoding of x (a float32 scale, 256 int8, the sums of each 16 of them), so it
 stands in for ggml's wherever the runtime calls a ``vec_dot`` by its address (``kernels`` chooses it once, at load,
 through ``ggml_ops.GgmlCpu.with_vec_dots``). The weights keep their type and their bytes; the sums are ggml's integer
