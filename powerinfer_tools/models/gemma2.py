@@ -23,9 +23,13 @@ from powerinfer_tools.models import gemma3, llama
 from powerinfer_tools.models.base import optional, require, rope_settings, token_id
 
 MODEL_TYPE = "gemma2"
-CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # ModelSpec's fields, named as config.json names them
-_DEFAULT_PATTERN = 2  # transformers' Gemma2Config: layer i slides where i is even
-_DEFAULT_CAPS = (50.0, 30.0)  # Gemma2Config's, and llama.cpp's for a file without the keys
+_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # ModelSpec's fields, named as config.json names them
+# Gemma2Config's defaults, and llama.cpp's for a file without the keys: the caps and the window.
+_DEFAULT_CAPS = (50.0, 30.0)
+_DEFAULT_WINDOW = 4096
+# Every other layer slides, the first of each pair: Gemma2Config's default layer_types, and what llama.cpp's gemma2
+# assumes.
+_SLIDING_WINDOW_PATTERN = 2
 
 
 def spec_from_config(config: dict) -> ModelSpec:
@@ -58,21 +62,19 @@ def spec_from_config(config: dict) -> ModelSpec:
         tied_embeddings=True,
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_window=config.get("sliding_window", 4096),  # null: every layer attends to all before it
-        sliding_window_pattern=gemma3.sliding_window_pattern(config, _DEFAULT_PATTERN),
+        sliding_window=config.get("sliding_window", _DEFAULT_WINDOW),  # null: every layer attends to all before it
+        sliding_window_pattern=gemma3.sliding_window_pattern(config, _SLIDING_WINDOW_PATTERN),
         query_pre_attn_scalar=optional(config, "query_pre_attn_scalar", 256),
         # Present and null: not capped, as transformers reads it.
-        **{cap: config.get(cap, default) for cap, default in zip(CAPS, _DEFAULT_CAPS)},
+        **{cap: config.get(cap, default) for cap, default in zip(_CAPS, _DEFAULT_CAPS)},
         bos_token_id=token_id(config, "bos_token_id"),
         eos_token_id=token_id(config, "eos_token_id"),
     )
 
 
-# What llama.cpp's gemma2 assumes rather than reads (src/models/gemma2.cpp): the first layer of each pair sliding,
-# every layer rotating with the one base, queries scaled by 1/sqrt(head_dim) except in the 27B model (46 layers),
-# whose scale is 1/sqrt(d_model / n_heads); the window, 4096, and the caps, 50 and 30, where a file has no keys.
-GGUF_SLIDING_WINDOW_PATTERN = 2
-GGUF_SLIDING_WINDOW = 4096
+# What llama.cpp's gemma2 assumes rather than reads (src/models/gemma2.cpp): the layer pattern, every layer rotating
+# with the one base, queries scaled by 1/sqrt(head_dim) except in the 27B model (46 layers), whose scale is
+# 1/sqrt(d_model / n_heads); the window and the caps where a file has no keys (the defaults above).
 _GEMMA2_27B_LAYERS = 46
 _CAP_KEYS = (Keys.LLM.ATTN_LOGIT_SOFTCAPPING, Keys.LLM.FINAL_LOGIT_SOFTCAPPING)
 
@@ -80,19 +82,19 @@ _CAP_KEYS = (Keys.LLM.ATTN_LOGIT_SOFTCAPPING, Keys.LLM.FINAL_LOGIT_SOFTCAPPING)
 def gguf_fields(get) -> dict:
     """The fields llama.cpp's gemma2 assumes, or reads with a default of its own (above); ``get`` reads the file's
     metadata."""
-    return {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN,
-            "sliding_window": get(Keys.Attention.SLIDING_WINDOW, GGUF_SLIDING_WINDOW),
+    return {"sliding_window_pattern": _SLIDING_WINDOW_PATTERN,
+            "sliding_window": get(Keys.Attention.SLIDING_WINDOW, _DEFAULT_WINDOW),
             "query_pre_attn_scalar": gemma3.stored_query_pre_attn_scalar(get, _GEMMA2_27B_LAYERS),
-            **{cap: get(key, default) for cap, key, default in zip(CAPS, _CAP_KEYS, _DEFAULT_CAPS)}}
+            **{cap: get(key, default) for cap, key, default in zip(_CAPS, _CAP_KEYS, _DEFAULT_CAPS)}}
 
 
 def check_layout(spec: ModelSpec) -> None:
     """llama.cpp's gemma2 assumes its layer pattern and query scale, and caps scores and logits whatever a file
     says (a file without the keys at 50 and 30): a model that differs, or is not capped, is refused."""
-    gemma3.check_assumed(spec, {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN,
+    gemma3.check_assumed(spec, {"sliding_window_pattern": _SLIDING_WINDOW_PATTERN,
                                 "query_pre_attn_scalar": gemma3.gguf_query_pre_attn_scalar(
                                     _GEMMA2_27B_LAYERS, spec.n_layers, spec.d_model, spec.n_heads, spec.head_dim)})
-    for cap in CAPS:
+    for cap in _CAPS:
         if getattr(spec, cap) is None:
             raise PitoolsError(f"a gemma2 model without {cap} has no GGUF layout (llama.cpp's gemma2 always caps)")
 
