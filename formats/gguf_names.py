@@ -265,7 +265,10 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
             writer.add_value_length(spec.head_dim)
         _add_rope_scaling(writer, spec.rope_scaling)
     if spec.sliding_window is not None:
-        writer.add_sliding_window(spec.sliding_window)  # gemma3: its sliding layers' (its check_layout)
+        writer.add_sliding_window(spec.sliding_window)  # gemma2, gemma3: their sliding layers' (their check_layout)
+    if spec.attn_logit_softcapping is not None:  # gemma2 (its check_layout: always capped)
+        writer.add_attn_logit_softcapping(spec.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(spec.final_logit_softcapping)
     if spec.moe:
         writer.add_expert_count(spec.n_experts)
         writer.add_expert_used_count(spec.n_experts_used)

@@ -47,7 +47,7 @@ class FFNKind(str, enum.Enum):
     REGLU = "reglu"  # ReluLLaMA, ProSparse: down(relu(gate x) * up x)
     DRELU = "drelu"  # TurboSparse, Bamboo: down(relu(gate x) * relu(up x))
     SWIGLU = "swiglu"  # plain LLaMA/Mistral: down(silu(gate x) * up x), dense
-    GEGLU = "geglu"  # Gemma 3: down(gelu_tanh(gate x) * up x), dense
+    GEGLU = "geglu"  # Gemma 2 and 3: down(gelu_tanh(gate x) * up x), dense
 
     @property
     def gated(self) -> bool:
@@ -113,11 +113,16 @@ class ModelSpec:
     rope_theta: float | None = None
     rope_scaling: RopeScaling = RopeScaling()  # formats/rope.py
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys
-    # Gemma 3: only some layers slide. With a pattern N > 0, every Nth layer (the last of each N) attends
-    # to the whole context with rope_theta, the others within sliding_window with rope_local_theta.
+    # Gemma 2 and 3: only some layers slide. With a pattern N > 0, every Nth layer (the last of each N) attends
+    # to the whole context with rope_theta, the others within sliding_window (with rope_local_theta where set:
+    # Gemma 3's).
     sliding_window_pattern: int = 0
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None  # scores are divided by its square root; None: head_dim's
+    # Gemma 2: attention scores (scaled, before the mask) and the final logits are soft-capped,
+    # cap * tanh(x / cap) (``formats/soft_cap.py``); None: not capped.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     attention_bias: bool = False
     ffn_bias: bool = False
     # OPT only.
@@ -314,6 +319,8 @@ def _validate(spec: ModelSpec) -> None:
     _positive_real(spec, "rope_theta", optional=True)
     _positive_real(spec, "rope_local_theta", optional=True)
     _positive_real(spec, "query_pre_attn_scalar", optional=True)
+    _positive_real(spec, "attn_logit_softcapping", optional=True)
+    _positive_real(spec, "final_logit_softcapping", optional=True)
     _integer(spec, "sliding_window_pattern", 0, MAX_LAYERS)
     _check_rope_scaling(spec)
     _check_ffn(spec)

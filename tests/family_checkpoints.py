@@ -11,8 +11,8 @@ released checkpoints have (``rope_theta`` and ``rope_scaling`` at the top, not t
   pre-tokenizer (``tokenizer.ggml.pre = "smollm"``). Llama and Qwen3 use it.
 * ``sentencepiece``: a ``tokenizer.model`` trained here with the ``sentencepiece`` package (BPE, byte
   fallback, as Llama 2's and Phi-3's), with Phi-3's kind of added tokens after it and the vocabulary
-  padded to a multiple of 64, as Phi-3's is (the converter names the padding ``[PAD{i}]``). Phi-3's
-  converter reads only a ``tokenizer.model``.
+  padded to a multiple of 64, as Phi-3's is (the converter names the padding ``[PAD{i}]``). Phi-3's and
+  Gemma 2's converters read only a ``tokenizer.model``.
 
 The weights are ``hf_models.build``'s: random, large enough that greedy continuations vary.
 """
@@ -29,6 +29,7 @@ import hf_models
 import torch
 import transformers
 from gguf_fixtures import training_texts
+from oracle_decoding import F32_ERROR
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              rms_norm_eps=1e-5)
@@ -39,6 +40,7 @@ HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)
 SPM_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>")  # Phi-3's first added tokens, in its order
+GEMMA2_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,13 @@ class Family:
     config: dict  # config.json as released checkpoints of the family have it (vocabulary aside)
     tokenizer: str  # "bpe" or "sentencepiece"
     architecture: str  # general.architecture of llama.cpp's converter's file
+    # transformers' attention implementation for the reference (None: its default); "eager" is the only one that
+    # soft-caps Gemma 2's scores
+    attention: str | None = None
+    embedding_std: float = 0.2  # hf_models.build's
+    # Relative error of llama.cpp's logits on the f32 file against transformers' (and ours): more than F32_ERROR
+    # where ggml looks GELU up in a table of fp16 values (GeGLU families)
+    llamacpp_error: float = F32_ERROR
 
 
 FAMILIES = {
@@ -69,6 +78,16 @@ FAMILIES = {
     # disabled" when it loads the file), so the two compute the same on sequences of up to 2047 tokens.
     "phi3": Family("phi3", dict(SHAPE, rope_theta=10000.0, max_position_embeddings=4096,
                                 original_max_position_embeddings=4096, sliding_window=2047), "sentencepiece", "phi3"),
+    # Gemma 2 (llama.cpp's converter reads only a tokenizer.model): a window of 8 keys in its first layer, far
+    # shorter than the prompt; caps small enough to bite (Gemma 2's are 50 and 30; test_gemma2 checks they change
+    # the logits); queries scaled by 1/sqrt(head_dim), as llama.cpp's gemma2 assumes; tied embeddings (llama.cpp's
+    # gemma2 has no other head) of a smaller spread, which greedy decoding needs to vary; GELU by ggml's table
+    # (measured 2.0e-4).
+    "gemma2": Family("gemma2", dict(SHAPE, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, rope_theta=10000.0,
+                                    max_position_embeddings=8192, sliding_window=GEMMA2_WINDOW,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+                                    hidden_activation="gelu_pytorch_tanh"), "sentencepiece", "gemma2",
+                     attention="eager", embedding_std=0.04, llamacpp_error=5e-4),
 }
 
 
@@ -148,9 +167,10 @@ def build_checkpoint(name: str, folder: Path, tokenizer: TokenizerFiles, seed: i
     family = FAMILIES[name]
     shutil.copytree(tokenizer.folder, folder, dirs_exist_ok=True)
     config = dict(family.config, vocab_size=tokenizer.n_vocab, **tokenizer.special_ids, **changes)
-    hf_models.build(folder, family.builder, seed=seed, config_overrides=config)
+    hf_models.build(folder, family.builder, seed=seed, config_overrides=config, embedding_std=family.embedding_std)
     _write_released_config(Path(folder) / "config.json")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                  attn_implementation=family.attention).eval()
     return BuiltCheckpoint(Path(folder), reference)
 
 

@@ -40,15 +40,17 @@ def _drelu_experts_forward(experts):
     return forward
 
 
-def _randomize(model, seed: int) -> None:
-    """Larger-than-default random weights so every path (biases, norms) matters in the logits."""
+def _randomize(model, seed: int, embedding_std: float = 0.2) -> None:
+    """Larger-than-default random weights so every path (biases, norms) matters in the logits; the token embedding's
+    of standard deviation ``embedding_std``."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+                std = embedding_std if name.endswith("embed_tokens.weight") else 0.2
+                p.copy_(std * torch.randn(p.shape, generator=gen))
 
 
 def build(
@@ -61,11 +63,14 @@ def build(
     saved_model_type: str | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | None = None,
+    embedding_std: float = 0.2,
 ):
     """Create, randomise and save a model; return the torch model (float32) that matches the saved weights.
 
     ``drelu`` patches the MLP to dReLU and marks the saved config so our loader
     reads it as dReLU (``hidden_act: drelu``, or ``saved_model_type='bamboo'``).
+    ``embedding_std``: the token embedding's spread (a tied Gemma's, scaled by sqrt(d_model) on the way in,
+    otherwise outweighs the rest of the stream, and greedy decoding repeats its last token).
     """
     torch.manual_seed(seed)
     config_cls, model_cls = {
@@ -74,13 +79,14 @@ def build(
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: randomised too
         "opt": (transformers.OPTConfig, transformers.OPTForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),  # norms randomised around 2
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),  # norms randomised around 2
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k norms randomised too
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),  # fused qkv_proj and gate_up_proj
     }[family]
     config = config_cls(**(config_overrides or {}))
     model = model_cls(config).eval()
-    _randomize(model, seed)
+    _randomize(model, seed, embedding_std)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)

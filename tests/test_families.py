@@ -1,6 +1,6 @@
-"""Our reference engine, converter and runtime on the Llama 3.1/3.2 (llama3, linear and yarn rope scalings), Qwen3 and
-Phi-3 families, against the oracles no one here wrote (tests/test_family_oracles.py checks them against each
-other): transformers on the small random checkpoints of tests/family_checkpoints.py, llama.cpp on the GGUF files
+"""Our reference engine, converter and runtime on the Llama 3.1/3.2 (llama3, linear and yarn rope scalings), Qwen3,
+Phi-3 and Gemma 2 families, against the oracles no one here wrote (tests/test_family_oracles.py checks them against
+each other): transformers on the small random checkpoints of tests/family_checkpoints.py, llama.cpp on the GGUF files
 its own converter writes of them, which are the files users download."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cli_checks import fails, invoke
 from family_checkpoints import FAMILIES
-from gguf import GGUFValueType
+from gguf import MODEL_TENSOR, GGUFValueType
 from gguf_fixtures import EVAL_TOKENS, EVAL_SEQ_LEN, llama, llamacpp_perplexity, our_perplexity, rewrite_gguf, training_texts
 from oracle_decoding import (
     F32_ERROR,
@@ -22,6 +22,7 @@ from oracle_decoding import (
     relative_error,
     transformers_logits,
 )
+from runtime_decoding import runtime_logits_and_greedy
 
 from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
@@ -33,23 +34,6 @@ from powerinfer_tools.interfaces import FFNMode
 from powerinfer_tools.models import load_model
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
 from powerinfer_tools.runtime.loader import load_runtime_model
-
-ONE_AT_A_TIME = 8  # the prompt's last tokens, decoded one at a time after the rest as one block
-
-
-def runtime_logits_and_greedy(path, ids: list[int], compiled: bool, steps: int = STEPS, mode=FFNMode.DENSE):
-    """Our runtime's logits at every prompt position (a block, then ONE_AT_A_TIME tokens one by one) and its greedy
-    continuation of ``steps`` tokens."""
-    model = load_runtime_model(path)
-    model.compiled_decoding, model.mode = compiled, mode
-    caches, cut = model.new_cache(), len(ids) - ONE_AT_A_TIME
-    logits = [model.forward(np.array(ids[:cut]), caches)]
-    logits += [model.forward(np.array(ids[i : i + 1]), caches) for i in range(cut, len(ids))]
-    continuation, last = [], logits[-1][-1]
-    for _ in range(steps):
-        continuation.append(int(last.argmax()))
-        last = model.forward(np.array(continuation[-1:]), caches)[-1]
-    return np.concatenate(logits).astype(np.float64), continuation, model
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -72,7 +56,7 @@ def test_the_runtime_computes_llamacpps_file_as_llamacpp_does(llamacpp_gguf, nam
     ours, our_tokens, model = runtime_logits_and_greedy(path, ids, compiled)
     assert model.layer_paths() == (["compiled decoder" if compiled else "general path (compiled decoding turned off)"]
                                    * len(model.layers))
-    assert relative_error(ours, theirs) < F32_ERROR
+    assert relative_error(ours, theirs) < FAMILIES[name].llamacpp_error
     assert our_tokens == their_tokens, f"the same for {agreeing_prefix(our_tokens, their_tokens)} tokens"
 
 
@@ -100,14 +84,17 @@ def test_our_dense_file_is_llamacpps(tmp_path, family_checkpoint, llamacpp_gguf,
     ours, _ = convert(str(built.folder), tmp_path / "ours.gguf", outtype="f32", dense=True, progress=False)
     ids = prompt_ids(llamacpp_gguf(name))
     logits, _ = llamacpp_logits_and_greedy(ours, ids, 0)
-    assert relative_error(logits, transformers_logits(built.reference, ids)) < F32_ERROR
+    assert relative_error(logits, transformers_logits(built.reference, ids)) < FAMILIES[name].llamacpp_error
     again, _ = convert(str(llamacpp_gguf(name)), tmp_path / "again.gguf", outtype="f32", dense=True, progress=False)
     source = load_model(Checkpoint(built.folder))
-    # (our files always hold output.weight, a tied model's copy of the embedding: PowerInfer's loader needs it)
-    untied = dataclasses.replace(load_runtime_model(llamacpp_gguf(name)).spec, tied_embeddings=False)
-    assert load_runtime_model(again).spec == untied
+    # (our files hold output.weight, a tied model's copy of the embedding, where the family has one: PowerInfer's
+    # loader needs it; llama.cpp's gemma2 has none)
+    expected = load_runtime_model(llamacpp_gguf(name)).spec
+    if expected.architecture.has(MODEL_TENSOR.OUTPUT):
+        expected = dataclasses.replace(expected, tied_embeddings=False)
+    assert load_runtime_model(again).spec == expected
     logits, _ = llamacpp_logits_and_greedy(again, ids, 0)
-    assert relative_error(logits, source.forward(np.array(ids), source.new_cache())) < F32_ERROR
+    assert relative_error(logits, source.forward(np.array(ids), source.new_cache())) < FAMILIES[name].llamacpp_error
 
 
 @pytest.mark.parametrize("name", ["llama3.1", "qwen3", "phi3"])

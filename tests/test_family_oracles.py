@@ -1,8 +1,9 @@
-"""The oracles of the Llama 3.1/3.2, Qwen3 and Phi-3 families checked against each other: transformers on the small
-random checkpoints of tests/family_checkpoints.py, llama.cpp (llama-cpp-python) on the GGUF files llama.cpp's own
-converter writes of them (tests/llamacpp_converter.py). Where the two agree, either is a reference for our runtime;
-the checks below also pin down what the files hold (tensors, rope factors, the sliding window) and that the
-features that set the families apart (rope scaling, the window) change the logits by far more than the tolerance,
+"""The oracles of the Llama 3.1/3.2, Qwen3, Phi-3 and Gemma 2 families checked against each other: transformers on the
+small random checkpoints of tests/family_checkpoints.py, llama.cpp (llama-cpp-python) on the GGUF files llama.cpp's
+own converter writes of them (tests/llamacpp_converter.py). Where the two agree, either is a reference for our
+runtime; the checks below also pin down what the files hold (tensors, rope factors, the sliding window, Gemma 2's
+caps) and that the features that set the families apart (rope scaling, the window, the caps: tests/test_gemma2.py)
+change the logits by far more than the tolerance,
 so that a runtime which ignores one cannot pass a comparison with these oracles.
 """
 
@@ -40,6 +41,8 @@ BLOCK_TENSORS = {
     "qwen3": {"attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate", "ffn_up",
               "ffn_down"},
     "phi3": {"attn_qkv", "attn_output", "ffn_up", "ffn_down"},  # ffn_up: gate and up, fused
+    "gemma2": {"attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_gate", "ffn_up", "ffn_down",
+               "post_ffw_norm"},
 }
 
 
@@ -63,12 +66,13 @@ def tensors_and_metadata(path) -> tuple[dict[str, np.ndarray], dict]:
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_llamacpp_computes_what_transformers_computes(family_checkpoint, llamacpp_gguf, name):
-    """Every prompt position's f32 logits within F32_ERROR, and the same STEPS greedy tokens, which vary."""
+    """Every prompt position's f32 logits within the family's ``llamacpp_error`` (F32_ERROR but where ggml's GELU
+    table rounds), and the same STEPS greedy tokens, which vary."""
     path, model = llamacpp_gguf(name), family_checkpoint(name).reference
     ids = prompt_ids(path)
     theirs, continuation = llamacpp_logits_and_greedy(path, ids, STEPS)
     error = relative_error(theirs, transformers_logits(model, ids))
-    assert error < F32_ERROR, error
+    assert error < FAMILIES[name].llamacpp_error, error
     expected = transformers_greedy(model, ids, STEPS)
     assert continuation == expected, f"the same for {agreeing_prefix(continuation, expected)} tokens"
     assert len(set(expected)) > STEPS // 2, expected
@@ -136,7 +140,9 @@ def test_the_rope_scaling_changes_the_logits_far_beyond_the_tolerance(tmp_path, 
 def test_the_converted_file_holds_the_families_tensors(family_checkpoint, llamacpp_gguf, name):
     """What the runtime will read: the architecture, the per-layer tensors, an output matrix unless tied, the
     llama3 rope factors; Qwen3's q/k norms per head and unpermuted q/k rows (neox rope); Phi-3's fused qkv and
-    gate-up matrices as the checkpoint holds them (gate first), its window and original context in metadata."""
+    gate-up matrices as the checkpoint holds them (gate first), its window and original context in metadata; Gemma
+    2's norms stored as 1 + w, its window and caps in metadata (its layer pattern and query scale are llama.cpp's
+    assumptions: none)."""
     family, path = FAMILIES[name], llamacpp_gguf(name)
     tensors, metadata = tensors_and_metadata(path)
     blocks = {re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in tensors if n.startswith("blk.")}
@@ -156,6 +162,15 @@ def test_the_converted_file_holds_the_families_tensors(family_checkpoint, llamac
         assert metadata["phi3.attention.sliding_window"] == family.config["sliding_window"]
         original_context = family.config["original_max_position_embeddings"]
         assert metadata["phi3.rope.scaling.original_context_length"] == original_context
+    if family.architecture == "gemma2":
+        np.testing.assert_array_equal(tensors["blk.1.post_ffw_norm.weight"],
+                                      checkpoint[layer + "post_feedforward_layernorm.weight"] + 1)
+        assert {key: metadata[f"gemma2.{key}"] for key in ("attention.sliding_window", "attn_logit_softcapping",
+                                                            "final_logit_softcapping")} == {
+            "attention.sliding_window": family.config["sliding_window"],
+            "attn_logit_softcapping": family.config["attn_logit_softcapping"],
+            "final_logit_softcapping": family.config["final_logit_softcapping"]}
+        assert not any("pattern" in key or "scale" in key for key in metadata if key.startswith("gemma2."))
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """A prompt's compiled attention (kernels/numba_attention.py) against ``layers.attention`` in float64: every shape
 the tiles meet (a short last tile, keys already cached, a window that ends inside a tile, grouped and plain heads,
-both value widths), scores far apart (its exp's floor), and which blocks the CPU backend hands it; and a batch's
-step, one query per sequence over caches of their own lengths (``one_query_each``)."""
+both value widths), scores far apart (its exp's floor), soft-capped scores (Gemma 2), and which blocks the CPU backend
+hands it; and a batch's step, one query per sequence over caches of their own lengths (``one_query_each``), capped or
+not."""
 
 from __future__ import annotations
 
@@ -25,8 +26,17 @@ def inputs(seed: int, n_tokens: int, start: int, n_heads: int, n_kv: int, head_d
     return q, keys, values
 
 
-def float64_attention(q, keys, values, start, window, scale):
-    return attention(*(a.astype(np.float64) for a in (q, keys, values)), start, window, scale)
+def float64_attention(q, keys, values, start, window, scale, softcap=None):
+    return attention(*(a.astype(np.float64) for a in (q, keys, values)), start, window, scale, softcap)
+
+
+def float64_attention_each(q, stored, window, scale, softcap=None):
+    return attention_each(q.astype(np.float64), [(k.astype(np.float64), v.astype(np.float64)) for k, v in stored],
+                          window, scale, softcap)
+
+
+# Gemma 2's attention cap is 50; 5 bites on these scores (spread out so that many pass it), which the tests check.
+SOFTCAP = 5.0
 
 
 @pytest.mark.parametrize("n_tokens, start, n_heads, n_kv, head_dim, window", [
@@ -65,6 +75,25 @@ def test_scores_far_apart():
 @njit
 def _exp(x, shift):
     return numba_attention._exp_in_place(x.ctypes.data, x.shape[0] // numba_attention.EXP_LANES, shift)
+
+
+@pytest.mark.parametrize("n_tokens, start, n_heads, n_kv, head_dim, window", [
+    (7, 0, 4, 2, 64, None),     # a short last tile
+    (45, 3, 4, 2, 256, 20),     # Gemma 2's heads and a window ending inside tiles
+    (21, 100, 8, 4, 64, 64),    # a window within the cached keys
+])
+def test_soft_capped_scores_equal_the_reference(n_tokens, start, n_heads, n_kv, head_dim, window):
+    """Scores scaled, then capped at SOFTCAP before the mask and softmax, as ``layers.attention`` caps them; the
+    cap changes the result far beyond the tolerance, so a kernel that ignored it would fail."""
+    q, keys, values = inputs(n_tokens + head_dim, n_tokens, start, n_heads, n_kv, head_dim, spread=4.0)
+    scale = score_scale(head_dim, None)
+    expected = float64_attention(q, keys, values, start, window, scale, SOFTCAP)
+    got = kernels.causal_attention(q, keys, values, start, window, scale, SOFTCAP)
+    tolerance = 2e-6 * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance)
+    uncapped = float64_attention(q, keys, values, start, window, scale)
+    assert np.abs(uncapped - expected).max() > 1000 * tolerance
+    np.testing.assert_array_equal(CpuBackend().attention(q, keys, values, start, window, None, SOFTCAP), got)
 
 
 def test_exp_within_float32_rounding():
@@ -108,14 +137,9 @@ def test_refuses_mismatched_shapes():
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_query_each_equals_the_reference(lengths, n_heads, n_kv, head_dim, window, threads):
-    rng = np.random.default_rng(sum(lengths) + head_dim)
-    q = rng.standard_normal((len(lengths), n_heads, head_dim)).astype(np.float32)
-    caches = [KVCache(1, n_kv, head_dim, np.float32) for _ in lengths]  # as the engine keeps them: rows of a buffer
-    stored = [c.store(0, *(rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for _ in range(2)))
-              for c, n in zip(caches, lengths)]
+    q, stored = one_query_inputs(lengths, n_heads, n_kv, head_dim)
     scale = score_scale(head_dim, None)
-    expected = attention_each(q.astype(np.float64), [(k.astype(np.float64), v.astype(np.float64)) for k, v in stored],
-                              window, scale)
+    expected = float64_attention_each(q, stored, window, scale)
     kernels.set_threads(threads)
     try:
         got = kernels.one_query_each(q, stored, window, scale)
@@ -124,6 +148,30 @@ def test_one_query_each_equals_the_reference(lengths, n_heads, n_kv, head_dim, w
     assert got.shape == (len(lengths), n_heads * head_dim) and got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
     np.testing.assert_array_equal(CpuBackend().attention_each(q, stored, window, None), got)
+
+
+def one_query_inputs(lengths: list[int], n_heads: int, n_kv: int, head_dim: int, spread: float = 1.0):
+    """Queries ``[B, heads, hd]`` and each sequence's (keys, values) of its length, as the engine keeps them: rows
+    of a cache's buffer."""
+    rng = np.random.default_rng(sum(lengths) + head_dim)
+    q = (spread * rng.standard_normal((len(lengths), n_heads, head_dim))).astype(np.float32)
+    caches = [KVCache(1, n_kv, head_dim, np.float32) for _ in lengths]
+    stored = [c.store(0, *(rng.standard_normal((n, n_kv, head_dim)).astype(np.float32) for _ in range(2)))
+              for c, n in zip(caches, lengths)]
+    return q, stored
+
+
+def test_one_query_each_soft_caps_as_the_reference():
+    """Gemma 2's cap on a batch's step (``one_head``, which the compiled decoder's one token runs too): within the
+    tolerance of the float64 reference, far beyond it from the uncapped result."""
+    q, stored = one_query_inputs([45, 3, 300], 4, 2, 256, spread=4.0)
+    scale = score_scale(256, None)
+    expected = float64_attention_each(q, stored, 20, scale, SOFTCAP)
+    got = kernels.one_query_each(q, stored, 20, scale, SOFTCAP)
+    tolerance = 2e-6 * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance)
+    assert np.abs(float64_attention_each(q, stored, 20, scale) - expected).max() > 1000 * tolerance
+    np.testing.assert_array_equal(CpuBackend().attention_each(q, stored, 20, None, SOFTCAP), got)
 
 
 def test_one_query_each_refuses_mismatched_shapes():

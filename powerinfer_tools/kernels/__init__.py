@@ -320,8 +320,8 @@ def attention_takes(n_tokens: int, head_dim: int) -> bool:
 
 
 def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, window: int | None,
-                     scale: float) -> np.ndarray:
-    """``models.layers.attention(q, keys, values, start, window, scale)`` (its scale given), compiled
+                     scale: float, softcap: float | None = None) -> np.ndarray:
+    """``models.layers.attention(q, keys, values, start, window, scale, softcap)`` (its scale given), compiled
     (``numba_attention``; ``attention_takes``): float32 ``[T, heads · hd]``, equal up to summation order."""
     from powerinfer_tools.kernels import numba_attention
 
@@ -333,14 +333,14 @@ def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start:
     out = np.empty((n_tokens, n_heads * head_dim), dtype=np.float32)
     threads = _backend()[0].use_threads(_threads)
     numba_attention.causal_attention(*(np.ascontiguousarray(a, dtype=np.float32) for a in (q, keys, values)), start,
-                                     window or 0, np.float32(scale),
+                                     window or 0, np.float32(scale), np.float32(softcap or 0),
                                      *numba_attention.scratch(n_tokens, n_heads, n_keys, n_kv, head_dim, threads), out)
     return out
 
 
 def one_query_each(q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], window: int | None,
-                   scale: float) -> np.ndarray:
-    """``models.layers.attention_each(q, stored, window, scale)`` (its scale given), compiled
+                   scale: float, softcap: float | None = None) -> np.ndarray:
+    """``models.layers.attention_each(q, stored, window, scale, softcap)`` (its scale given), compiled
     (``numba_attention.one_query_each``; the compiled kernels in use): float32 ``[B, heads · hd]``, equal up to
     summation order."""
     from powerinfer_tools.kernels import numba_attention
@@ -361,8 +361,8 @@ def one_query_each(q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], w
     numba_attention.one_query_each(np.ascontiguousarray(q, dtype=np.float32),
                                    np.array([k.ctypes.data for k in keys], dtype=np.int64),
                                    np.array([v.ctypes.data for v in values], dtype=np.int64), lengths, firsts, n_kv,
-                                   np.float32(scale), numba_attention.each_scratch(n_sequences, n_heads, lengths.max()),
-                                   out)
+                                   np.float32(scale), np.float32(softcap or 0),
+                                   numba_attention.each_scratch(n_sequences, n_heads, lengths.max()), out)
     return out
 
 

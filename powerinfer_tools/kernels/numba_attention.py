@@ -9,7 +9,8 @@ head, which share their keys and values, and for each tile:
 * scores ``KEYS`` keys at a time, over the keys the tile's tokens see (not the square): keys are transposed once
   per call (``[kv_heads, head_dim, positions]``), so each step of the sum over ``head_dim`` is one vector load of
   ``KEYS`` keys' values, multiplied into every query's ``KEYS`` sums held in registers (``_sums_of_rows``);
-* takes each token's softmax over the keys it sees, with a vector exp (``_exp_in_place``) instead of libm's;
+* takes each token's softmax over the keys it sees (its scores soft-capped first where the model caps them:
+  Gemma 2), with a vector exp (``_exp_in_place``) instead of libm's;
 * adds the values up the same way, ``head_dim`` wide, each value row loaded once for the tile's tokens.
 
 One query over a cache, a head at a time (``one_head``), is what a decoded token attends (``runtime.compiled_decode``)
@@ -26,6 +27,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from powerinfer_tools.formats import soft_cap
 from powerinfer_tools.kernels.numba_cache import prepare_cache
 from powerinfer_tools.kernels.numba_kernels import FAST_FLOATS, lane_sum, load, splat, store
 
@@ -38,6 +40,8 @@ EXP_LANES = 16
 # nothing, and a masked one (-inf) exactly nothing.
 EXP_FLOOR = -87.0
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+# A score's soft-cap as NumPy computes it (``formats/soft_cap.py``), compiled for one value; a cap of 0 is none.
+_soft_capped = njit(inline="always")(soft_cap.soft_capped)
 
 
 def _sums_of_rows(lanes: int):
@@ -129,12 +133,13 @@ def scratch(n_tokens: int, n_heads: int, n_keys: int, n_kv: int, head_dim: int, 
 
 
 @njit(parallel=True, nogil=True, cache=True, **FAST_FLOATS)
-def causal_attention(q, keys, values, start, window, scale, keys_t, queries, scores, sums, out):
+def causal_attention(q, keys, values, start, window, scale, softcap, keys_t, queries, scores, sums, out):
     """``out [T, heads·hd]``: attention of ``q [T, heads, hd]`` at positions ``start ..`` over ``keys, values
     [S, kv_heads, hd]`` (C-contiguous, S = start + T), each query seeing the positions up to its own and, where
-    ``window`` > 0, above its own less ``window``; scores times ``scale``. Scratch, float32 (``scratch``):
-    ``keys_t [kv_heads, hd, width]``, ``queries [heads, T + QUERIES, hd]``, and each thread's ``scores
-    [threads, QUERIES, width]`` and ``sums [threads, QUERIES, hd]``, ``width`` as ``scratch`` gives it."""
+    ``window`` > 0, above its own less ``window``; scores times ``scale``, soft-capped where ``softcap`` > 0.
+    Scratch, float32 (``scratch``): ``keys_t [kv_heads, hd, width]``, ``queries [heads, T + QUERIES, hd]``, and each
+    thread's ``scores [threads, QUERIES, width]`` and ``sums [threads, QUERIES, hd]``, ``width`` as ``scratch`` gives
+    it."""
     n_tokens, n_heads, head_dim = q.shape
     n_keys, n_kv = keys.shape[0], keys.shape[1]
     group = n_heads // n_kv
@@ -158,16 +163,16 @@ def causal_attention(q, keys, values, start, window, scale, keys_t, queries, sco
         sum_rows = (o_at, o_at + 4 * head_dim, o_at + 8 * head_dim, o_at + 12 * head_dim)
         for i in range(thread, n_heads * tiles, n_threads):  # dealt round: early (short) and late tiles alike
             h, first = i // tiles, (i % tiles) * QUERIES
-            _tile(queries[h, first].ctypes.data, keys_t[h // group], values[:, h // group], start, window, first,
-                  min(first + QUERIES, n_tokens) - 1, scores[thread], score_rows, sum_rows, row_bytes, value_stride,
-                  value_lanes)
+            _tile(queries[h, first].ctypes.data, keys_t[h // group], values[:, h // group], start, window, softcap,
+                  first, min(first + QUERIES, n_tokens) - 1, scores[thread], score_rows, sum_rows, row_bytes,
+                  value_stride, value_lanes)
             for r in range(min(QUERIES, n_tokens - first)):
                 out[first + r, h * head_dim : (h + 1) * head_dim] = sums[thread, r]
 
 
 @njit(inline="always", **FAST_FLOATS)
-def _tile(q_at, keys_t, values, start, window, first, last, scores, score_rows, sum_rows, row_bytes, value_stride,
-          value_lanes):
+def _tile(q_at, keys_t, values, start, window, softcap, first, last, scores, score_rows, sum_rows, row_bytes,
+          value_stride, value_lanes):
     """The attention of one head's tokens ``first .. last`` (queries at ``q_at``, one after another) into
     ``sum_rows``, through ``scores``."""
     head_dim = keys_t.shape[0]
@@ -183,6 +188,9 @@ def _tile(q_at, keys_t, values, start, window, first, last, scores, score_rows, 
         position = start + min(first + r, last)  # a short tile's spare rows repeat its last token
         sees_from = 0 if window <= 0 else max(0, position - window + 1)
         row = scores[r]
+        if softcap > 0:
+            for s in range(sees_from, position + 1):
+                row[s] = _soft_capped(row[s], softcap)
         top = np.float32(-np.inf)
         for s in range(sees_from, position + 1):
             top = max(top, row[s])
@@ -226,26 +234,27 @@ def each_scratch(n_sequences: int, n_heads: int, longest: int) -> np.ndarray:
 
 
 @njit(parallel=True, nogil=True, cache=True, **FAST_FLOATS)
-def one_query_each(q, key_at, value_at, lengths, firsts, n_kv, scale, scores, out):
+def one_query_each(q, key_at, value_at, lengths, firsts, n_kv, scale, softcap, scores, out):
     """``out [B, heads·hd]``: attention of each sequence's one query ``q[b] [heads, hd]``, at its last position,
     over its own keys and values: float32 ``[lengths[b], n_kv, hd]`` C-contiguous at the addresses ``key_at[b]``,
-    ``value_at[b]``, from position ``firsts[b]`` (a window's first; else 0); scores times ``scale``. ``scores``:
-    ``each_scratch``'s."""
+    ``value_at[b]``, from position ``firsts[b]`` (a window's first; else 0); scores times ``scale``, soft-capped
+    where ``softcap`` > 0. ``scores``: ``each_scratch``'s."""
     n_sequences, n_heads, head_dim = q.shape
     group = n_heads // n_kv
     for i in prange(n_sequences * n_heads):
         b, h = i // n_heads, i % n_heads
         keys = carray(_floats_at(key_at[b]), (lengths[b], n_kv, head_dim))
         values = carray(_floats_at(value_at[b]), (lengths[b], n_kv, head_dim))
-        one_head(q[b, h], keys, values, h // group, firsts[b], lengths[b], scale, scores[i],
+        one_head(q[b, h], keys, values, h // group, firsts[b], lengths[b], scale, softcap, scores[i],
                  out[b, h * head_dim : (h + 1) * head_dim])
 
 
 @njit(inline="always", **FAST_FLOATS)
-def one_head(q_h, keys, values, kv, first, n, scale, row, o):
+def one_head(q_h, keys, values, kv, first, n, scale, softcap, row, o):
     """``o [hd]``: one head's query ``q_h`` attending over positions ``first .. n - 1`` of ``keys, values [S, kv_heads,
-    hd]``, its KV head ``kv``, scores times ``scale``, through ``row`` (``score_width(n)`` floats or more): a batch's
-    step (``one_query_each``) and one decoded token (``runtime.compiled_decode``)."""
+    hd]``, its KV head ``kv``, scores times ``scale`` and soft-capped where ``softcap`` > 0, through ``row``
+    (``score_width(n)`` floats or more): a batch's step (``one_query_each``) and one decoded token
+    (``runtime.compiled_decode``)."""
     head_dim = q_h.shape[0]
     block_from, block_end = first // EXP_LANES * EXP_LANES, score_width(n)
     row[block_from:first] = -np.inf
@@ -256,6 +265,8 @@ def one_head(q_h, keys, values, kv, first, n, scale, row, o):
         for d in range(head_dim):
             total += q_h[d] * keys[s, kv, d]
         row[s] = total * scale
+        if softcap > 0:
+            row[s] = _soft_capped(row[s], softcap)
         top = max(top, row[s])
     norm = np.float32(1.0) / _exp_in_place(row.ctypes.data + 4 * block_from, (block_end - block_from) // EXP_LANES,
                                            top)

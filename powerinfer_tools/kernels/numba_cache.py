@@ -50,9 +50,10 @@ NUMBA_SOURCES = (PACKAGE / "kernels", PACKAGE / "predictors" / "logit_gradient.p
                  *(PACKAGE / "runtime" / name
                    for name in ("compiled_decode.py", "ffn_decode.py", "thresholded_decode.py")),
                  # what the decoder inlines: the thresholds' test (``clears``), a neuron's activation, the
-                 # predictor's rule; and the weight types' rows, whose kernels the dispatch on a type is built from
+                 # predictor's rule, the attention scores' soft-cap; and the weight types' rows, whose kernels the
+                 # dispatch on a type is built from
                  FORMATS / "activation_thresholds.py", FORMATS / "activations.py", FORMATS / "predictor_rule.py",
-                 FORMATS / "weight_types.py")
+                 FORMATS / "soft_cap.py", FORMATS / "weight_types.py")
 
 
 def source_files(sources=NUMBA_SOURCES) -> list[tuple[str, int, int]]:

@@ -17,11 +17,11 @@ from powerinfer_tools.formats import gguf_spec
 from powerinfer_tools.formats.architecture import Architecture
 from powerinfer_tools.formats.model_file import ModelFile
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind, spec_errors_named
-from powerinfer_tools.models import gemma3, llama, mistral, mixtral, opt, phi3, qwen2, qwen3
+from powerinfer_tools.models import gemma2, gemma3, llama, mistral, mixtral, opt, phi3, qwen2, qwen3
 from powerinfer_tools.models.base import DecoderModel
 
 FAMILIES: tuple[Architecture, ...] = tuple(module.ARCHITECTURE for module in (llama, mistral, mixtral, qwen2, qwen3,
-                                                                                phi3, gemma3, opt))
+                                                                                phi3, gemma2, gemma3, opt))
 
 
 def _family_of_config(config: dict) -> Architecture:

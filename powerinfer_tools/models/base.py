@@ -29,6 +29,7 @@ from powerinfer_tools.models.layers import (
     feed_forward,
     linear,
     mixture_of_experts,
+    output_logits,
     self_attention,
 )
 
@@ -147,7 +148,8 @@ class Block:
     bo: np.ndarray | None
     ffn_norm: Any
     ffn: FFNWeights | MoEWeights
-    # Further norms: of q and k per head (``[head_dim]``; Qwen3, Gemma 3), after attention and after the FFN (Gemma 3).
+    # Further norms: of q and k per head (``[head_dim]``; Qwen3, Gemma 3), after attention and after the FFN
+    # (Gemma 2 and 3).
     q_norm: Any = None
     k_norm: Any = None
     post_attn_norm: Any = None
@@ -260,8 +262,9 @@ class DecoderModel(Engine, FFNTracer):
         raise NotImplementedError
 
     def head(self, x: np.ndarray) -> np.ndarray:
-        """Logits ``[T, vocab]`` of the final hidden states ``x``; ``[T, 0]`` when ``compute_logits`` is off."""
-        return x @ self.lm_head.T if self.compute_logits else x[:, :0]
+        """Logits ``[T, vocab]`` of the final hidden states ``x`` (``output_logits``); ``[T, 0]`` when
+        ``compute_logits`` is off."""
+        return output_logits(self.spec, x @ self.lm_head.T) if self.compute_logits else x[:, :0]
 
     def layer(self, i: int, b: Any, x: np.ndarray, cache: KVCache, start: int, norm: Callable,
               rotate: Optional[Rotation] = None) -> np.ndarray:

@@ -55,7 +55,7 @@ def spec_from_config(config: dict) -> ModelSpec:
         rope_theta=theta,
         rope_scaling=scaling,
         sliding_window=optional(config, "sliding_window", 4096),
-        sliding_window_pattern=_sliding_window_pattern(config),
+        sliding_window_pattern=sliding_window_pattern(config, _DEFAULT_PATTERN),
         rope_local_theta=rope_settings(local)[0],
         query_pre_attn_scalar=optional(config, "query_pre_attn_scalar", 256),
         bos_token_id=token_id(config, "bos_token_id"),
@@ -73,11 +73,12 @@ def _rope_parameters(config: dict) -> tuple[dict, dict]:
     return config, {"rope_theta": optional(config, "rope_local_base_freq", 10000.0)}
 
 
-def _sliding_window_pattern(config: dict) -> int:
-    """N where every Nth layer attends globally: from ``layer_types``, which must follow one such pattern."""
+def sliding_window_pattern(config: dict, default: int) -> int:
+    """N where every Nth layer attends globally: from ``layer_types``, which must follow one such pattern (Gemma 2's
+    and 3's configs)."""
     layer_types = config.get("layer_types")
     if layer_types is None:
-        return optional(config, "sliding_window_pattern", _DEFAULT_PATTERN)
+        return optional(config, "sliding_window_pattern", default)
     if not isinstance(layer_types, list) or FULL not in layer_types:
         raise PitoolsError(f"layer_types must list {FULL!r} layers, not {layer_types!r:.60}")
     pattern = layer_types.index(FULL) + 1
@@ -96,34 +97,50 @@ GGUF_ROPE_LOCAL_THETA = 10000.0
 _GEMMA3_27B_LAYERS = 62
 
 
-def _gguf_query_pre_attn_scalar(n_layers: int, d_model: int, n_heads: int, head_dim: int) -> float:
-    return d_model / n_heads if n_layers == _GEMMA3_27B_LAYERS else head_dim
+def gguf_query_pre_attn_scalar(width_scaled_layers: int, n_layers: int, d_model: int, n_heads: int,
+                               head_dim: int) -> float:
+    """The ``query_pre_attn_scalar`` llama.cpp's gemma2 and gemma3 assume: d_model / n_heads for the 27B model, which
+    they know by its ``width_scaled_layers`` layers, head_dim for the others."""
+    return d_model / n_heads if n_layers == width_scaled_layers else head_dim
 
 
-def gguf_fields(get) -> dict:
-    """The fields llama.cpp's gemma3 assumes instead of reading keys (above); ``get`` reads the file's metadata."""
+def stored_query_pre_attn_scalar(get, width_scaled_layers: int) -> float | None:
+    """``gguf_query_pre_attn_scalar`` of the shape a file's metadata (read by ``get``) gives; None where that shape
+    is not whole numbers above 0 (``ModelSpec`` then says why)."""
     n_layers, d_model = get(Keys.LLM.BLOCK_COUNT), get(Keys.LLM.EMBEDDING_LENGTH)
     n_heads, head_dim = get(Keys.Attention.HEAD_COUNT), get(Keys.Attention.KEY_LENGTH)
     if head_dim is None and isinstance(d_model, int) and isinstance(n_heads, int) and n_heads:
         head_dim = d_model // n_heads
-    scalar = None
-    if all(isinstance(v, int) and v > 0 for v in (n_layers, d_model, n_heads, head_dim)):  # else ModelSpec says why
-        scalar = _gguf_query_pre_attn_scalar(n_layers, d_model, n_heads, head_dim)
+    if all(isinstance(v, int) and v > 0 for v in (n_layers, d_model, n_heads, head_dim)):
+        return gguf_query_pre_attn_scalar(width_scaled_layers, n_layers, d_model, n_heads, head_dim)
+    return None
+
+
+def check_assumed(spec: ModelSpec, assumed: dict) -> None:
+    """Refuses a model whose fields differ from what its llama.cpp architecture ``assumed`` (field -> value), or
+    that has no sliding window (which llama.cpp's gemma2 and gemma3 need)."""
+    name = spec.architecture.gguf_name
+    for field, value in assumed.items():
+        if getattr(spec, field) != value:
+            raise PitoolsError(f"a {name} model with {field} {getattr(spec, field)} has no GGUF layout: llama.cpp's "
+                               f"{name} assumes {value}")
+    if spec.sliding_window is None:
+        raise PitoolsError(f"a {name} model without a sliding window has no GGUF layout (llama.cpp's {name} needs one)")
+
+
+def gguf_fields(get) -> dict:
+    """The fields llama.cpp's gemma3 assumes instead of reading keys (above); ``get`` reads the file's metadata."""
     return {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN, "rope_local_theta": GGUF_ROPE_LOCAL_THETA,
-            "query_pre_attn_scalar": scalar}
+            "query_pre_attn_scalar": stored_query_pre_attn_scalar(get, _GEMMA3_27B_LAYERS)}
 
 
 def check_layout(spec: ModelSpec) -> None:
     """llama.cpp's gemma3 reads the window but assumes the rest (above): a model that differs is refused."""
-    expected = {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN, "rope_local_theta": GGUF_ROPE_LOCAL_THETA,
-                "query_pre_attn_scalar": _gguf_query_pre_attn_scalar(spec.n_layers, spec.d_model, spec.n_heads,
-                                                                     spec.head_dim)}
-    for field, value in expected.items():
-        if getattr(spec, field) != value:
-            raise PitoolsError(f"a gemma3 model with {field} {getattr(spec, field)} has no GGUF layout: llama.cpp's "
-                               f"gemma3 assumes {value}")
-    if spec.sliding_window is None:
-        raise PitoolsError("a gemma3 model without a sliding window has no GGUF layout (llama.cpp's gemma3 needs one)")
+    check_assumed(spec, {"sliding_window_pattern": GGUF_SLIDING_WINDOW_PATTERN,
+                         "rope_local_theta": GGUF_ROPE_LOCAL_THETA,
+                         "query_pre_attn_scalar": gguf_query_pre_attn_scalar(_GEMMA3_27B_LAYERS, spec.n_layers,
+                                                                             spec.d_model, spec.n_heads,
+                                                                             spec.head_dim)})
 
 
 _LAYER = "model.layers.{bid}."

@@ -25,6 +25,7 @@ from powerinfer_tools.formats.activation_thresholds import LayerThresholds, kept
 from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
 from powerinfer_tools.formats.architecture import RopePairs
 from powerinfer_tools.formats.rope import RopeScaling
+from powerinfer_tools.formats.soft_cap import soft_capped
 from powerinfer_tools.xp import array_namespace
 
 
@@ -156,13 +157,14 @@ def score_scale(head_dim: int, scale: Optional[float]) -> float:
 
 def attention(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, sliding_window: Optional[int] = None,
-    scale: Optional[float] = None,
+    scale: Optional[float] = None, softcap: Optional[float] = None,
 ) -> np.ndarray:
     """Causal grouped-query attention.
 
     ``q [T, heads, hd]`` holds queries at absolute positions ``start .. start+T-1``;
     ``keys/values [S, kv_heads, hd]`` hold positions ``0 .. S-1`` (S = start + T).
-    Scores are multiplied by ``scale`` (default 1/sqrt(hd)). Returns ``[T, heads * hd]``.
+    Scores are multiplied by ``scale`` (default 1/sqrt(hd)), then soft-capped at ``softcap``
+    where given (Gemma 2). Returns ``[T, heads * hd]``.
     """
     xp = array_namespace(q)
     n_tokens, n_heads, head_dim = q.shape
@@ -176,6 +178,8 @@ def attention(
     # The softmax in place, in the product's own array: a new array at each step made a 512-token prompt of the
     # TinyLlama-shaped model slower and its peak RSS 32 MiB larger (docs/lab/real-models.md).
     scores *= scale
+    if softcap is not None:
+        scores = soft_capped(scores, q.dtype.type(softcap))
     if n_tokens > 1 or (sliding_window is not None and keys.shape[0] > sliding_window):  # (one query sees all)
         query_pos = start + xp.arange(n_tokens)[:, None]
         key_pos = xp.arange(keys.shape[0])[None, :]
@@ -191,11 +195,19 @@ def attention(
 
 
 def attention_each(q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], sliding_window: Optional[int] = None,
-                   scale: Optional[float] = None) -> np.ndarray:
+                   scale: Optional[float] = None, softcap: Optional[float] = None) -> np.ndarray:
     """``[B, heads * hd]``: a batch's step, each of B sequences' one query ``q[b] [heads, hd]`` at its last
     position over its own ``stored[b]`` (keys, values ``[S_b, kv_heads, hd]``): ``attention`` per sequence."""
-    return array_namespace(q).concatenate([attention(q[b : b + 1], keys, values, len(keys) - 1, sliding_window, scale)
+    return array_namespace(q).concatenate([attention(q[b : b + 1], keys, values, len(keys) - 1, sliding_window, scale,
+                                                     softcap)
                                            for b, (keys, values) in enumerate(stored)])
+
+
+def output_logits(spec: ModelSpec, logits: np.ndarray) -> np.ndarray:
+    """The logits a model gives, from its output head's products ``logits``: soft-capped where it caps them
+    (Gemma 2's ``final_logit_softcapping``), else those. Every engine's logits pass through here."""
+    cap = spec.final_logit_softcapping
+    return logits if cap is None else soft_capped(logits, logits.dtype.type(cap))
 
 
 Rotation = Callable[[np.ndarray], np.ndarray]  # rotary embedding of ``[T, heads, head_dim]``
@@ -211,11 +223,11 @@ def self_attention(spec: ModelSpec, layer: int, q: np.ndarray, k: np.ndarray, v:
                    qk_norms: Optional[tuple[HeadNorm, HeadNorm]] = None, attend: Attend = attention) -> np.ndarray:
     """Causal self-attention ``[T, heads * hd]`` of layer ``layer``'s projected ``q [T, heads * hd]`` and
     ``k, v [T, kv_heads * hd]`` at positions from ``start``: their heads (``attention_heads``), k and v appended to
-    the cache through ``store``, ``attend`` within the layer's window (``ModelSpec.layer_window``). The output
-    projection is the caller's."""
+    the cache through ``store``, ``attend`` within the layer's window (``ModelSpec.layer_window``), its scores
+    scaled and soft-capped as the model says. The output projection is the caller's."""
     q, k, v = attention_heads(spec, q, k, v, rotate, qk_norms)
     keys, values = store(k, v)
-    return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale)
+    return attend(q, keys, values, start, spec.layer_window(layer), spec.attention_scale, spec.attn_logit_softcapping)
 
 
 def attention_heads(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, rotate: Optional[Rotation] = None,
@@ -237,7 +249,7 @@ def attention_heads(spec: ModelSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray
 def decoder_layer(x: np.ndarray, attend: Callable, feed_forward: Callable, attn_norm: Callable, ffn_norm: Callable,
                   pre_norm: bool, post_norms: Optional[tuple[Callable, Callable]] = None) -> np.ndarray:
     """The residual stream ``x`` after one layer. Pre-norm (LLaMA, most OPT): ``x + f(norm(x))`` for
-    attention then FFN, with ``post_norms`` (Gemma 3) ``x + post(f(norm(x)))``; post-norm (OPT-350m):
+    attention then FFN, with ``post_norms`` (Gemma 2 and 3) ``x + post(f(norm(x)))``; post-norm (OPT-350m):
     ``norm(x + f(x))``. ``attend(h)``, ``feed_forward(h, residual)``: the FFN also gets the stream
     entering its block, before its norm (what predictors read)."""
     if pre_norm:

@@ -73,19 +73,19 @@ class CpuBackend:
         return self._blocks.row_sum(m, coeffs, rows)
 
     def attention(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, window: int | None,
-                  scale: float | None) -> np.ndarray:
+                  scale: float | None, softcap: float | None = None) -> np.ndarray:
         """``layers.attention``, a prompt's compiled (``kernels.causal_attention``) where the kernels take it."""
         if kernels.attention_takes(len(q), q.shape[2]):
-            return kernels.causal_attention(q, keys, values, start, window, score_scale(q.shape[2], scale))
-        return attention(q, keys, values, start, window, scale)
+            return kernels.causal_attention(q, keys, values, start, window, score_scale(q.shape[2], scale), softcap)
+        return attention(q, keys, values, start, window, scale, softcap)
 
     def attention_each(self, q: np.ndarray, stored: list[tuple[np.ndarray, np.ndarray]], window: int | None,
-                       scale: float | None) -> np.ndarray:
+                       scale: float | None, softcap: float | None = None) -> np.ndarray:
         """``layers.attention_each``, in one compiled call (``kernels.one_query_each``) where the kernels are in
         use."""
         if kernels.available():
-            return kernels.one_query_each(q, stored, window, score_scale(q.shape[2], scale))
-        return attention_each(q, stored, window, scale)
+            return kernels.one_query_each(q, stored, window, score_scale(q.shape[2], scale), softcap)
+        return attention_each(q, stored, window, scale, softcap)
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return array

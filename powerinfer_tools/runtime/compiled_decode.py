@@ -98,7 +98,8 @@ class LayerWeights(structref.StructRefProxy):
     the FFN's matrices, which is then always computed whole (a dense file's three; a CATS gate, which it reads
     whole to choose, and the up of a CATS layer that computes most neurons: ``loader.WHOLE_UP_SHARE``);
     ``q_norm, k_norm`` (per head), ``post_attn_norm, post_ffn_norm`` (of each block's output): Gemma 3's
-    further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by;
+    further RMSNorms, empty when absent; ``attn_scale``: what attention scores are multiplied by, ``attn_softcap``:
+    where they are soft-capped (Gemma 2; 0: not capped);
     ``vnni``: this CPU runs ``numba_vnni``'s products (for the interleaved matrices, and the whole groups
     of q4_0 gate/up rows at least a group wide).
     ``kind``: the FFN's, as ``formats/activations.py`` numbers it; ``choice``, ``gate_up``: its plan in one mode
@@ -118,7 +119,7 @@ structref.define_proxy(LayerWeights, LayerWeightsType, [
     "ffn_norm", "gate", "up", "ffn_type", "up_gemv", "down", "down_type", "down_transposed", "down_gemv",
     "vnni", "fc1", "fc1_type", "fc2", "fc2_type",
     "threshold", "kind", "choice", "gate_up", "cats", "cats_bounds", "gate_gemv", "ffn_in", "ffn_down",
-    "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "attn_scale",
+    "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "attn_scale", "attn_softcap",
 ])
 structref.define_proxy(Scratch, ScratchType, [
     "h", "q", "k", "v", "attended", "o", "x_encoded", "scores", "hidden", "active", "gate_out", "up_out", "act",
@@ -205,14 +206,14 @@ def _add_bias(x, bias):
 
 
 @njit(parallel=True, nogil=True, cache=True, **nk.FAST_FLOATS)
-def _attend(q, keys, values, first, last, n_heads, scale, scores, out):
+def _attend(q, keys, values, first, last, n_heads, scale, softcap, scores, out):
     """Causal attention of one query at position ``last`` over cached positions ``first .. last``, its scores
-    multiplied by ``scale`` (``numba_attention.one_head``, a head each)."""
+    multiplied by ``scale`` and soft-capped where ``softcap`` > 0 (``numba_attention.one_head``, a head each)."""
     head_dim = keys.shape[2]
     group = n_heads // keys.shape[1]
     for h in prange(n_heads):
-        one_head(q[h * head_dim : (h + 1) * head_dim], keys, values, h // group, first, last + 1, scale, scores[h],
-                 out[h * head_dim : (h + 1) * head_dim])
+        one_head(q[h * head_dim : (h + 1) * head_dim], keys, values, h // group, first, last + 1, scale, softcap,
+                 scores[h], out[h * head_dim : (h + 1) * head_dim])
 
 
 @njit(nogil=True, cache=True)
@@ -236,7 +237,7 @@ def decode_attention(x, w, s, keys, values, pos, first, cos, sin, n_heads, eps, 
     _rope(s.k, n_kv_heads, head_dim, cos, sin, w.rope_halves)
     keys[pos] = s.k.reshape((n_kv_heads, head_dim))
     values[pos] = s.v.reshape((n_kv_heads, head_dim))
-    _attend(s.q, keys, values, first, pos, n_heads, w.attn_scale, s.scores, s.attended)
+    _attend(s.q, keys, values, first, pos, n_heads, w.attn_scale, w.attn_softcap, s.scores, s.attended)
     ggml_from_float(fns[w.attn_types[3], 0], s.attended.ctypes.data, s.x_encoded.ctypes.data, s.attended.shape[0])
     if w.attn_gemv:
         numba_interleaved.gemv(w.attn_gemv, w.wo, s.x_encoded, s.attended.shape[0], s.o, n_threads, w.vnni)
@@ -507,7 +508,8 @@ def _steps(model, plans: list[FFNPlan], general: list[str | None], halves: bool)
         if reason is not None:
             steps.append(None)
             continue
-        weights = [_unit_weights(layer.dense, *unit, plan, halves, s.attention_scale, s.ffn) for unit in _units(layer)]
+        weights = [_unit_weights(layer.dense, *unit, plan, halves, s.attention_scale, s.attn_logit_softcapping, s.ffn)
+                   for unit in _units(layer)]
         steps.append((weights[0], plan, None if layer.experts else layer.partitions[0].cache,
                       Mixture(layer.router, weights, plan) if layer.experts else None))
     return steps
@@ -519,9 +521,10 @@ def _unit_matrices(layer, partition, predictor) -> list[QuantMatrix]:
     return weights + ([] if predictor is None else [predictor.fc1, predictor.fc2])
 
 
-def _unit_weights(d, p, predictor, plan: FFNPlan, rope_halves: bool, attn_scale: float, kind: FFNKind) -> LayerWeights:
+def _unit_weights(d, p, predictor, plan: FFNPlan, rope_halves: bool, attn_scale: float, attn_softcap: float | None,
+                  kind: FFNKind) -> LayerWeights:
     """The compiled weights of one FFN (a layer's, or an expert's, of ``kind``; run as ``plan`` says) with its
-    layer's attention ``d``."""
+    layer's attention ``d``, whose scores are multiplied by ``attn_scale`` and soft-capped at ``attn_softcap``."""
     bq, bk, bv = (d.biases.get(key, _ABSENT) for key in _BIASES)
     down = p.down_t if p.down_t is not None else p.down
     # Without a predictor (dense mode, or thresholds) the fields hold a placeholder of the same numba type.
@@ -547,7 +550,7 @@ def _unit_weights(d, p, predictor, plan: FFNPlan, rope_halves: bool, attn_scale:
         gemv if isinstance(p.gate, InterleavedQ4) else 0,
         ffn_in, ffn_down,
         *(_ABSENT if norm is None else norm.weight for norm in (d.q_norm, d.k_norm, d.post_attn_norm, d.post_ffn_norm)),
-        np.float32(attn_scale),
+        np.float32(attn_scale), np.float32(attn_softcap or 0),
     )
 
 

@@ -27,6 +27,7 @@ from powerinfer_tools.models.layers import (
     embedding_scale,
     mix_experts,
     normalize,
+    output_logits,
     rope_tables,
     stored_rotation,
 )
@@ -309,7 +310,7 @@ class RuntimeModel(Engine):
         if self.output_norm is not None:
             x = self._norm(self.output_norm, x)
         self.stats.add(step)
-        return move(head.matmul(self.output, x), head, self.host)
+        return output_logits(self.spec, move(head.matmul(self.output, x), head, self.host))
 
     def _refuse_damaged_file(self) -> NoReturn:
         """Logits that are not finite: name the tensor of the file that holds a NaN or an infinity. The search reads
@@ -437,11 +438,11 @@ class RuntimeModel(Engine):
         for rows, cache, _ in sequences:
             stored.append(cache.store(0, k[rows], v[rows]))
             cache.advance(rows.stop - rows.start)
-        window, scale = self.spec.layer_window(i), self.spec.attention_scale
+        window, scale, cap = self.spec.layer_window(i), self.spec.attention_scale, self.spec.attn_logit_softcapping
         if len(sequences) > 1 and len(h) == len(sequences):
-            out = backend.attention_each(q, stored, window, scale)
+            out = backend.attention_each(q, stored, window, scale, cap)
         else:
-            outs = [backend.attention(q[rows], keys, values, start, window, scale)
+            outs = [backend.attention(q[rows], keys, values, start, window, scale, cap)
                     for (rows, _, start), (keys, values) in zip(sequences, stored)]
             out = outs[0] if len(outs) == 1 else backend.xp.concatenate(outs)
         out = backend.matmul(d.wo, out)
