@@ -128,7 +128,7 @@ class Model(DecoderModel):
         positions = np.arange(start, start + len(tokens))
         rotations = {}  # (theta, scaling) -> its rotation: one, or Gemma 3's global and local ones
         for rope in {s.layer_rope(i) for i in range(s.n_layers)}:
-            cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
+            cos, sin = rope_tables(positions, s.head_dim, *rope, self.context_size or s.max_positions, self.dtype)
             rotations[rope] = partial(apply_rope, cos=cos, sin=sin)
 
         def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:
