@@ -90,7 +90,9 @@ def spec_from_model_file(model: ModelFile, family: Architecture) -> ModelSpec:
     """The spec of ``model``, a file of ``family``; a missing, mistyped or out-of-range value, or a key the family
     does not apply, is an error naming the file and key."""
     keys = _metadata_keys(model.architecture, family)
-    named = keys | {"rope_attention_factor": Keys.Rope.SCALING_ATTN_FACTOR.format(arch=model.architecture)}
+    named = keys | {"rope_attention_factor": Keys.Rope.SCALING_ATTN_FACTOR.format(arch=model.architecture),
+                    "rope_short_factors": f"tensor {_LONGROPE_TENSORS['short']}",
+                    "rope_long_factors": f"tensor {_LONGROPE_TENSORS['long']}"}
     with spec_errors_named(model.path, named):
         _refuse_unknown_keys(model, family, keys)
         spec = _spec(model, family, keys)

@@ -283,10 +283,10 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
                                        f"{spec.architecture} models (supported: {kinds})")
     _float32(scaling.factor, "rope_scaling_factor")
     if scaling.kind is RopeKind.LLAMA3:
-        _check_pair_factors(spec, scaling.frequency_factors, "frequency factors")
+        _check_pair_factors(spec, "rope_scaling", scaling.frequency_factors)
     if scaling.kind is RopeKind.LONGROPE:
-        _check_pair_factors(spec, scaling.short_factors, "short factors")
-        _check_pair_factors(spec, scaling.long_factors, "long factors")
+        _check_pair_factors(spec, "rope_short_factors", scaling.short_factors)
+        _check_pair_factors(spec, "rope_long_factors", scaling.long_factors)
         _float32(scaling.attention_factor, "rope_attention_factor")
     if scaling.kind in (RopeKind.YARN, RopeKind.LONGROPE):
         context = scaling.original_context
@@ -295,12 +295,13 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
                                            f"{MAX_POSITIONS}, not {_shown(context)}")
 
 
-def _check_pair_factors(spec: ModelSpec, factors, what: str) -> None:
-    """A scaling's divisor per rotation pair (llama3's, each of longrope's lists): head_dim / 2 positive numbers."""
+def _check_pair_factors(spec: ModelSpec, field: str, factors) -> None:
+    """A scaling's divisors per rotation pair (llama3's, each of longrope's lists, named ``field`` in messages):
+    head_dim / 2 positive numbers."""
     if not isinstance(factors, (tuple, list)) or len(factors) != spec.head_dim // 2 or not all(
             math.isfinite(_as_float(f)) and _as_float(f) > 0 for f in factors):
-        raise InvalidSpec(lambda name: f"{name('rope_scaling')} needs {spec.head_dim // 2} positive {what} (one per "
-                                       f"rotation pair), not {_shown(factors)}")
+        raise InvalidSpec(lambda name: f"{name(field)} needs {spec.head_dim // 2} positive factors (one per rotation "
+                                       f"pair), not {_shown(factors)}")
 
 
 def _validate(spec: ModelSpec) -> None:

@@ -49,6 +49,8 @@ CONFIG_KEYS = {
     "ffn": "hidden_act",
     "rope_scaling": "rope_scaling",
     "rope_scaling_factor": "rope_scaling factor",
+    "rope_short_factors": "rope_scaling short_factor",
+    "rope_long_factors": "rope_scaling long_factor",
     "tied_embeddings": "tie_word_embeddings",
     "ffn_bias": "mlp_bias",
 }
