@@ -15,9 +15,11 @@ lie on the same side of ``original_max_position_embeddings`` (docs/reference/sup
 llama.cpp's converter holds the lists as the ``rope_factors_long``/``rope_factors_short`` tensors.
 
 Refused: a partial rotary factor, and a config whose ``attention_factor`` (or ``factor``) sets another attention
-factor than the one llama.cpp's converter writes (``models/base.py``). Phi-3-mini attends within a window of 2047 keys, as transformers computes it and we do;
-llama.cpp's phi3 reads the window and does not apply it, so beyond 2047 positions it computes another model.
-llama.cpp's converter writes a window of 0 for a config without one (Phi-4's): no window.
+factor than the one llama.cpp's converter writes (``models/base.py``).
+
+Phi-3-mini attends within a window of 2047 keys, as transformers computes it and we do; llama.cpp's phi3 reads the
+window and does not apply it, so beyond 2047 positions it computes another model. llama.cpp's converter writes a
+window of 0 for a config without one (Phi-4's): no window.
 """
 
 from __future__ import annotations
