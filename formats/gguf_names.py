@@ -200,11 +200,13 @@ def fused_parts(spec: ModelSpec, stored: Mapping[str, StoredTensor]) -> dict[str
 
 
 def _rope_frequency_factors(spec: ModelSpec) -> list[TensorName]:
-    """Llama 3.1's rotary scaling, as llama.cpp's converter stores it: one divisor per rotation pair in a tensor."""
-    factors = spec.rope_scaling.frequency_factors
-    if spec.rope_scaling.kind is not RopeKind.LLAMA3:
-        return []
-    return [TensorName((), tensor_name(T.ROPE_FREQS), (len(factors),), values=factors)]
+    """Llama 3.1's and longrope's rotary scalings, as llama.cpp's converter stores them: one divisor per rotation
+    pair in a tensor (longrope: a tensor per list, the long one first)."""
+    scaling = spec.rope_scaling
+    lists = {RopeKind.LLAMA3: ((T.ROPE_FREQS, scaling.frequency_factors),),
+             RopeKind.LONGROPE: ((T.ROPE_FACTORS_LONG, scaling.long_factors),
+                                 (T.ROPE_FACTORS_SHORT, scaling.short_factors))}.get(scaling.kind, ())
+    return [TensorName((), tensor_name(tensor), (len(factors),), values=factors) for tensor, factors in lists]
 
 
 def row_of(spec: ModelSpec, tensor: MODEL_TENSOR) -> TensorRow:
@@ -276,13 +278,17 @@ def add_hyperparameters(writer: GGUFWriter, spec: ModelSpec) -> None:
 
 
 def _add_rope_scaling(writer: GGUFWriter, scaling: RopeScaling) -> None:
-    """The rope.scaling.* keys as llama.cpp's converter writes them (llama3's are a tensor: ``tensor_names``)."""
+    """The rope.scaling.* keys as llama.cpp's converter writes them (llama3's factors and longrope's are tensors:
+    ``tensor_names``)."""
     if scaling.kind is RopeKind.LINEAR:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling.factor)
     elif scaling.kind is RopeKind.YARN:
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
+    elif scaling.kind is RopeKind.LONGROPE:  # no type key: llama.cpp reads longrope from its tensors
+        writer.add_rope_scaling_attn_factors(scaling.attention_factor)
         writer.add_rope_scaling_orig_ctx_len(scaling.original_context)
 
 

@@ -50,6 +50,10 @@ METADATA_KEYS = {
 TOKENS_KEY = Keys.Tokenizer.LIST
 # {arch}.* keys read besides METADATA_KEYS's: checked against the spec (``_check_derived``), or the scaling's.
 _CHECKED_KEYS = (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT, Keys.Rope.SCALING_ORIG_CTX_LEN, Keys.Attention.LAYERNORM_EPS, Keys.Attention.LAYERNORM_RMS_EPS)
+# A longrope model's factor lists (llama.cpp's tensors), and the keys it applies besides those of every model.
+_LONGROPE_TENSORS = {"short": tensor_name(MODEL_TENSOR.ROPE_FACTORS_SHORT),
+                     "long": tensor_name(MODEL_TENSOR.ROPE_FACTORS_LONG)}
+_LONGROPE_KEYS = (Keys.Rope.SCALING_ATTN_FACTOR,)
 # {arch}.* keys that change nothing llama.cpp computes, or only at the value given (what it assumes without them).
 _NEUTRAL_KEYS = {Keys.Rope.SCALING_FINETUNED: None, Keys.Rope.SCALING_YARN_BETA_FAST: YARN_BETA_FAST,
                  Keys.Rope.SCALING_YARN_BETA_SLOW: YARN_BETA_SLOW, Keys.Rope.SCALING_ATTN_FACTOR: 1.0}
@@ -86,7 +90,10 @@ def spec_from_model_file(model: ModelFile, family: Architecture) -> ModelSpec:
     """The spec of ``model``, a file of ``family``; a missing, mistyped or out-of-range value, or a key the family
     does not apply, is an error naming the file and key."""
     keys = _metadata_keys(model.architecture, family)
-    with spec_errors_named(model.path, keys):
+    named = keys | {"rope_attention_factor": Keys.Rope.SCALING_ATTN_FACTOR.format(arch=model.architecture),
+                    "rope_short_factors": f"tensor {_LONGROPE_TENSORS['short']}",
+                    "rope_long_factors": f"tensor {_LONGROPE_TENSORS['long']}"}
+    with spec_errors_named(model.path, named):
         _refuse_unknown_keys(model, family, keys)
         spec = _spec(model, family, keys)
         _check_derived(model, spec)
@@ -97,7 +104,8 @@ def _refuse_unknown_keys(model: ModelFile, family: Architecture, keys: dict[str,
     """A key of the architecture's own (``{arch}.*``) that this reading neither applies nor checks would change
     what llama.cpp computes without us knowing: the file is refused, naming it."""
     arch = model.architecture
-    understood = set(keys.values()) | {key.format(arch=arch) for key in _CHECKED_KEYS + family.gguf_keys}
+    applied = _CHECKED_KEYS + family.gguf_keys + (_LONGROPE_KEYS if _holds_longrope(model, family) else ())
+    understood = set(keys.values()) | {key.format(arch=arch) for key in applied}
     for key in model.metadata:
         if not key.startswith(f"{arch}.") or key in understood:
             continue
@@ -135,7 +143,7 @@ def _spec(model: ModelFile, family: Architecture, keys: dict[str, str]) -> Model
         ffn=_ffn_kind(model, family),
         tied_embeddings=tensor_name(MODEL_TENSOR.OUTPUT) not in model,
         rope_theta=value("rope_theta", 10000.0) if rotary else None,
-        rope_scaling=_rope_scaling(model, value("head_dim")) if rotary else RopeScaling(),
+        rope_scaling=_rope_scaling(model, family, need("max_positions")) if rotary else RopeScaling(),
         sliding_window=value("sliding_window"),
         attention_bias=tensor_name(MODEL_TENSOR.ATTN_Q, 0, "bias") in model,
         ffn_bias=tensor_name(MODEL_TENSOR.FFN_UP, 0, "bias") in model,
@@ -148,22 +156,43 @@ def _spec(model: ModelFile, family: Architecture, keys: dict[str, str]) -> Model
     return ModelSpec(**(fields | family.gguf_fields(model.get)))
 
 
-def _rope_scaling(model: ModelFile, head_dim: Any) -> RopeScaling:
-    """The scaling a file's keys (and llama.cpp's ``rope_freqs`` tensor of Llama 3.1's factors) describe."""
+def _holds_longrope(model: ModelFile, family: Architecture) -> bool:
+    """Whether the file is a longrope model its family reads as one: llama.cpp's ``rope_factors_long`` or
+    ``_short`` in a file of a family that has longrope (another family's file keeps them unread, and
+    ``formats/model_check.py`` refuses them as tensors it does not have)."""
+    return RopeKind.LONGROPE in family.rope_kinds and any(name in model for name in _LONGROPE_TENSORS.values())
+
+
+def _factors(model: ModelFile, name: str) -> tuple[float, ...]:
+    """A tensor of one factor per rotation pair (ModelSpec checks how many)."""
+    stored = model[name]
+    return tuple(float(v) for v in decode(stored.data, stored.qtype).reshape(-1))
+
+
+def _rope_scaling(model: ModelFile, family: Architecture, max_positions: Any) -> RopeScaling:
+    """The scaling a file's keys and llama.cpp's tensors of factors per rotation pair describe: ``rope_freqs``
+    (Llama 3.1's), ``rope_factors_short`` and ``_long`` (longrope's)."""
     kind = model.get(Keys.Rope.SCALING_TYPE, RopeKind.NONE.value)
     factors = tensor_name(MODEL_TENSOR.ROPE_FREQS)
+    tensor_scaled = [name for name in (factors, *_LONGROPE_TENSORS.values()) if name in model]
+    if tensor_scaled and kind != RopeKind.NONE.value:
+        raise PitoolsError(f"tensor {tensor_scaled[0]} and {Keys.Rope.SCALING_TYPE} {kind!r} both scale the rotary "
+                           "frequencies; only one may")
     if factors in model:
-        if kind != RopeKind.NONE.value:
-            raise PitoolsError(f"tensor {factors} and {Keys.Rope.SCALING_TYPE} {kind!r} both scale the rotary "
-                               "frequencies; only one may")
-        stored = model[factors]
-        values = decode(stored.data, stored.qtype).reshape(-1)
-        return RopeScaling(RopeKind.LLAMA3, frequency_factors=tuple(float(v) for v in values))
-    try:
-        kind = RopeKind(kind)
-    except ValueError:
-        raise PitoolsError(f"rope scaling type {kind!r:.40} is not supported (supported: "
-                           f"{', '.join(k.value for k in (RopeKind.NONE, RopeKind.LINEAR, RopeKind.YARN))})") from None
+        return RopeScaling(RopeKind.LLAMA3, frequency_factors=_factors(model, factors))
+    if _holds_longrope(model, family):
+        missing = [name for name in _LONGROPE_TENSORS.values() if name not in model]
+        if missing:
+            raise PitoolsError(f"tensor {missing[0]} is missing: a longrope model needs both lists of rope factors")
+        # llama.cpp's defaults for a file without the keys: the trained context, and no attention factor.
+        return RopeScaling(RopeKind.LONGROPE, original_context=model.get(Keys.Rope.SCALING_ORIG_CTX_LEN, max_positions),
+                           short_factors=_factors(model, _LONGROPE_TENSORS["short"]),
+                           long_factors=_factors(model, _LONGROPE_TENSORS["long"]),
+                           attention_factor=model.get(Keys.Rope.SCALING_ATTN_FACTOR, 1.0))
+    keyed = {k.value: k for k in (RopeKind.NONE, RopeKind.LINEAR, RopeKind.YARN)}  # the others are tensors
+    if kind not in keyed:
+        raise PitoolsError(f"rope scaling type {kind!r:.40} is not supported (supported: {', '.join(keyed)})")
+    kind = keyed[kind]
     if kind is RopeKind.NONE:
         return RopeScaling()
     factor = model.get(Keys.Rope.SCALING_FACTOR)

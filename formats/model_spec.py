@@ -288,16 +288,25 @@ def _check_rope_scaling(spec: ModelSpec) -> None:
                                        f"{spec.architecture} models (supported: {kinds})")
     _float32(scaling.factor, "rope_scaling_factor")
     if scaling.kind is RopeKind.LLAMA3:
-        factors = scaling.frequency_factors
-        if factors is None or len(factors) != spec.head_dim // 2 or not all(
-                math.isfinite(_as_float(f)) and _as_float(f) > 0 for f in factors):
-            raise InvalidSpec(lambda name: f"{name('rope_scaling')} needs {spec.head_dim // 2} positive frequency "
-                                           f"factors (one per rotation pair), not {_shown(factors)}")
-    if scaling.kind is RopeKind.YARN:
+        _check_pair_factors(spec, "rope_scaling", scaling.frequency_factors)
+    if scaling.kind is RopeKind.LONGROPE:
+        _check_pair_factors(spec, "rope_short_factors", scaling.short_factors)
+        _check_pair_factors(spec, "rope_long_factors", scaling.long_factors)
+        _float32(scaling.attention_factor, "rope_attention_factor")
+    if scaling.kind in (RopeKind.YARN, RopeKind.LONGROPE):
         context = scaling.original_context
         if isinstance(context, bool) or not isinstance(context, numbers.Integral) or not 1 <= context <= MAX_POSITIONS:
             raise InvalidSpec(lambda name: f"{name('rope_scaling')} original context must be an integer from 1 to "
                                            f"{MAX_POSITIONS}, not {_shown(context)}")
+
+
+def _check_pair_factors(spec: ModelSpec, field: str, factors) -> None:
+    """A scaling's divisors per rotation pair (llama3's, each of longrope's lists, named ``field`` in messages):
+    head_dim / 2 positive numbers."""
+    if not isinstance(factors, (tuple, list)) or len(factors) != spec.head_dim // 2 or not all(
+            math.isfinite(_as_float(f)) and _as_float(f) > 0 for f in factors):
+        raise InvalidSpec(lambda name: f"{name(field)} needs {spec.head_dim // 2} positive factors (one per rotation "
+                                       f"pair), not {_shown(factors)}")
 
 
 def _validate(spec: ModelSpec) -> None:

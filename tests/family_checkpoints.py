@@ -39,6 +39,11 @@ HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
 # beyond 8192 / low_freq_factor (divided by the factor): test_family_oracles checks that.
 LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192)
+# Phi-3.5-mini's longrope, shrunk: 16 factors per list (32-wide heads), the short ones near 1, the long ones growing
+# with the wavelength as Phi-3.5's do, and a trained context of 32 positions, which the oracles' prompts pass.
+LONGROPE_ORIGINAL_CONTEXT = 32
+LONGROPE_SCALING = dict(rope_type="longrope", short_factor=[round(1 + 0.02 * i, 4) for i in range(HEAD_DIM // 2)],
+                        long_factor=[round(1.5 ** (i / 2), 4) for i in range(HEAD_DIM // 2)])
 SPM_ADDED = ("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>")  # Phi-3's first added tokens, in its order
 GEMMA2_WINDOW = 8
 
@@ -88,6 +93,10 @@ FAMILIES = {
                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
                                     hidden_activation="gelu_pytorch_tanh"), "sentencepiece", "gemma2",
                      attention="eager", embedding_std=0.04, llamacpp_error=5e-4),
+    # Phi-3.5-mini's (and Phi-3-mini-128k's) longrope, with its window of 262144 (none within these contexts).
+    "phi3.5": Family("phi3", dict(SHAPE, rope_theta=10000.0, max_position_embeddings=1024,
+                                  original_max_position_embeddings=LONGROPE_ORIGINAL_CONTEXT,
+                                  rope_scaling=LONGROPE_SCALING, sliding_window=262144), "sentencepiece", "phi3"),
 }
 
 

@@ -13,10 +13,11 @@ from powerinfer_tools.runtime.loader import load_runtime_model
 ONE_AT_A_TIME = 8  # the prompt's last tokens, decoded one at a time after the rest as one block
 
 
-def runtime_logits_and_greedy(path, ids: list[int], compiled: bool, steps: int = STEPS, mode=FFNMode.DENSE):
+def runtime_logits_and_greedy(path, ids: list[int], compiled: bool, steps: int = STEPS, mode=FFNMode.DENSE,
+                               context_size: int | None = None):
     """Our runtime's logits at every prompt position (a block, then ONE_AT_A_TIME tokens one by one) and its greedy
-    continuation of ``steps`` tokens."""
-    model = load_runtime_model(path)
+    continuation of ``steps`` tokens, in a context window of ``context_size`` positions (default: the model's)."""
+    model = load_runtime_model(path, context_size=context_size)
     model.compiled_decoding, model.mode = compiled, mode
     caches, cut = model.new_cache(), len(ids) - ONE_AT_A_TIME
     logits = [model.forward(np.array(ids[:cut]), caches)]

@@ -1,7 +1,7 @@
 """Our reference engine, converter and runtime on the Llama 3.1/3.2 (llama3, linear and yarn rope scalings), Qwen3,
-Phi-3 and Gemma 2 families, against the oracles no one here wrote (tests/test_family_oracles.py checks them against
-each other): transformers on the small random checkpoints of tests/family_checkpoints.py, llama.cpp on the GGUF files
-its own converter writes of them, which are the files users download."""
+Phi-3, Phi-3.5 (longrope) and Gemma 2 families, against the oracles no one here wrote (tests/test_family_oracles.py
+checks them against each other): transformers on the small random checkpoints of tests/family_checkpoints.py,
+llama.cpp on the GGUF files its own converter writes of them, which are the files users download."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 from cli_checks import fails, invoke
-from family_checkpoints import FAMILIES
+from family_checkpoints import FAMILIES, LONGROPE_ORIGINAL_CONTEXT
 from gguf import MODEL_TENSOR, GGUFValueType
 from gguf_fixtures import EVAL_TOKENS, EVAL_SEQ_LEN, llama, llamacpp_perplexity, our_perplexity, rewrite_gguf, training_texts
 from oracle_decoding import (
@@ -20,6 +20,7 @@ from oracle_decoding import (
     llamacpp_logits_and_greedy,
     prompt_ids,
     relative_error,
+    transformers_greedy,
     transformers_logits,
 )
 from runtime_decoding import runtime_logits_and_greedy
@@ -28,10 +29,11 @@ from powerinfer_tools.checkpoints.checkpoint import Checkpoint
 from powerinfer_tools.conversion.convert import convert
 from powerinfer_tools.conversion.gguf_source import GGUFSource
 from powerinfer_tools.conversion.sparsify import SparsifySettings
+from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import read_thresholds
 from powerinfer_tools.formats.model_file import open_model_file
 from powerinfer_tools.interfaces import FFNMode
-from powerinfer_tools.models import load_model
+from powerinfer_tools.models import load_model, spec_from_config
 from powerinfer_tools.profiling.corpus import CorpusSource, read_tokens
 from powerinfer_tools.runtime.loader import load_runtime_model
 
@@ -132,15 +134,85 @@ def test_a_quality_budget_chooses_each_layers_sparsity(tmp_path, family_checkpoi
     assert invoke("perplexity", path, "--corpus", corpus, "--tokens", 1024, "-q").exit_code == 0
 
 
+def test_within_the_trained_context_longrope_rotates_by_its_short_factors(family_checkpoint, llamacpp_gguf):
+    """A context window of original_max_position_embeddings: the reference engine and the runtime (either one-token
+    path) rotate by the short factors, as transformers does on a sequence that stays within it, to the same logits
+    and greedy tokens; the long factors (the model's own window) give logits far beyond the tolerance. (llama.cpp
+    cannot be asked: it rounds its window up to a multiple of 256 positions, beyond this model's 32.)"""
+    built, path, steps = family_checkpoint("phi3.5"), llamacpp_gguf("phi3.5"), 8
+    ids = prompt_ids(path)[: LONGROPE_ORIGINAL_CONTEXT - steps]  # the last greedy step at the window's last position
+    expected = transformers_logits(built.reference, ids)
+    expected_tokens = transformers_greedy(built.reference, ids, steps)
+    reference = load_model(Checkpoint(built.folder))
+    reference.context_size = LONGROPE_ORIGINAL_CONTEXT
+    assert relative_error(reference.forward(np.array(ids), reference.new_cache()), expected) < F32_ERROR
+    for compiled in (True, False):
+        ours, our_tokens, _ = runtime_logits_and_greedy(path, ids, compiled, steps,
+                                                        context_size=LONGROPE_ORIGINAL_CONTEXT)
+        assert relative_error(ours, expected) < F32_ERROR
+        assert our_tokens == expected_tokens, f"the same for {agreeing_prefix(our_tokens, expected_tokens)} tokens"
+    long_factors, _, _ = runtime_logits_and_greedy(path, ids, compiled=True, steps=0)
+    assert relative_error(long_factors, expected) > 100 * F32_ERROR
+
+
 def test_a_tensor_the_family_does_not_apply_is_refused(tmp_path, llamacpp_gguf):
-    """A long-context Phi-3's rope_factors_long would be ignored: the file is refused, naming it, by every command."""
+    """longrope's factors in a Llama file would be ignored (llama.cpp's llama rotates by them, we would not): the
+    file is refused, naming the tensor, by every command."""
+    import shutil
+
+    path = tmp_path / "llama.gguf"
+    shutil.copy(llamacpp_gguf("llama3.1"), path)
+    rewrite_gguf(path, {}, add_tensors={"rope_factors_long.weight": np.ones(16, dtype=np.float32)})
+    for command in (["run", path, "-p", "x", "-n", "1"], ["convert", path, "--dense", "-o", tmp_path / "o.gguf"]):
+        fails(*command, match="tensor rope_factors_long.weight is not part of a llama model", names=path)
+
+
+@pytest.mark.parametrize("tensors, match", [
+    ({"rope_factors_long.weight": np.ones(16)}, "tensor rope_factors_short.weight is missing: a longrope model needs"),
+    ({"rope_factors_long.weight": np.ones(8), "rope_factors_short.weight": np.ones(8)},
+     "tensor rope_factors_short.weight needs 16 positive factors (one per rotation pair), not (1.0, 1.0"),
+])
+def test_a_phi3_file_with_longrope_it_cannot_compute_is_refused(tmp_path, llamacpp_gguf, tensors, match):
     import shutil
 
     path = tmp_path / "phi3.gguf"
     shutil.copy(llamacpp_gguf("phi3"), path)
-    rewrite_gguf(path, {}, add_tensors={"rope_factors_long.weight": np.ones(16, dtype=np.float32)})
-    for command in (["run", path, "-p", "x", "-n", "1"], ["convert", path, "--dense", "-o", tmp_path / "o.gguf"]):
-        fails(*command, match="tensor rope_factors_long.weight is not part of a phi3 model", names=path)
+    rewrite_gguf(path, {}, add_tensors={name: values.astype(np.float32) for name, values in tensors.items()})
+    fails("run", path, "-p", "x", "-n", "1", match=match, names=path)
+
+
+def longrope_config(**changes) -> dict:
+    """The phi3.5 checkpoint's config.json (tests/family_checkpoints.py), its rope_scaling changed by ``changes``."""
+    family = FAMILIES["phi3.5"]
+    scaling = {k: v for k, v in dict(family.config["rope_scaling"], **changes).items() if v is not None}
+    return dict(family.config, model_type="phi3", vocab_size=1024, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("config, match", [
+    (longrope_config(short_factor=[1.0] * 15), r"rope_scaling short_factor needs 16 positive factors \(one per"),
+    (longrope_config(long_factor=[1.0] * 15 + [-1.0]), r"rope_scaling long_factor needs 16 positive factors"),
+    (longrope_config(long_factor=None), r"longrope rope scaling lacks its 'long_factor'"),
+    (longrope_config(rope_type="su"), r"rope scaling type 'su' is not supported"),
+    (longrope_config(partial_rotary_factor=0.75), r"phi3 models with partial_rotary_factor=0.75 are not supported"),
+    (dict(longrope_config(), partial_rotary_factor=0.75), r"phi3 models with partial_rotary_factor=0.75 are not"),
+    (dict(longrope_config(), original_max_position_embeddings=None),
+     r"longrope rope scaling lacks original_max_position_embeddings \(the context its short factors are for\)$"),
+    (longrope_config(attention_factor=1.0), r"longrope rope scaling with attention_factor=1.0 is not supported "
+                                            r"\(it sets an attention factor of 1; llama.cpp's converter writes the "
+                                            r"one max_position_embeddings implies, 1.41421\)"),
+    (longrope_config(factor=4.0), r"longrope rope scaling with factor=4.0 is not supported"),
+    (dict(longrope_config(), model_type="llama"), r"rope_scaling type 'longrope' is not supported for llama models"),
+])
+def test_a_longrope_config_we_cannot_compute_is_refused(config, match):
+    with pytest.raises(PitoolsError, match=f"^x/config.json: {match}"):
+        spec_from_config(config, "x/config.json")
+
+
+def test_a_longrope_config_that_says_what_llamacpp_writes_is_read():
+    """attention_factor and factor where they say what llama.cpp's converter derives (Phi-3.5's own configs)."""
+    same = spec_from_config(longrope_config(attention_factor=2 ** 0.5, factor=1024 / 32))
+    assert same.rope_scaling == spec_from_config(longrope_config()).rope_scaling
+    assert same.rope_scaling.attention_factor == pytest.approx(2 ** 0.5)
 
 
 @pytest.mark.parametrize("key, value", [("llama.attention.scale", 0.5), ("llama.rope.scaling.attn_factor", 2.0)])

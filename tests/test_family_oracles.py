@@ -1,10 +1,10 @@
-"""The oracles of the Llama 3.1/3.2, Qwen3, Phi-3 and Gemma 2 families checked against each other: transformers on the
-small random checkpoints of tests/family_checkpoints.py, llama.cpp (llama-cpp-python) on the GGUF files llama.cpp's
-own converter writes of them (tests/llamacpp_converter.py). Where the two agree, either is a reference for our
-runtime; the checks below also pin down what the files hold (tensors, rope factors, the sliding window, Gemma 2's
-caps) and that the features that set the families apart (rope scaling, the window, the caps: tests/test_gemma2.py)
-change the logits by far more than the tolerance,
-so that a runtime which ignores one cannot pass a comparison with these oracles.
+"""The oracles of the Llama 3.1/3.2, Qwen3, Phi-3, Phi-3.5 and Gemma 2 families checked against each other: transformers
+on the small random checkpoints of tests/family_checkpoints.py, llama.cpp (llama-cpp-python) on the GGUF files
+llama.cpp's own converter writes of them (tests/llamacpp_converter.py). Where the two agree, either is a reference
+for our runtime; the checks below also pin down what the files hold (tensors, rope factors, longrope's two lists,
+the sliding window, Gemma 2's caps) and that the features that set the families apart (rope scaling, the window,
+the caps: tests/test_gemma2.py) change the logits by far more than the tolerance, so that a runtime which ignores
+one cannot pass a comparison with these oracles.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from family_checkpoints import FAMILIES, HEAD_DIM, build_checkpoint, train_sentencepiece_tokenizer
+from family_checkpoints import (FAMILIES, HEAD_DIM, LONGROPE_ORIGINAL_CONTEXT, build_checkpoint,
+                                train_sentencepiece_tokenizer)
 from gguf import GGUFReader, GGUFValueType
 from gguf_fixtures import SAMPLE_TEXTS, llama
 from llamacpp_converter import ConverterUnavailable, convert_checkpoint, converter_folder
@@ -126,7 +127,24 @@ def test_llama3_rope_factors_are_transformers_frequencies(family_checkpoint, lla
     assert (factors == 1).sum() == 8 and (factors == factor).sum() == 7 and 1 < factors[8] < factor
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "llama-linear", "llama-yarn"])
+def test_longrope_factors_are_transformers_frequencies(family_checkpoint, llamacpp_gguf):
+    """rope_factors_short.weight and rope_factors_long.weight (each dividing the frequencies) give transformers'
+    frequencies within the trained context and beyond it, and rope.scaling.attn_factor the scale of its cos and sin;
+    the two lists differ."""
+    rotary = family_checkpoint("phi3.5").reference.model.rotary_emb
+    tensors, metadata = tensors_and_metadata(llamacpp_gguf("phi3.5"))
+    plain = FAMILIES["phi3.5"].config["rope_theta"] ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    short = plain / tensors["rope_factors_short.weight"]
+    np.testing.assert_allclose(short, rotary.original_inv_freq.numpy(), rtol=1e-6)
+    beyond = torch.arange(LONGROPE_ORIGINAL_CONTEXT + 1)[None]  # transformers switches to the long factors here
+    rotary(torch.zeros(1, len(beyond[0]), HEAD_DIM), beyond)
+    np.testing.assert_allclose(plain / tensors["rope_factors_long.weight"], rotary.inv_freq.numpy(), rtol=1e-6)
+    assert not np.allclose(tensors["rope_factors_long.weight"], tensors["rope_factors_short.weight"])
+    assert metadata["phi3.rope.scaling.attn_factor"] == pytest.approx(rotary.attention_scaling, rel=1e-6)
+    assert metadata["phi3.rope.scaling.original_context_length"] == LONGROPE_ORIGINAL_CONTEXT
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "llama3.2", "llama-linear", "llama-yarn", "phi3.5"])
 def test_the_rope_scaling_changes_the_logits_far_beyond_the_tolerance(tmp_path, family_checkpoint, llamacpp_gguf,
                                                                       name):
     built = family_checkpoint(name)
@@ -149,8 +167,10 @@ def test_the_converted_file_holds_the_families_tensors(family_checkpoint, llamac
     assert metadata["general.architecture"] == family.architecture
     assert blocks == BLOCK_TENSORS[family.architecture] | {"attn_norm", "ffn_norm"}
     assert ("output.weight" in tensors) != family.config.get("tie_word_embeddings", False)
-    llama3 = (family.config.get("rope_scaling") or {}).get("rope_type") == "llama3"
-    assert ("rope_freqs.weight" in tensors) == llama3
+    scaling = (family.config.get("rope_scaling") or {}).get("rope_type")
+    assert ("rope_freqs.weight" in tensors) == (scaling == "llama3")
+    longrope = scaling == "longrope"
+    assert ("rope_factors_long.weight" in tensors) == ("rope_factors_short.weight" in tensors) == longrope
     checkpoint = load_file(family_checkpoint(name).folder / "model.safetensors")
     layer = "model.layers.1."
     if family.architecture == "qwen3":

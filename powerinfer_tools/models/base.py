@@ -16,7 +16,8 @@ from powerinfer_tools.errors import PitoolsError
 from powerinfer_tools.formats.activation_thresholds import ActivationThresholds
 from powerinfer_tools.formats.gguf_names import checkpoint_shape, part_rows
 from powerinfer_tools.formats.model_spec import ModelSpec
-from powerinfer_tools.formats.rope import YARN_BETA_FAST, YARN_BETA_SLOW, RopeKind, RopeScaling, llama3_factors
+from powerinfer_tools.formats.rope import (YARN_BETA_FAST, YARN_BETA_SLOW, RopeKind, RopeScaling, llama3_factors,
+                                           longrope_attention_factor)
 from powerinfer_tools.interfaces import Engine, FFNTracer
 from powerinfer_tools.models.layers import (
     FFNHook,
@@ -67,6 +68,8 @@ def rope_settings(config: dict, head_dim: Any = None) -> tuple[Any, RopeScaling]
     kind = kinds[rope_type]
     if kind is RopeKind.NONE:
         return theta, RopeScaling()
+    if kind is RopeKind.LONGROPE:
+        return theta, _longrope(config, params)
     factor = params.get("factor")  # ModelSpec checks it
     if factor is None:
         raise PitoolsError(f"{kind.value} rope scaling lacks its 'factor'")
@@ -87,6 +90,40 @@ def rope_settings(config: dict, head_dim: Any = None) -> tuple[Any, RopeScaling]
     _refuse_unapplied_yarn(params)
     original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
     return theta, RopeScaling(kind, factor, original_context=original)
+
+
+def _longrope(config: dict, params: dict) -> RopeScaling:
+    """Phi-3's longrope: its two factor lists (ModelSpec checks them), the context it was trained at (Phi-3 configs'
+    top-level ``original_max_position_embeddings``, which transformers prefers, or ``rope_scaling``'s) and the
+    attention factor of the extension to ``max_position_embeddings``, which llama.cpp's converter writes. transformers
+    would take a config's own ``attention_factor``, or derive it from its ``factor``: a config whose value differs is
+    refused, as its file would compute another model in llama.cpp."""
+    original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    if original is None:
+        raise PitoolsError("longrope rope scaling lacks original_max_position_embeddings (the context its short "
+                           "factors are for)")
+    original = _rope_number({"original_max_position_embeddings": original}, "original_max_position_embeddings", None)
+    attention = longrope_attention_factor(_rope_number(config, "max_position_embeddings", None), original)
+    if params.get("attention_factor") is not None:
+        theirs, said = _rope_number(params, "attention_factor", None), "attention_factor"
+    elif params.get("factor") is not None:
+        theirs, said = longrope_attention_factor(_rope_number(params, "factor", None) * original, original), "factor"
+    else:
+        theirs, said = attention, None
+    if not math.isclose(theirs, attention, rel_tol=1e-6):
+        raise PitoolsError(f"longrope rope scaling with {said}={params[said]!r:.40} is not supported (it sets an "
+                           f"attention factor of {theirs:.6g}; llama.cpp's converter writes the one "
+                           f"max_position_embeddings implies, {attention:.6g})")
+    return RopeScaling(RopeKind.LONGROPE, original_context=original, short_factors=_factor_list(params, "short_factor"),
+                       long_factors=_factor_list(params, "long_factor"), attention_factor=attention)
+
+
+def _factor_list(params: dict, key: str) -> Any:
+    """A longrope factor list as a tuple (ModelSpec checks its length and values), or the value as it is."""
+    value = params.get(key)
+    if value is None:
+        raise PitoolsError(f"longrope rope scaling lacks its {key!r}")
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _rope_number(params: dict, key: str, default: Any) -> float:
@@ -230,6 +267,9 @@ class DecoderModel(Engine, FFNTracer):
         # Off while profiling and calibrating, which read the FFNs through the hook: no output head, which
         # is a fifth of a 135M model's work (SmolLM2's 49,152 tied rows) and more of Gemma 3's 262k.
         self.compute_logits = True
+        # The context window it computes for, which longrope's choice of factors follows (formats/rope.py); None:
+        # the model's trained positions, as the runtime's default window.
+        self.context_size: Optional[int] = None
 
     @classmethod
     def from_checkpoint(cls, spec: ModelSpec, checkpoint: Checkpoint, dtype=np.float32,

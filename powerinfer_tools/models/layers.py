@@ -64,10 +64,12 @@ def embedding_scale(spec: ModelSpec) -> float | None:
     return float(np.sqrt(spec.d_model)) if spec.architecture.scaled_embeddings else None
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling: RopeScaling, dtype) -> tuple:
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float, scaling: RopeScaling, context_size: int,
+                dtype) -> tuple:
     """cos/sin tables ``[tokens, head_dim]`` in the rotate-half layout Hugging Face LLaMA uses, with the model's
-    scaling of the frequencies (``formats/rope.py``)."""
-    inv_freq, factor = scaling.frequencies(theta, head_dim)
+    scaling of the frequencies for a run whose context window holds ``context_size`` positions
+    (``formats/rope.py``)."""
+    inv_freq, factor = scaling.frequencies(theta, head_dim, context_size)
     angles = np.outer(positions.astype(np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)
     return (np.cos(angles) * factor).astype(dtype), (np.sin(angles) * factor).astype(dtype)

@@ -49,6 +49,8 @@ CONFIG_KEYS = {
     "ffn": "hidden_act",
     "rope_scaling": "rope_scaling",
     "rope_scaling_factor": "rope_scaling factor",
+    "rope_short_factors": "rope_scaling short_factor",
+    "rope_long_factors": "rope_scaling long_factor",
     "tied_embeddings": "tie_word_embeddings",
     "ffn_bias": "mlp_bias",
 }
@@ -128,7 +130,7 @@ class Model(DecoderModel):
         positions = np.arange(start, start + len(tokens))
         rotations = {}  # (theta, scaling) -> its rotation: one, or Gemma 3's global and local ones
         for rope in {s.layer_rope(i) for i in range(s.n_layers)}:
-            cos, sin = rope_tables(positions, s.head_dim, *rope, self.dtype)
+            cos, sin = rope_tables(positions, s.head_dim, *rope, self.context_size or s.max_positions, self.dtype)
             rotations[rope] = partial(apply_rope, cos=cos, sin=sin)
 
         def norm(weight: np.ndarray, v: np.ndarray) -> np.ndarray:

@@ -326,7 +326,7 @@ class CompiledDecoder:
             np.zeros(s.d_ff, np.intp),  # down_rows
             np.zeros(numba_vnni.encoded_bytes(nk.Q4_0, s.d_model), np.uint8), f32(s.d_model),  # x_vnni ffn_out
         )
-        rope_frequencies = {(theta, scaling): scaling.frequencies(theta, s.head_dim)
+        rope_frequencies = {(theta, scaling): scaling.frequencies(theta, s.head_dim, model.context_size)
                             for theta, scaling in map(s.layer_rope, range(s.n_layers))}
         halves = s.architecture.rope_pairs is RopePairs.HALVES
         refusals = {mode: _mode_refusal(model, mode, general) for mode in (FFNMode.DENSE, FFNMode.SPARSE)}

@@ -330,7 +330,8 @@ class RuntimeModel(Engine):
         def rope_of(i: int):
             theta, scaling = s.layer_rope(i)
             if theta is not None and (theta, scaling) not in ropes:
-                ropes[theta, scaling] = rope_tables(positions, s.head_dim, theta, scaling, np.float32)
+                ropes[theta, scaling] = rope_tables(positions, s.head_dim, theta, scaling, self.context_size,
+                                                    np.float32)
             return ropes.get((theta, scaling))
 
         return rope_of

@@ -132,8 +132,8 @@ class LLM:
                 raise PitoolsError(f"{path}: a checkpoint folder runs on the reference engine, which has no GPU split "
                                    "or RAM budget: convert it first (pitools convert)")
             engine, tokenizer = load_model_and_tokenizer(path)
-            return cls(engine, tokenizer, "reference engine (NumPy)", context_window(engine.spec.max_positions, ctx_size),
-                       str(path))
+            engine.context_size = context_window(engine.spec.max_positions, ctx_size)
+            return cls(engine, tokenizer, "reference engine (NumPy)", engine.context_size, str(path))
         solved = ""
         if vram is not None:
             split, solved = _split_for_budget(path, split, use_split, device, vram, hardware)
