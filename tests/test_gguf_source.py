@@ -211,7 +211,7 @@ def copy_of(tmp_path, bundled_files):
 
 def test_an_unsupported_architecture_is_refused(copy_of):
     rewrite_gguf(copy_of, {"general.architecture": ("phi2", GGUFValueType.STRING)})
-    refused(copy_of, "architecture 'phi2' is not supported (supported: bamboo, gemma3, llama, opt, phi3, qwen2, qwen3)",
+    refused(copy_of, "architecture 'phi2' is not supported (supported: bamboo, gemma2, gemma3, llama, opt, phi3, qwen2, qwen3)",
             "--dense")
 
 
