@@ -84,13 +84,20 @@ def prepare_cache(namespace: dict, sources=NUMBA_SOURCES) -> None:
     for dispatcher in cached:
         if all(hasattr(dispatcher._cache, name) for name in _CACHE_METHODS_USED):  # else numba's own, as it is
             dispatcher._cache.load_overload = functools.partial(_load_without_registries, dispatcher._cache)
-    folder, stem = Path(cached[0]._cache.cache_path), Path(namespace["__file__"]).stem
+    flush_if_stale([dispatcher._cache for dispatcher in cached], namespace["__file__"], sources)
+
+
+def flush_if_stale(caches: list, module_file: str, sources=NUMBA_SOURCES) -> None:
+    """Flush ``caches`` (numba's caches of functions of the module ``module_file``: a dispatcher's, or those a
+    module makes for its ``cfunc``s before compiling them) unless the module's stamp says they were made from
+    ``sources`` as they are now; then stamp them as made from these."""
+    folder, stem = Path(caches[0].cache_path), Path(module_file).stem
     stamp = folder / f"{stem}.pitools-sources-{sources_stamp(tuple(sources))}"
     if stamp.is_file():
         return
     try:
-        for dispatcher in cached:
-            dispatcher._cache.flush()
+        for cache in caches:
+            cache.flush()
         for old in folder.glob(f"{stem}.pitools-sources-*"):
             old.unlink(missing_ok=True)
         stamp.touch()
