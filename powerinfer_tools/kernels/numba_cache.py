@@ -105,6 +105,24 @@ def flush_if_stale(caches: list, module_file: str, sources=NUMBA_SOURCES) -> Non
         pass
 
 
+def cached_cfuncs(pythons: list, signature, module_file: str, sources=NUMBA_SOURCES) -> list:
+    """numba's ``cfunc(signature, cache=True)`` of each of ``pythons`` (functions of the module ``module_file``),
+    compiled now, their caches prepared as ``prepare_cache`` prepares a dispatcher's: flushed where stale, loaded
+    without numba's registries."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+
+    functions = [CFunc(python, sigutils.normalize_signature(signature), locals={}, options={}) for python in pythons]
+    for function in functions:
+        function.enable_caching()
+        if all(hasattr(function._cache, name) for name in _CACHE_METHODS_USED):  # (numba's own attribute, as above)
+            function._cache.load_overload = functools.partial(_load_without_registries, function._cache)
+    flush_if_stale([function._cache for function in functions], module_file, sources)
+    for function in functions:
+        function.compile()
+    return functions
+
+
 # numba's private methods that _load_without_registries calls (numba 0.68's; a numba without them loads as it does)
 _CACHE_METHODS_USED = ("_load_overload", "_guard_against_spurious_io_errors")
 

@@ -23,14 +23,13 @@ import functools
 
 from gguf import GGML_QUANT_SIZES
 from llvmlite import ir
-from numba import cfunc, types
+from numba import types
 from numba.core import cgutils
-from numba.core.caching import FunctionCache
 from numba.extending import intrinsic
 
 from powerinfer_tools.formats import weight_types
 from powerinfer_tools.formats.weight_types import WEIGHT_TYPES, Kernel, implementations
-from powerinfer_tools.kernels.numba_cache import flush_if_stale, prepare_cache
+from powerinfer_tools.kernels.numba_cache import cached_cfuncs, prepare_cache
 from powerinfer_tools.kernels.numba_kernels import compiles_for, const, lane_sum, load, offset, splat, vec
 
 _FEATURES = ("avx512f", "avx512bw", "avx512vnni")
@@ -162,11 +161,11 @@ def vec_dot_addresses() -> dict[int, int]:
     """By ggml type id, the address of this module's ``vec_dot`` for each type that claims ``Kernel.VNNI_VEC_DOT``;
     empty where the CPU lacks the instructions. Compiled on the first call, not at import: compiling them for a CPU
     without the instructions would fail. Their machine code is cached on disk by numba, flushed first where it was
-    made from other sources (``numba_cache``: it holds the IR of ``numba_kernels``' helpers)."""
+    made from other sources and loaded without numba's compiler (``numba_cache.cached_cfuncs``)."""
     if not available():
         return {}
-    flush_if_stale([FunctionCache(python) for python in _VEC_DOTS.values()], __file__)
-    return {int(qtype): cfunc(_VEC_DOT, cache=True)(python).address for qtype, python in _VEC_DOTS.items()}
+    compiled = cached_cfuncs(list(_VEC_DOTS.values()), _VEC_DOT, __file__)
+    return {int(qtype): function.address for qtype, function in zip(_VEC_DOTS, compiled)}
 
 
 prepare_cache(globals())  # (no dispatcher here: the cfuncs' caches are prepared as they are made, above)
