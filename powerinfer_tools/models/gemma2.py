@@ -17,10 +17,10 @@ from gguf import MODEL_TENSOR as T
 from gguf import Keys
 
 from powerinfer_tools.errors import PitoolsError
-from powerinfer_tools.formats.model_spec import FFNKind, ModelSpec, NormKind
+from powerinfer_tools.formats.model_spec import ModelSpec
 from powerinfer_tools.formats.rope import RopeKind
 from powerinfer_tools.models import gemma3, llama
-from powerinfer_tools.models.base import optional, require, rope_settings, token_id
+from powerinfer_tools.models.base import optional
 
 MODEL_TYPE = "gemma2"
 _CAPS = ("attn_logit_softcapping", "final_logit_softcapping")  # ModelSpec's fields, named as config.json names them
@@ -43,32 +43,13 @@ def spec_from_config(config: dict) -> ModelSpec:
     if not optional(config, "tie_word_embeddings", True):
         raise PitoolsError("gemma2 models with untied embeddings are not supported (llama.cpp's gemma2 computes the "
                            "logits with the token embedding)")
-    head_dim = optional(config, "head_dim", 256)
-    theta, scaling = rope_settings(config, head_dim)
-    n_heads = require(config, "num_attention_heads", ARCHITECTURE)
-    return ModelSpec(
-        architecture=ARCHITECTURE,
-        n_layers=require(config, "num_hidden_layers", ARCHITECTURE),
-        d_model=require(config, "hidden_size", ARCHITECTURE),
-        n_heads=n_heads,
-        n_kv_heads=optional(config, "num_key_value_heads", n_heads),
-        head_dim=head_dim,
-        d_ff=require(config, "intermediate_size", ARCHITECTURE),
-        vocab_size=require(config, "vocab_size", ARCHITECTURE),
-        max_positions=optional(config, "max_position_embeddings", 8192),
-        norm=NormKind.RMS,
-        norm_eps=optional(config, "rms_norm_eps", 1e-6),
-        ffn=FFNKind.GEGLU,
+    return gemma3.gemma_spec(
+        config, ARCHITECTURE, config, max_positions=optional(config, "max_position_embeddings", 8192),
         tied_embeddings=True,
-        rope_theta=theta,
-        rope_scaling=scaling,
         sliding_window=config.get("sliding_window", _DEFAULT_WINDOW),  # null: every layer attends to all before it
         sliding_window_pattern=gemma3.sliding_window_pattern(config, _SLIDING_WINDOW_PATTERN),
-        query_pre_attn_scalar=optional(config, "query_pre_attn_scalar", 256),
         # Present and null: not capped, as transformers reads it.
         **{cap: config.get(cap, default) for cap, default in zip(_CAPS, _DEFAULT_CAPS)},
-        bos_token_id=token_id(config, "bos_token_id"),
-        eos_token_id=token_id(config, "eos_token_id"),
     )
 
 

@@ -36,30 +36,37 @@ def spec_from_config(config: dict) -> ModelSpec:
         if config.get(capping) is not None:
             raise PitoolsError(f"gemma3 models with {capping} are not supported")
     full, local = _rope_parameters(config)
-    theta, scaling = rope_settings(full, optional(config, "head_dim", 256))
-    n_heads = require(config, "num_attention_heads", ARCHITECTURE)
+    return gemma_spec(config, ARCHITECTURE, full, max_positions=optional(config, "max_position_embeddings", 131072),
+                      tied_embeddings=optional(config, "tie_word_embeddings", True),
+                      sliding_window=optional(config, "sliding_window", 4096),
+                      sliding_window_pattern=sliding_window_pattern(config, _DEFAULT_PATTERN),
+                      rope_local_theta=rope_settings(local)[0])
+
+
+def gemma_spec(config: dict, architecture, rope_config: dict, **family_fields) -> ModelSpec:
+    """The ``ModelSpec`` of a Gemma config: what Gemma 2 and 3 read alike (GeGLU, RMSNorm, the head width and query
+    scale of 256 by default, the rotation ``rope_config`` gives), with each family's own ``family_fields``."""
+    head_dim = optional(config, "head_dim", 256)
+    theta, scaling = rope_settings(rope_config, head_dim)
+    n_heads = require(config, "num_attention_heads", architecture)
     return ModelSpec(
-        architecture=ARCHITECTURE,
-        n_layers=require(config, "num_hidden_layers", ARCHITECTURE),
-        d_model=require(config, "hidden_size", ARCHITECTURE),
+        architecture=architecture,
+        n_layers=require(config, "num_hidden_layers", architecture),
+        d_model=require(config, "hidden_size", architecture),
         n_heads=n_heads,
         n_kv_heads=optional(config, "num_key_value_heads", n_heads),
-        head_dim=optional(config, "head_dim", 256),
-        d_ff=require(config, "intermediate_size", ARCHITECTURE),
-        vocab_size=require(config, "vocab_size", ARCHITECTURE),
-        max_positions=optional(config, "max_position_embeddings", 131072),
+        head_dim=head_dim,
+        d_ff=require(config, "intermediate_size", architecture),
+        vocab_size=require(config, "vocab_size", architecture),
         norm=NormKind.RMS,
         norm_eps=optional(config, "rms_norm_eps", 1e-6),
         ffn=FFNKind.GEGLU,
-        tied_embeddings=optional(config, "tie_word_embeddings", True),
         rope_theta=theta,
         rope_scaling=scaling,
-        sliding_window=optional(config, "sliding_window", 4096),
-        sliding_window_pattern=sliding_window_pattern(config, _DEFAULT_PATTERN),
-        rope_local_theta=rope_settings(local)[0],
         query_pre_attn_scalar=optional(config, "query_pre_attn_scalar", 256),
         bos_token_id=token_id(config, "bos_token_id"),
         eos_token_id=token_id(config, "eos_token_id"),
+        **family_fields,
     )
 
 
